@@ -1,0 +1,224 @@
+"""Placement and the per-node actors: one STRICT_SPREAD bundle and one actor per node."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.context import WorkerContext, assign_ranks, rendezvous_env
+from cluster.node import NodeActor, NodeInfo, NodePoll
+from cluster.runtime import WorkerPayload
+
+__all__ = ["NodeGroup", "Placement", "PlacementError", "resolve_placement"]
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot give the nodes the job asks for; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A resolved request: ``num_nodes`` bundles of ``bundle`` resources, one per node."""
+
+    num_nodes: int
+    workers_per_node: int
+    use_gpu: bool
+    cpus_per_worker: float
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.workers_per_node * self.cpus_per_worker}
+        if self.use_gpu:
+            b["GPU"] = float(self.workers_per_node)
+        return b
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.workers_per_node
+
+
+def _alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _fits(resources: dict, bundle: dict) -> bool:
+    return all(resources.get(k, 0) >= v for k, v in bundle.items())
+
+
+def _describe_nodes(nodes: list[dict]) -> str:
+    parts = []
+    for n in nodes:
+        r = n.get("Resources", {})
+        parts.append("{" + ", ".join(f"{k}: {r[k]:g}" for k in ("CPU", "GPU") if k in r) + "}")
+    return ", ".join(parts) if parts else "none"
+
+
+def resolve_placement(
+    num_nodes: int, workers_per_node: int | str, use_gpu: bool | str, cpus_per_worker: float
+) -> Placement:
+    """Turn ``auto`` values into numbers by looking at the cluster's nodes."""
+    nodes = _alive_nodes()
+    if use_gpu == "auto":
+        use_gpu = any(n.get("Resources", {}).get("GPU", 0) > 0 for n in nodes)
+    if workers_per_node == "auto":
+        key = "GPU" if use_gpu else "CPU"
+        per_node = sorted(
+            (int(n.get("Resources", {}).get(key, 0) // (1 if use_gpu else cpus_per_worker)) for n in nodes),
+            reverse=True,
+        )
+        # The largest count that num_nodes nodes can each give.
+        workers_per_node = per_node[num_nodes - 1] if len(per_node) >= num_nodes else 0
+        if workers_per_node < 1:
+            raise PlacementError(
+                f"scaling.workers_per_node is 'auto' but no {num_nodes} nodes each have a "
+                f"{'GPU' if use_gpu else 'CPU slot'} (nodes: {_describe_nodes(nodes)}). "
+                "Set scaling.workers_per_node to a number, or add nodes."
+            )
+    return Placement(num_nodes, int(workers_per_node), bool(use_gpu), cpus_per_worker)
+
+
+def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
+    fitting = sum(_fits(n.get("Resources", {}), placement.bundle) for n in nodes)
+    bundle = ", ".join(f"{k}: {v:g}" for k, v in placement.bundle.items())
+    return (
+        f"the job needs {placement.num_nodes} nodes with {{{bundle}}} each "
+        f"({placement.workers_per_node} workers x {placement.cpus_per_worker:g} CPUs"
+        f"{' + 1 GPU' if placement.use_gpu else ''}), but only {fitting} of the cluster's "
+        f"{len(nodes)} alive nodes can hold that (nodes: {_describe_nodes(nodes)}). "
+        f"Lower scaling.num_nodes (--set scaling.num_nodes={max(fitting, 1)}) or "
+        "scaling.workers_per_node, or add nodes."
+    )
+
+
+class NodeGroup:
+    """One placement group and one ``NodeActor`` per bundle, in node-rank order."""
+
+    def __init__(self, pg, actors: list, infos: list[NodeInfo], placement: Placement) -> None:
+        self._pg = pg
+        self.actors = actors
+        self.infos = infos
+        self.placement = placement
+        self.contexts: list[WorkerContext] = []
+
+    @classmethod
+    def create(
+        cls,
+        placement: Placement,
+        *,
+        timeout_s: float,
+        can_grow: bool,
+        on_wait: Callable[[str], None] = print,
+    ) -> "NodeGroup":
+        """Reserve the nodes and start the actors, or raise ``PlacementError``.
+
+        On a cluster that cannot grow (``can_grow=False``), too few fitting
+        nodes fail at once; otherwise we wait up to ``timeout_s``, saying
+        what we wait for.
+        """
+        nodes = _alive_nodes()
+        fitting = sum(_fits(n.get("Resources", {}), placement.bundle) for n in nodes)
+        if fitting < placement.num_nodes and not can_grow:
+            raise PlacementError(_unplaceable(placement, nodes))
+        pg = placement_group([placement.bundle] * placement.num_nodes, strategy="STRICT_SPREAD")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _ = ray.wait([pg.ready()], timeout=min(10.0, max(0.0, deadline - time.monotonic())))
+            if ready:
+                break
+            if time.monotonic() >= deadline:
+                remove_placement_group(pg)
+                raise PlacementError(
+                    f"gave up after {timeout_s:g} s (timeouts.placement_s): "
+                    + _unplaceable(placement, _alive_nodes())
+                )
+            on_wait(
+                f"waiting for {placement.num_nodes} nodes with {placement.bundle} "
+                f"({deadline - time.monotonic():.0f} s left of timeouts.placement_s)"
+            )
+        remote_cls = ray.remote(NodeActor)
+        actors = [
+            remote_cls.options(
+                num_cpus=placement.bundle["CPU"],
+                num_gpus=placement.bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                name=None,
+            ).remote(i)
+            for i in range(placement.num_nodes)
+        ]
+        try:
+            infos = ray.get([a.describe.remote() for a in actors], timeout=max(60.0, timeout_s))
+        except Exception:
+            for a in actors:
+                ray.kill(a)
+            remove_placement_group(pg)
+            raise
+        return cls(pg, actors, infos, placement)
+
+    def start(
+        self,
+        make_payload: Callable[[WorkerContext, str], WorkerPayload],
+        attempt: int,
+        rendezvous_timeout_s: float,
+    ) -> list[WorkerContext]:
+        """Host a fresh store on node 0 and start every rank; return the world's contexts.
+
+        ``make_payload(context, events_path)`` builds each rank's payload; the
+        events path is on the rank's own node, where its actor reads it.
+        """
+        p = self.placement
+        scratch = self.scratch_dirs()
+        self.contexts = assign_ranks([p.workers_per_node] * p.num_nodes)
+        master_addr = self.infos[0].ip
+        port = ray.get(self.actors[0].host_store.remote(master_addr, rendezvous_timeout_s))
+        threads = max(1, int(p.cpus_per_worker))
+        starts = []
+        for node_rank, actor in enumerate(self.actors):
+            ctxs = [c for c in self.contexts if c.node_rank == node_rank]
+            payloads = [
+                make_payload(c, f"{scratch[node_rank]}/attempt-{attempt}/events-rank{c.world_rank}.jsonl")
+                for c in ctxs
+            ]
+            envs = [rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads) for c in ctxs]
+            starts.append(actor.start.remote(payloads, envs, attempt))
+        ray.get(starts)
+        return self.contexts
+
+    def poll(self, timeout_s: float = 60.0) -> list[NodePoll]:
+        return ray.get([a.poll.remote() for a in self.actors], timeout=timeout_s)
+
+    def scratch_dirs(self) -> list[str]:
+        return ray.get([a.scratch_dir.remote() for a in self.actors])
+
+    def pids(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for d in ray.get([a.pids.remote() for a in self.actors]):
+            out.update(d)
+        return out
+
+    def stop(self) -> list[NodePoll]:
+        """Stop every rank on every node; return what they left to read."""
+        refs = [a.stop.remote() for a in self.actors]
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=60))
+            except Exception:  # a lost node: its ranks die with its actor
+                out.append(NodePoll(state="lost"))
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the ranks, end the actors and release the placement group."""
+        refs = [a.shutdown.remote() for a in self.actors]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=60)
+            except Exception:
+                pass
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self._pg)

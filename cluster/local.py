@@ -1,0 +1,58 @@
+"""Connecting to Ray: an existing cluster, or an embedded one of N real nodes on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import ray
+
+__all__ = ["connect"]
+
+# What a job's code upload never needs (see also Ray's own upload limit).
+UPLOAD_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "raylaunch-local", "runs"]
+
+
+@contextlib.contextmanager
+def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0) -> Iterator[bool]:
+    """Connect for the length of the block; yields whether the cluster may grow.
+
+    ``address=None`` starts an embedded cluster of ``local_nodes`` real Ray
+    nodes (``ray.cluster_utils.Cluster``: one raylet each) and tears it down
+    afterwards; it cannot grow, so placement that does not fit fails at once.
+    """
+    cwd = os.getcwd()
+    if address is None:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
+        try:
+            for _ in range(local_nodes - 1):
+                cluster.add_node(num_cpus=cpus_per_node)
+            pythonpath = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
+            ray.init(
+                address=cluster.address,
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            yield False
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        return
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        # Inside a Ray job: the job's runtime environment (its working_dir) is inherited.
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(
+            address=address,
+            runtime_env={"working_dir": cwd, "excludes": UPLOAD_EXCLUDES},
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    try:
+        yield True
+    finally:
+        ray.shutdown()

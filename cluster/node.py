@@ -1,0 +1,237 @@
+"""The per-node actor: hosts the rendezvous store on node 0 and runs the local ranks.
+
+One instance lives in each placement-group bundle. Its methods never block
+for long, so the driver can poll it, stop it, or ask it anything while the
+ranks train. Local processes are started with torch's own launcher machinery
+(``torch.distributed.elastic.multiprocessing.start_processes``: spawn, per-rank
+environment, log redirection, error files, return values, kill on close).
+We do not use ``elastic_launch``: its static rendezvous binds the store on
+node 0 itself, which would bring back the bind-close-publish port race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.runtime import WorkerPayload
+from cluster.worker import run_worker
+
+__all__ = ["NodeActor", "NodeInfo", "NodePoll", "RankFailure"]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    hostname: str
+    pid: int
+    gpu_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    exitcode: int
+    message: str  # the exception line, or the signal that ended the process
+    traceback: str
+
+
+@dataclass
+class NodePoll:
+    """What happened on a node since the previous poll."""
+
+    events: list[dict] = field(default_factory=list)
+    logs: list[tuple[int, str, str]] = field(default_factory=list)  # (rank, stream, line)
+    state: str = "idle"  # idle | running | succeeded | failed
+    failures: list[RankFailure] = field(default_factory=list)
+    returns: dict[int, Any] = field(default_factory=dict)  # world rank -> return value
+
+
+class _Tail:
+    """Reads the complete lines a growing file gained since the last call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+class NodeActor:
+    """Runs as a Ray actor, one per node (see ``cluster.group``)."""
+
+    def __init__(self, node_rank: int) -> None:
+        self.node_rank = node_rank
+        self._tmp = tempfile.mkdtemp(prefix=f"raylaunch-node{node_rank}-")
+        self._store = None
+        self._pctx = None
+        self._ranks: list[int] = []
+        self._tails: list[tuple[int, str, _Tail]] = []
+        self._state = "idle"
+
+    def describe(self) -> NodeInfo:
+        import socket
+
+        import ray
+
+        return NodeInfo(
+            node_id=ray.get_runtime_context().get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            gpu_ids=tuple(int(g) for g in ray.get_gpu_ids()),
+        )
+
+    def host_store(self, ip: str, timeout_s: float) -> int:
+        """Bind and hold the rendezvous TCPStore on a free port; return the port."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self._store = None  # a new store for every attempt: no stale rank can join
+        self._store = TCPStore(
+            ip, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        return self._store.port
+
+    def start(self, payloads: list[WorkerPayload], envs: list[dict[str, str]], attempt: int) -> None:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+        if self._pctx is not None:
+            raise RuntimeError("this node's ranks are still running; stop them first")
+        log_dir = os.path.join(self._tmp, f"attempt-{attempt}")
+        os.makedirs(log_dir, exist_ok=True)
+        full_envs = {}
+        for i, env in enumerate(envs):
+            full_envs[i] = {**env, "TORCHELASTIC_RUN_ID": "raylaunch", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+        self._ranks = [p.context.world_rank for p in payloads]
+        self._pctx = start_processes(
+            name="raylaunch",
+            entrypoint=_rank_main,
+            args={i: (p,) for i, p in enumerate(payloads)},
+            envs=full_envs,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
+        )
+        self._tails = []
+        for i, rank in enumerate(self._ranks):
+            self._tails.append((rank, "stdout", _Tail(self._pctx.stdouts[i])))
+            self._tails.append((rank, "stderr", _Tail(self._pctx.stderrs[i])))
+            self._tails.append((rank, "event", _Tail(payloads[i].events_path)))
+        self._state = "running"
+
+    def pids(self) -> dict[int, int]:
+        """World rank -> process id of the ranks running now."""
+        if self._pctx is None:
+            return {}
+        return {self._ranks[i]: pid for i, pid in self._pctx.pids().items()}
+
+    def poll(self) -> NodePoll:
+        out = NodePoll(state=self._state)
+        if self._pctx is None:
+            return out
+        result = self._pctx.wait(0)
+        if result is not None:
+            out.state = self._state = "failed" if result.is_failed() else "succeeded"
+            out.returns = {self._ranks[i]: v for i, v in result.return_values.items()}
+            out.failures = [_failure(self._ranks[i], f) for i, f in result.failures.items()]
+        self._drain(out, final=result is not None)
+        if result is not None:
+            self._pctx = None
+        return out
+
+    def _drain(self, out: NodePoll, final: bool) -> None:
+        for rank, stream, tail in self._tails:
+            for line in tail.read(final):
+                if stream == "event":
+                    if line.strip():
+                        out.events.append(json.loads(line))
+                else:
+                    out.logs.append((rank, stream, line))
+
+    def stop(self) -> NodePoll:
+        """Stop every local rank (SIGTERM, then SIGKILL after 5 s); return what was left to read."""
+        out = NodePoll(state=self._state)
+        if self._pctx is not None:
+            self._pctx.close(death_sig=signal.SIGTERM, timeout=5)
+            self._pctx = None
+            out.state = self._state = "stopped"
+            self._drain(out, final=True)
+        self._store = None
+        return out
+
+    def shutdown(self) -> None:
+        self.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def read_file(self, uri: str) -> str | None:
+        """The text of a file on storage as this node sees it, or None."""
+        from pyarrow import fs as pafs
+
+        try:
+            fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
+            with fs.open_input_stream(path) as f:
+                return f.read().decode()
+        except (OSError, FileNotFoundError):
+            return None
+
+    def scratch_dir(self) -> str:
+        return self._tmp
+
+
+def _failure(rank: int, f: Any) -> RankFailure:
+    data = f.error_file_data or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    traceback = ""
+    if isinstance(message, dict):
+        traceback = message.get("extraInfo", {}).get("py_callstack", "")
+        message = message.get("message", "")
+    if not message or message.startswith("To enable traceback"):
+        message = f.message
+        if f.exitcode < 0:
+            message = f"killed by signal {f.signal_name()}"
+        elif not message or message.startswith("To enable traceback"):
+            message = f"exited with code {f.exitcode}"
+    return RankFailure(rank=rank, exitcode=f.exitcode, message=str(message), traceback=str(traceback))
+
+
+def _rank_main(payload: WorkerPayload) -> Any:
+    _die_with_parent()
+    return run_worker(payload)
+
+
+def _die_with_parent() -> None:
+    """If the node actor dies (killed, node lost), its ranks must not live on."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()

@@ -1,0 +1,258 @@
+"""The runner's API inside a training function. Imports nothing from Ray.
+
+A training function asks for the session and uses three things from it::
+
+    from cluster.runtime import get_session
+
+    session = get_session()
+    accelerator = Accelerator(log_with=[session.tracker()])
+    ...
+    start_step = session.restore(accelerator) or 0   # the latest committed checkpoint
+    accelerator.log({"loss": loss}, step=step)       # reaches the driver, from every rank
+    session.save(accelerator, step)                  # committed once every rank wrote its part
+
+Under the runner these reach the driver and the run directory. Outside it
+(plain ``python`` or ``accelerate launch``) the same calls write metrics to
+``./raylaunch-local/metrics-rank<R>.jsonl`` and checkpoints to
+``./raylaunch-local/checkpoints`` (``RAYLAUNCH_LOCAL_DIR`` moves that folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from accelerate.tracking import GeneralTracker
+
+from cluster.context import WorkerContext
+
+__all__ = ["RunnerTracker", "Session", "WorkerPayload", "get_session"]
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class WorkerPayload:
+    """Everything one rank needs from the driver, passed as a pickled argument."""
+
+    context: WorkerContext
+    attempt: int
+    train_fn: str
+    config: dict
+    events_path: str  # node-local file the node actor tails
+    staging_uri: str  # where this attempt's checkpoints are written before commit
+    restore_uri: str | None  # the committed checkpoint to resume from, if any
+    backend: str
+    rendezvous_timeout_s: float
+    # The spec's ``accelerate`` section: mixed_precision,
+    # gradient_accumulation_steps, dataloader {even_batches, ...}.
+    accelerate: dict = field(default_factory=dict)
+
+
+# Outside the runner, the same defaults as the spec's, so a function gives the
+# same data order under ``accelerate launch`` as under the runner.
+_LOCAL_ACCELERATE = {"dataloader": {"even_batches": True, "use_seedable_sampler": True}}
+
+
+class RunnerTracker(GeneralTracker):
+    """An Accelerate tracker that logs on every rank, not only the main one."""
+
+    name = "raylaunch"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, session: "Session") -> None:
+        super().__init__()
+        self._session = session
+
+    @property
+    def tracker(self) -> "Session":
+        return self._session
+
+    def store_init_configuration(self, values: dict) -> None:
+        self._session._emit({"kind": "config", "values": _jsonable(values)})
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        # Accelerate calls this on the main process only; Session.log is per rank.
+        self._session.log(values, step)
+
+
+class Session:
+    """This process's link to the runner (or to a local folder outside it)."""
+
+    def __init__(self, payload: WorkerPayload | None, local_dir: Path | None = None) -> None:
+        self.payload = payload
+        self._local_dir = local_dir
+        if payload is not None:
+            self._events_path = Path(payload.events_path)
+        else:
+            assert local_dir is not None
+            rank = int(os.environ.get("RANK", "0"))
+            self._events_path = local_dir / f"metrics-rank{rank}.jsonl"
+        self._events_path.parent.mkdir(parents=True, exist_ok=True)
+        self._events = open(self._events_path, "a", buffering=1)
+
+    @property
+    def under_runner(self) -> bool:
+        return self.payload is not None
+
+    @property
+    def context(self) -> WorkerContext | None:
+        return self.payload.context if self.payload else None
+
+    def accelerator_kwargs(self, **overrides: Any) -> dict:
+        """Keyword arguments for ``Accelerator(...)`` that apply the spec's ``accelerate`` section.
+
+        ``Accelerator(**session.accelerator_kwargs())`` gets the runner's
+        tracker, mixed precision, gradient accumulation and dataloader
+        configuration; ``overrides`` win over all of them.
+        """
+        from accelerate import DataLoaderConfiguration
+
+        opts = self.payload.accelerate if self.payload else _LOCAL_ACCELERATE
+        kwargs: dict[str, Any] = {
+            "log_with": [self.tracker()],
+            "dataloader_config": DataLoaderConfiguration(**opts.get("dataloader", {})),
+        }
+        if "mixed_precision" in opts:
+            kwargs["mixed_precision"] = opts["mixed_precision"]
+        if "gradient_accumulation_steps" in opts:
+            kwargs["gradient_accumulation_steps"] = opts["gradient_accumulation_steps"]
+        kwargs.update(overrides)
+        return kwargs
+
+    def log(self, values: dict, step: int | None = None) -> None:
+        """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank."""
+        self._emit({"kind": "metrics", "step": step, "values": _jsonable(values)})
+
+    def tracker(self) -> RunnerTracker:
+        """Pass to ``Accelerator(log_with=[...])``; ``accelerator.log`` then reaches the driver."""
+        return RunnerTracker(self)
+
+    # --- checkpoints ---------------------------------------------------------
+
+    def save(self, accelerator: Any, step: int) -> str:
+        """Save ``accelerator``'s state as the checkpoint of ``step``; every rank must call it.
+
+        Call it only when ``accelerator.sync_gradients`` is true. Under the
+        runner the checkpoint is written to staging and committed by the
+        driver once every rank has reported its part; outside it, it is
+        written to the local checkpoints folder.
+        """
+        if self.payload is None:
+            target = self._local_dir / "checkpoints" / f"checkpoint-{step:08d}"
+            accelerator.save_state(str(target))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                (self._local_dir / "checkpoints" / "latest").write_text(target.name)
+            return str(target)
+        uri = f"{self.payload.staging_uri.rstrip('/')}/checkpoint-{step:08d}"
+        fs, path = _fs(uri)
+        if _is_local(fs):
+            accelerator.save_state(path)
+        else:
+            with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
+                accelerator.save_state(tmp)
+                _copy_up(tmp, uri)
+        # Everyone has finished writing before anyone reports: the driver
+        # commits on the last report and must see every rank's files.
+        accelerator.wait_for_everyone()
+        self._emit({"kind": "checkpoint", "step": step, "uri": uri})
+        return uri
+
+    def restore(self, accelerator: Any) -> int | None:
+        """Load the latest committed checkpoint into ``accelerator``; its step, or None."""
+        if self.payload is None:
+            latest = self._local_dir / "checkpoints" / "latest"
+            if not latest.exists():
+                return None
+            name = latest.read_text().strip()
+            accelerator.load_state(str(self._local_dir / "checkpoints" / name))
+            return int(re.sub(r"\D", "", name))
+        uri = self.payload.restore_uri
+        if uri is None:
+            return None
+        fs, path = _fs(uri)
+        with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+            step = int(json.loads(f.read())["step"])
+        if _is_local(fs):
+            accelerator.load_state(path)
+        else:
+            with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
+                _copy_down(uri, tmp)
+                accelerator.load_state(tmp)
+        return step
+
+    # --- events --------------------------------------------------------------
+
+    def _emit(self, event: dict) -> None:
+        event = {"time": time.time(), **event}
+        if self.payload is not None:
+            event["rank"] = self.payload.context.world_rank
+        self._events.write(json.dumps(event) + "\n")
+        self._events.flush()
+
+
+def _jsonable(values: dict) -> dict:
+    out = {}
+    for k, v in values.items():
+        if hasattr(v, "item") and callable(v.item):  # tensors and numpy scalars
+            try:
+                v = v.item()
+            except (ValueError, RuntimeError):
+                v = str(v)
+        if not isinstance(v, (int, float, str, bool, type(None), list, dict)):
+            v = str(v)
+        out[str(k)] = v
+    return out
+
+
+def _fs(uri: str):
+    from pyarrow import fs as pafs
+
+    return pafs.FileSystem.from_uri(uri)
+
+
+def _is_local(fs) -> bool:
+    from pyarrow import fs as pafs
+
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def _copy_up(local: str, uri: str) -> None:
+    from pyarrow import fs as pafs
+
+    pafs.copy_files(local, uri, destination_filesystem=_fs(uri)[0])
+
+
+def _copy_down(uri: str, local: str) -> None:
+    from pyarrow import fs as pafs
+
+    fs, path = _fs(uri)
+    pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+
+_SESSION: Session | None = None
+
+
+def _install(payload: WorkerPayload) -> Session:
+    """Called once by the worker entry point in each rank process."""
+    global _SESSION
+    _SESSION = Session(payload)
+    return _SESSION
+
+
+def get_session() -> Session:
+    """This process's session: the runner's, or a local one outside the runner."""
+    global _SESSION
+    if _SESSION is None:
+        local = Path(os.environ.get("RAYLAUNCH_LOCAL_DIR", "raylaunch-local")).resolve()
+        _SESSION = Session(None, local_dir=local)
+    return _SESSION

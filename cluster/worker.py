@@ -1,0 +1,107 @@
+"""The entry point of one rank process: join the group, then run the user's function."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from datetime import timedelta
+from typing import Any, Callable
+
+from cluster import runtime
+from cluster.runtime import WorkerPayload
+
+__all__ = ["check_train_fn", "resolve_train_fn", "run_worker"]
+
+
+def check_train_fn(path: str) -> None:
+    """Check that ``"module:function"`` exists without running the module's code.
+
+    The driver calls this before it reserves anything; the module is found on
+    ``sys.path`` and its top-level definitions are read from the source.
+    """
+    import ast
+    import importlib.util
+
+    module_name, _, fn_name = path.partition(":")
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None:
+        raise ImportError(
+            f"train_fn {path!r}: no module named {module_name!r} (searched from "
+            f"{sys.path[0] or '.'}); check the spelling and that the module is in "
+            "the working directory or installed"
+        )
+    if not spec.origin or not spec.origin.endswith(".py"):
+        resolve_train_fn(path)  # no source to read: import it
+        return
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read(), spec.origin)
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    if fn_name not in names:
+        defs = sorted(n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_"))
+        raise AttributeError(
+            f"train_fn {path!r}: module {module_name!r} ({spec.origin}) has no function {fn_name!r}"
+            + (f"; it defines: {', '.join(defs)}" if defs else "")
+        )
+
+
+def resolve_train_fn(path: str) -> Callable[[dict], Any]:
+    """Import ``"module:function"``; errors say which part is missing and what to check."""
+    module_name, _, fn_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
+            raise ImportError(
+                f"train_fn {path!r}: no module named {module_name!r} (searched from "
+                f"{sys.path[0] or '.'}); check the spelling and that the module is in "
+                "the working directory or installed"
+            ) from None
+        raise
+    fn = getattr(module, fn_name, None)
+    if fn is None or not callable(fn):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                        and getattr(v, "__module__", None) == module.__name__)
+        raise AttributeError(
+            f"train_fn {path!r}: module {module_name!r} has no function {fn_name!r}"
+            + (f"; it defines: {', '.join(public)}" if public else "")
+        )
+    return fn
+
+
+def run_worker(payload: WorkerPayload) -> Any:
+    """Runs in each rank process started by the node actor."""
+    import torch.distributed as dist
+
+    import os
+
+    session = runtime._install(payload)
+    # The Accelerate boundary: a plain Accelerator() honours these too.
+    acc = payload.accelerate
+    if "mixed_precision" in acc:
+        os.environ["ACCELERATE_MIXED_PRECISION"] = str(acc["mixed_precision"])
+    if "gradient_accumulation_steps" in acc:
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(acc["gradient_accumulation_steps"])
+    fn = resolve_train_fn(payload.train_fn)
+    # We create the process group ourselves, against the store node 0 already
+    # holds, so the join has our bound instead of torch's 30 minutes.
+    # Accelerate adopts an existing group unchanged.
+    dist.init_process_group(
+        backend=payload.backend,
+        timeout=timedelta(seconds=payload.rendezvous_timeout_s),
+    )
+    session._emit({"kind": "joined", "world_size": dist.get_world_size()})
+    result = fn(dict(payload.config))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    session._emit({"kind": "finished"})
+    return result

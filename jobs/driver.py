@@ -1,0 +1,293 @@
+"""The driver: reserves the nodes, runs attempts, gathers metrics, commits checkpoints.
+
+It is a small loop over attempts. Each attempt starts every rank with a
+fresh rendezvous and restores the latest committed checkpoint; the driver
+polls the node actors, writes what the ranks report into the run directory,
+and ends the attempt as soon as any rank fails (stopping every other rank on
+every node), or when all succeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+import ray
+
+from cluster.context import WorkerContext
+from cluster.group import NodeGroup, Placement, PlacementError, resolve_placement
+from cluster.node import RankFailure
+from cluster.runtime import WorkerPayload
+from cluster.worker import check_train_fn
+from jobs.spec import JobSpec, spec_to_dict
+from jobs.storage import CheckpointError, RunDir, StorageError
+
+__all__ = ["Driver", "RunError", "RunResult", "group_failures"]
+
+
+class RunError(RuntimeError):
+    """The run could not start or did not succeed; the message is for the user."""
+
+
+@dataclass
+class RunResult:
+    status: str  # succeeded | failed | stopped
+    run_dir: str
+    attempts: int = 0
+    restarts: int = 0
+    num_nodes: int = 0
+    world_size: int = 0
+    last_step: int | None = None
+    last_metrics: dict = field(default_factory=dict)
+    checkpoints: list[str] = field(default_factory=list)
+    start_time: float = 0.0
+    end_time: float = 0.0
+    error: str | None = None
+    return_value: Any = None
+    nodes: list[dict] = field(default_factory=list)
+
+
+def group_failures(failures: list[RankFailure]) -> str:
+    """``[ranks 0, 1] ValueError: ...`` once per distinct error, with one traceback each."""
+    groups: dict[str, list[RankFailure]] = defaultdict(list)
+    for f in failures:
+        groups[f.message].append(f)
+    parts = []
+    for message, fs in groups.items():
+        ranks = sorted(f.rank for f in fs)
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        tb = next((f.traceback for f in fs if f.traceback), "")
+        parts.append(f"[{label}] {message}" + (f"\n{tb.rstrip()}" if tb else ""))
+    return "\n".join(parts)
+
+
+class Driver:
+    """Runs one job spec on the connected Ray cluster.
+
+    >>> # result = Driver(spec, can_grow=False).run()   # needs ray.init() first
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        can_grow: bool = True,
+        fresh: bool = False,
+        out: TextIO = sys.stdout,
+        poll_interval_s: float = 0.25,
+    ) -> None:
+        self.spec = spec
+        self.can_grow = can_grow
+        self.fresh = fresh
+        self.out = out
+        self.poll_interval_s = poll_interval_s
+        self.run_dir = RunDir(spec.storage, spec.name)
+        self._result = RunResult(status="failed", run_dir=self.run_dir.uri)
+        self._token: str | None = None
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    # --- the whole run ------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Check the train_fn and prepare the run directory; no cluster needed.
+
+        Raises ``ImportError``/``AttributeError`` for a train_fn that does not
+        exist and ``StorageError`` for storage that cannot be written.
+        """
+        if self._token is not None:
+            return
+        check_train_fn(self.spec.train_fn)
+        if self.fresh and self.run_dir.exists():
+            name = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            self._say(f"raylaunch: --fresh: starting a new run directory {name} (the old one is kept)")
+            self.spec = dataclasses.replace(self.spec, name=name)
+            self.run_dir = RunDir(self.spec.storage, name)
+            self._result.run_dir = self.run_dir.uri
+        self._token = self.run_dir.prepare(spec_to_dict(self.spec))
+
+    def run(self) -> RunResult:
+        """Run to the end; returns the result, which is also in ``result.json``."""
+        self.preflight()
+        token = self._token
+        r = self._result
+        r.start_time = time.time()
+        group = None
+        try:
+            s = self.spec.scaling
+            placement = resolve_placement(s.num_nodes, s.workers_per_node, s.use_gpu, s.cpus_per_worker)
+            r.num_nodes, r.world_size = placement.num_nodes, placement.world_size
+            self._say(
+                f"raylaunch: {self.spec.name}: {placement.num_nodes} nodes x {placement.workers_per_node} "
+                f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
+            )
+            self._say(f"raylaunch: run directory {self.run_dir.uri}")
+            group = NodeGroup.create(
+                placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say
+            )
+            r.nodes = [
+                {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname}
+                for i, info in enumerate(group.infos)
+            ]
+            self._check_shared_storage(group, token)
+            self._attempts(group, placement)
+        except (PlacementError, StorageError, CheckpointError, RunError) as exc:
+            r.status, r.error = "failed", str(exc)
+        except KeyboardInterrupt:
+            r.status, r.error = "stopped", "interrupted (Ctrl-C)"
+        finally:
+            if group is not None:
+                group.shutdown()
+            r.end_time = time.time()
+            r.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+            self.run_dir.write_result(dataclasses.asdict(r))
+            self.run_dir.close()
+        return r
+
+    def _check_shared_storage(self, group: NodeGroup, token: str) -> None:
+        """Every node must read the marker the driver wrote: a node-local 'shared' path fails here."""
+        marker = self.run_dir.marker_uri()
+        seen = ray.get([a.read_file.remote(marker) for a in group.actors])
+        bad = [i for i, v in enumerate(seen) if v != token]
+        if bad:
+            raise StorageError(
+                f"nodes {bad} cannot read {marker}, which the driver wrote: the storage path is not "
+                "shared by every node. Use an NFS mount present on every node or an object store (s3://...)."
+            )
+
+    def _attempts(self, group: NodeGroup, placement: Placement) -> None:
+        r = self._result
+        max_attempts = self.spec.failure.max_restarts + 1
+        while r.attempts < max_attempts:
+            r.attempts += 1
+            latest = self.run_dir.latest_checkpoint()
+            if latest is not None:
+                self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
+            ok, error = self._attempt(group, r.attempts, latest.uri if latest else None)
+            if ok:
+                r.status, r.error = "succeeded", None
+                return
+            r.error = error
+            if r.attempts < max_attempts:
+                r.restarts += 1
+                self._say(f"raylaunch: attempt {r.attempts} failed; restarting ({r.restarts} of "
+                          f"{self.spec.failure.max_restarts} restarts)")
+        r.status = "failed"
+
+    # --- one attempt ------------------------------------------------------------------
+
+    def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None) -> tuple[bool, str | None]:
+        spec = self.spec
+        staging = self.run_dir.staging_uri(attempt)
+        use_gpu = group.placement.use_gpu
+
+        def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
+            return WorkerPayload(
+                context=ctx,
+                attempt=attempt,
+                train_fn=spec.train_fn,
+                config=dict(spec.config),
+                events_path=events_path,
+                staging_uri=staging,
+                restore_uri=restore_uri,
+                backend="nccl" if use_gpu else "gloo",
+                rendezvous_timeout_s=spec.timeouts.rendezvous_s,
+                accelerate=dataclasses.asdict(spec.accelerate),
+            )
+
+        contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s)
+        node_of = {c.world_rank: c.node_rank for c in contexts}
+        world = len(contexts)
+        joined: set[int] = set()
+        pending: dict[int, set[int]] = defaultdict(set)
+        started = time.monotonic()
+        states = ["running"] * len(group.actors)
+        returns: dict[int, Any] = {}
+        failures: list[RankFailure] = []
+        while True:
+            polls = group.poll()
+            for node_rank, p in enumerate(polls):
+                for rank, stream, line in p.logs:
+                    self._say(f"[node {node_rank} rank {rank}] {line}")
+                by_rank: dict[int, list[str]] = defaultdict(list)
+                for rank, _, line in p.logs:
+                    by_rank[rank].append(line)
+                for rank, lines in by_rank.items():
+                    self.run_dir.append_log(rank, lines)
+                self._events(p.events, node_of, attempt, joined, pending, staging, world)
+                states[node_rank] = p.state
+                returns.update(p.returns)
+                failures.extend(p.failures)
+            if failures:
+                break
+            if all(s == "succeeded" for s in states):
+                break
+            if len(joined) < world and time.monotonic() - started > spec.timeouts.rendezvous_s:
+                missing = sorted(set(range(world)) - joined)
+                nodes = sorted({node_of[m] for m in missing})
+                group.stop()
+                return False, (
+                    f"ranks {missing} on nodes {nodes} did not join the process group within "
+                    f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained"
+                )
+            time.sleep(self.poll_interval_s)
+        if failures:
+            # Stop everyone else now: a rank blocked in a collective would wait forever.
+            for node_rank, p in enumerate(group.stop()):
+                for rank, _, line in p.logs:
+                    self._say(f"[node {node_rank} rank {rank}] {line}")
+                self._events(p.events, node_of, attempt, joined, pending, staging, world)
+            error = group_failures(failures)
+            print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
+            return False, error
+        self._result.return_value = _jsonable(returns.get(0))
+        return True, None
+
+    def _events(self, events, node_of, attempt, joined, pending, staging, world) -> None:
+        records = []
+        for e in events:
+            rank = e.get("rank", 0)
+            kind = e.get("kind")
+            if kind == "joined":
+                joined.add(rank)
+            elif kind == "metrics":
+                record = {"step": e.get("step"), "rank": rank, "node": node_of.get(rank), "attempt": attempt,
+                          "time": e["time"], **e.get("values", {})}
+                records.append(record)
+                if rank == 0:
+                    self._progress(record)
+            elif kind == "checkpoint":
+                step = int(e["step"])
+                pending[step].add(rank)
+                if len(pending[step]) == world:
+                    del pending[step]
+                    c = self.run_dir.commit_checkpoint(
+                        f"{staging}/checkpoint-{step:08d}", step, attempt, world, self.spec.checkpoint.keep
+                    )
+                    self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
+        self.run_dir.append_metrics(records)
+
+    def _progress(self, record: dict) -> None:
+        r = self._result
+        if record.get("step") is not None:
+            r.last_step = max(r.last_step or 0, int(record["step"]))
+        values = {k: v for k, v in record.items() if k not in ("step", "rank", "node", "attempt", "time")}
+        r.last_metrics.update(values)
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        self._say(f"raylaunch: step {record.get('step')} {shown}")
+
+
+def _jsonable(value: Any) -> Any:
+    import json
+
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)

@@ -1,0 +1,359 @@
+"""The job spec: what the user asked for, as a frozen, typed tree.
+
+A spec is YAML read with ``yaml.safe_load`` (through a loader that also reads
+``3e-4`` as a float, which plain YAML 1.1 leaves as a string) and checked
+against the dataclasses below before anything starts. Every problem is
+reported at once, each with the path of the field and, for a misspelt key,
+the nearest valid one::
+
+    >>> load_spec_text("name: x\\ntrain_fn: m:f\\nscalng: {}")
+    Traceback (most recent call last):
+    ...
+    jobs.spec.SpecError: the job spec has 1 problem:
+      - scalng: unknown key; did you mean 'scaling'?
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Union
+
+import yaml
+
+__all__ = [
+    "AccelerateSpec",
+    "CheckpointSpec",
+    "DataLoaderSpec",
+    "FailureSpec",
+    "JobSpec",
+    "ScalingSpec",
+    "SpecError",
+    "TimeoutSpec",
+    "apply_overrides",
+    "load_spec",
+    "load_spec_text",
+    "spec_from_dict",
+    "spec_to_dict",
+]
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; ``problems`` lists each one as ``path: what to fix``."""
+
+    def __init__(self, problems: list[str], source: str = "the job spec") -> None:
+        self.problems = list(problems)
+        self.source = source
+        noun = "problem" if len(problems) == 1 else "problems"
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source} has {len(problems)} {noun}:\n{lines}")
+
+    def __reduce__(self):  # survive pickling across process boundaries
+        return (SpecError, (self.problems, self.source))
+
+
+@dataclass(frozen=True)
+class ScalingSpec:
+    """How many nodes, and how many worker processes on each."""
+
+    num_nodes: int = 1
+    # A number, or "auto": every GPU of a node (every CPU slot on CPU nodes).
+    workers_per_node: Union[int, Literal["auto"]] = 1
+    use_gpu: Union[bool, Literal["auto"]] = "auto"
+    cpus_per_worker: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataLoaderSpec:
+    """Applied through ``accelerate.DataLoaderConfiguration``."""
+
+    even_batches: bool = True
+    use_seedable_sampler: bool = True
+    split_batches: bool = False
+
+
+@dataclass(frozen=True)
+class AccelerateSpec:
+    """Accelerator options the runner applies to every rank."""
+
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    gradient_accumulation_steps: int = 1
+    dataloader: DataLoaderSpec = field(default_factory=DataLoaderSpec)
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """How many committed checkpoints to keep (the newest ``keep``)."""
+
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class FailureSpec:
+    """Restarts from the last committed checkpoint after a failed attempt."""
+
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class TimeoutSpec:
+    """Bounds, in seconds, on the waits that peers leave unbounded."""
+
+    # Waiting for the cluster to grant one bundle per node. A cluster that
+    # can never grant them (too few nodes and no autoscaler) fails at once.
+    placement_s: float = 120.0
+    # Every rank must join the process group within this time.
+    rendezvous_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A whole job. ``config`` is handed to the training function as is."""
+
+    name: str
+    train_fn: str
+    config: dict = field(default_factory=dict)
+    scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    accelerate: AccelerateSpec = field(default_factory=AccelerateSpec)
+    storage: str = "~/raylaunch-runs"
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    failure: FailureSpec = field(default_factory=FailureSpec)
+    timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
+
+    def with_overrides(self, overrides: list[str]) -> "JobSpec":
+        """A new spec with ``path=value`` overrides applied and checked again."""
+        return spec_from_dict(apply_overrides(spec_to_dict(self), overrides))
+
+
+# --- YAML ------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``3e-4`` and ``1e5`` as floats."""
+
+
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_Loader.yaml_implicit_resolvers = {
+    k: [r for r in v if r[0] != "tag:yaml.org,2002:float"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise SpecError([f"not valid YAML: {exc}"], source) from None
+
+
+# --- loading ---------------------------------------------------------------
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a spec file, apply ``--set`` style overrides, and check it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError([f"cannot read the spec file: {exc.strerror}"], str(path)) from None
+    return load_spec_text(text, overrides, source=str(path))
+
+
+def load_spec_text(
+    text: str, overrides: list[str] | None = None, source: str = "the job spec"
+) -> JobSpec:
+    raw = _parse_yaml(text, source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError([f"the top level must be a mapping of keys, not {_kind(raw)}"], source)
+    return spec_from_dict(apply_overrides(raw, overrides or [], source), source)
+
+
+def apply_overrides(raw: dict, overrides: list[str], source: str = "--set") -> dict:
+    """Apply ``a.b.c=value`` strings to a plain dict (a deep copy is returned).
+
+    Values are read as YAML, so ``4``, ``3e-4``, ``true`` and ``[1, 2]`` keep
+    their types; anything else stays a string.
+    """
+    import copy
+
+    out = copy.deepcopy(raw)
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. scaling.num_nodes=4")
+            continue
+        parts = key.strip().split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping")
+                break
+            node = child
+        else:
+            node[parts[-1]] = _parse_yaml(value, f"--set {key}") if value.strip() else ""
+    if problems:
+        raise SpecError(problems, source)
+    return out
+
+
+def spec_from_dict(raw: Mapping[str, Any], source: str = "the job spec") -> JobSpec:
+    problems: list[str] = []
+    value = _build(JobSpec, raw, "", problems)
+    if not problems:
+        problems.extend(_cross_checks(value))
+    if problems:
+        raise SpecError(problems, source)
+    return value
+
+
+def spec_to_dict(spec: JobSpec) -> dict:
+    """The plain-dict form, as written to ``spec.yaml`` in the run directory."""
+    return dataclasses.asdict(spec)
+
+
+def _cross_checks(spec: JobSpec) -> list[str]:
+    out = []
+    module, sep, fn = spec.train_fn.partition(":")
+    if not sep or not module or not fn:
+        out.append(
+            f"train_fn: {spec.train_fn!r} must be 'module:function', "
+            "e.g. train_fn.digits:train"
+        )
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name):
+        out.append(
+            f"name: {spec.name!r} must be letters, digits, '.', '_' or '-' "
+            "(it names the run directory)"
+        )
+    s = spec.scaling
+    if s.num_nodes < 1:
+        out.append(f"scaling.num_nodes: must be at least 1, got {s.num_nodes}")
+    if isinstance(s.workers_per_node, int) and s.workers_per_node < 1:
+        out.append(f"scaling.workers_per_node: must be at least 1 or 'auto', got {s.workers_per_node}")
+    if s.cpus_per_worker <= 0:
+        out.append(f"scaling.cpus_per_worker: must be more than 0, got {s.cpus_per_worker}")
+    if s.use_gpu is False and spec.accelerate.mixed_precision == "fp16":
+        out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")
+    if spec.accelerate.gradient_accumulation_steps < 1:
+        out.append(
+            "accelerate.gradient_accumulation_steps: must be at least 1, "
+            f"got {spec.accelerate.gradient_accumulation_steps}"
+        )
+    if spec.checkpoint.keep < 1:
+        out.append(f"checkpoint.keep: must be at least 1 (the latest is never deleted), got {spec.checkpoint.keep}")
+    if spec.failure.max_restarts < 0:
+        out.append(f"failure.max_restarts: must be 0 or more, got {spec.failure.max_restarts}")
+    for f in dataclasses.fields(TimeoutSpec):
+        v = getattr(spec.timeouts, f.name)
+        if v <= 0:
+            out.append(f"timeouts.{f.name}: must be more than 0 seconds, got {v}")
+    if not spec.storage.strip():
+        out.append("storage: must be a path or a URI such as s3://bucket/runs")
+    return out
+
+
+# --- the generic checker ---------------------------------------------------
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+_MISSING = object()
+
+
+def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    """Return ``value`` converted to ``tp``, or ``_MISSING`` after noting a problem."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping, got {_kind(value)}")
+            return _MISSING
+        return _build(tp, value, path + ".", problems)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            scratch: list[str] = []
+            out = _check(arg, value, path, scratch)
+            if not scratch:
+                return out
+    elif origin is Literal:
+        if value in typing.get_args(tp) and type(value) is type(
+            next(a for a in typing.get_args(tp) if a == value)
+        ):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
+    else:  # pragma: no cover - a type this checker does not know is a bug here
+        raise TypeError(f"spec field {path} has unsupported type {tp!r}")
+    problems.append(f"{path}: expected {_describe(tp)}, got {_kind(value)} {value!r}")
+    return _MISSING
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(fields)}"
+            problems.append(f"{path}: unknown key{hint}")
+            continue
+        out = _check(hints[key], value, path, problems)
+        if out is not _MISSING:
+            kwargs[key] = out
+    for name, f in fields.items():
+        if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.append(f"{prefix}{name}: required, but missing")
+    if problems:
+        # Keep checking siblings, but do not construct a half-valid object.
+        try:
+            return cls(**kwargs)
+        except TypeError:
+            return _MISSING
+    return cls(**kwargs)

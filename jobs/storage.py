@@ -1,0 +1,226 @@
+"""The run directory on shared storage: the one owner of every path of a run.
+
+::
+
+    <storage>/<run name>/
+      spec.yaml      the resolved spec that ran
+      metrics.jsonl  one JSON object a line: step, rank, node, attempt, time, then the metrics
+      result.json    status, attempts, world size, last step and metrics, checkpoints, times, error
+      checkpoints/   committed checkpoints only, each with manifest.json written last,
+                     and latest.json naming the newest
+      logs/          rank-<R>.log, one per rank
+      .staging/      checkpoints being written; never loaded, cleared at the next start
+
+Paths go through ``pyarrow.fs``, so ``storage`` may be a local or NFS path
+or an object-store URI (``s3://``, ``gs://``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pyarrow import fs as pafs
+
+__all__ = ["CheckpointError", "RunDir", "StorageError"]
+
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+
+
+class StorageError(RuntimeError):
+    """The storage path cannot hold a run; the message says what to fix."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    step: int
+    uri: str
+
+
+class RunDir:
+    """Every path of one run, and the only code that writes them."""
+
+    def __init__(self, storage: str, name: str) -> None:
+        storage = os.path.expanduser(storage)
+        if "://" not in storage:
+            storage = os.path.abspath(storage)
+        try:
+            self.fs, base = pafs.FileSystem.from_uri(storage)
+        except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+            raise StorageError(f"storage {storage!r} is not a path or a URI pyarrow can open: {exc}") from None
+        self.storage = storage
+        self.name = name
+        self.path = f"{base.rstrip('/')}/{name}"
+        self._local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._streams: dict[str, Any] = {}
+
+    # --- paths -----------------------------------------------------------------
+
+    @property
+    def uri(self) -> str:
+        return self.path if self._local else f"{self.storage.split('://')[0]}://{self.path}"
+
+    def _uri(self, path: str) -> str:
+        return path if self._local else f"{self.storage.split('://')[0]}://{path}"
+
+    @property
+    def checkpoints_path(self) -> str:
+        return f"{self.path}/checkpoints"
+
+    def staging_uri(self, attempt: int) -> str:
+        return self._uri(f"{self.path}/.staging/attempt-{attempt}")
+
+    def exists(self) -> bool:
+        return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
+
+    # --- start -------------------------------------------------------------------
+
+    def prepare(self, spec: dict) -> str:
+        """Create the folders, write ``spec.yaml`` and a marker; return the marker's token.
+
+        Fails with ``StorageError`` when the path cannot be written.
+        """
+        try:
+            for sub in ("", "/checkpoints", "/logs"):
+                self.fs.create_dir(self.path + sub, recursive=True)
+            self._write(f"{self.path}/spec.yaml", yaml.safe_dump(spec, sort_keys=False).encode())
+            token = secrets.token_hex(8)
+            self._write(f"{self.path}/.marker", token.encode())
+        except OSError as exc:
+            raise StorageError(
+                f"cannot write the run directory {self.uri}: {exc}. Set `storage` in the spec "
+                "(or --storage) to a folder every node can write, such as an NFS mount or s3://bucket/runs."
+            ) from None
+        self.fs.delete_dir_contents(f"{self.path}/.staging", missing_dir_ok=True)
+        return token
+
+    def marker_uri(self) -> str:
+        return self._uri(f"{self.path}/.marker")
+
+    # --- metrics, logs, result -----------------------------------------------------
+
+    def append_metrics(self, records: list[dict]) -> None:
+        if records:
+            self._append("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+    def append_log(self, rank: int, lines: list[str]) -> None:
+        if lines:
+            self._append(f"logs/rank-{rank}.log", "".join(line + "\n" for line in lines))
+
+    def _append(self, rel: str, text: str) -> None:
+        stream = self._streams.get(rel)
+        if stream is None:
+            path = f"{self.path}/{rel}"
+            try:
+                stream = self.fs.open_append_stream(path)
+            except (NotImplementedError, OSError):
+                # Object stores cannot append: keep the stream open for the run.
+                stream = self.fs.open_output_stream(path)
+            self._streams[rel] = stream
+        stream.write(text.encode())
+        stream.flush()
+
+    def close(self) -> None:
+        for s in self._streams.values():
+            s.close()
+        self._streams.clear()
+
+    def write_result(self, result: dict) -> None:
+        self._write(f"{self.path}/result.json", json.dumps(result, indent=2).encode())
+
+    def read_result(self) -> dict | None:
+        return self._read_json(f"{self.path}/result.json")
+
+    # --- checkpoints ---------------------------------------------------------------
+
+    def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int) -> CommittedCheckpoint:
+        """Check every rank's part, write the manifest last, move it in, then prune.
+
+        Raises ``CheckpointError`` if a rank's part is missing; the staging
+        folder is then left where no resume will ever load it.
+        """
+        _, staging = pafs.FileSystem.from_uri(staging_uri) if "://" in staging_uri else (None, staging_uri)
+        files = {}
+        for info in self.fs.get_file_info(pafs.FileSelector(staging, recursive=True)):
+            if info.type == pafs.FileType.File:
+                rel = info.path[len(staging.rstrip("/")) + 1 :]
+                files[rel] = {"size": info.size, "sha256": self._sha256(info.path)}
+        missing = [r for r in range(world_size) if f"random_states_{r}.pkl" not in files]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
+                "it was not committed"
+            )
+        manifest = {"step": step, "attempt": attempt, "world_size": world_size,
+                    "created": time.time(), "files": files}
+        name = f"checkpoint-{step:08d}"
+        self._write(f"{staging}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        final = f"{self.checkpoints_path}/{name}"
+        if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
+            self.fs.delete_dir(final)  # an older commit of the same step, from a previous attempt
+        self.fs.move(staging, final)
+        self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": name, "step": step}).encode())
+        self._prune(keep)
+        return CommittedCheckpoint(step, self._uri(final))
+
+    def committed_checkpoints(self) -> list[CommittedCheckpoint]:
+        """Committed checkpoints (with a manifest), oldest first."""
+        out = []
+        for info in self.fs.get_file_info(pafs.FileSelector(self.checkpoints_path, allow_not_found=True)):
+            base = info.base_name
+            if info.type == pafs.FileType.Directory and base.startswith("checkpoint-"):
+                manifest = self._read_json(f"{info.path}/{MANIFEST}")
+                if manifest is not None:
+                    out.append(CommittedCheckpoint(int(manifest["step"]), self._uri(info.path)))
+        return sorted(out, key=lambda c: c.step)
+
+    def latest_checkpoint(self) -> CommittedCheckpoint | None:
+        pointer = self._read_json(f"{self.checkpoints_path}/{LATEST}")
+        if pointer is None:
+            return None
+        committed = {c.uri.rsplit("/", 1)[-1]: c for c in self.committed_checkpoints()}
+        if pointer["name"] not in committed:
+            raise CheckpointError(
+                f"{self.checkpoints_path}/{LATEST} names {pointer['name']}, which is not a committed "
+                "checkpoint in this run directory. Restore that folder, or start over with --fresh."
+            )
+        return committed[pointer["name"]]
+
+    def _prune(self, keep: int) -> None:
+        committed = self.committed_checkpoints()
+        for old in committed[: max(0, len(committed) - keep)]:
+            self.fs.delete_dir(old.uri.split("://")[-1] if not self._local else old.uri)
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _write(self, path: str, data: bytes) -> None:
+        """Write to a temporary name, then rename: readers never see half a file."""
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        with self.fs.open_output_stream(tmp) as f:
+            f.write(data)
+        self.fs.move(tmp, path)
+
+    def _read_json(self, path: str) -> Any:
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+
+    def _sha256(self, path: str) -> str:
+        h = hashlib.sha256()
+        with self.fs.open_input_stream(path) as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return h.hexdigest()

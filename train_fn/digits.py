@@ -1,0 +1,216 @@
+"""Handwritten digits with a small BERT, written with Accelerate's public API only.
+
+scikit-learn's 8x8 digits (1,797 images, shipped with the package) are read as
+64-token sequences: each pixel's intensity 0..16 is a token, after a [CLS]
+token whose final state classifies the image. The model is built from a
+config, so nothing is downloaded; ``config["name_or_path"]`` loads a saved or
+hub model with ``from_pretrained`` instead.
+
+The same file runs under the runner, under ``accelerate launch`` and under
+plain ``python -m train_fn.digits``. It imports nothing from Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, Dataset
+
+from cluster.runtime import get_session
+
+DEFAULTS = {
+    "seed": 42,
+    "epochs": 40,
+    "batch_size": 16,  # per device; the global batch is this x world size x accumulation steps
+    "lr": 2e-3,
+    "weight_decay": 0.01,
+    "warmup_ratio": 0.1,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "dropout": 0.1,
+    "train_samples": None,  # use only the first N training images (tests)
+    "checkpoint_every": 0,  # optimizer steps between checkpoints; 0: only at the end
+    "name_or_path": None,  # a saved or hub model to start from instead of a config
+}
+CLS = 17  # pixel intensities are tokens 0..16
+NUM_LABELS = 10
+
+
+class Digits(Dataset):
+    """(tokens, label, index) for each image; the index lets tests see the sharding."""
+
+    def __init__(self, images, labels) -> None:
+        tokens = torch.as_tensor(images, dtype=torch.long)
+        self.tokens = torch.cat([torch.full((len(tokens), 1), CLS), tokens], dim=1)
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i], "labels": self.labels[i], "index": i}
+
+
+def load_data(train_samples: int | None):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data, digits.target, test_size=0.2, random_state=0, stratify=digits.target
+    )
+    if train_samples:
+        x_train, y_train = x_train[:train_samples], y_train[:train_samples]
+    return Digits(x_train, y_train), Digits(x_test, y_test)
+
+
+def build_model(cfg: dict):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    if cfg["name_or_path"]:
+        # The real hub path: a local folder written by save_pretrained, or a hub id.
+        return BertForSequenceClassification.from_pretrained(cfg["name_or_path"], num_labels=NUM_LABELS)
+    config = BertConfig(
+        vocab_size=CLS + 1,
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        max_position_embeddings=80,
+        hidden_dropout_prob=cfg["dropout"],
+        attention_probs_dropout_prob=cfg["dropout"],
+        num_labels=NUM_LABELS,
+    )
+    return BertForSequenceClassification(config)
+
+
+def weights_digest(model) -> str:
+    """A short fingerprint of every weight, to compare runs exactly."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Progress:
+    """The loop position, saved with every checkpoint (``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def train(config: dict) -> dict:
+    cfg = {**DEFAULTS, **(config or {})}
+    session = get_session()
+
+    # 1. Build. The session applies the job's mixed precision, accumulation
+    #    and dataloader settings (even_batches, a seedable sampler).
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    accelerator.init_trackers("digits", config=cfg)
+    set_seed(cfg["seed"])
+    train_set, test_set = load_data(cfg["train_samples"])
+    model = build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    # Its own generator: building an iterator must not draw from the global RNG.
+    generator = torch.Generator().manual_seed(cfg["seed"])
+    train_dl = DataLoader(train_set, batch_size=cfg["batch_size"], shuffle=True, generator=generator)
+    test_dl = DataLoader(test_set, batch_size=64)
+
+    # 2. Prepare: each rank gets its shard; even_batches pads the last batch so
+    #    every rank runs the same number of steps (no end-of-epoch hang).
+    model, optimizer, train_dl, test_dl = accelerator.prepare(model, optimizer, train_dl, test_dl)
+    steps_per_epoch = math.ceil(len(train_dl) / accelerator.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * cfg["epochs"]
+    from transformers import get_linear_schedule_with_warmup
+
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg["warmup_ratio"] * total_steps), total_steps)
+    scheduler = accelerator.prepare(scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+
+    # 3. Resume from the latest committed checkpoint, if the runner has one.
+    restored = session.restore(accelerator)
+    restored_digest = weights_digest(accelerator.unwrap_model(model)) if restored is not None else None
+    if restored is not None:
+        accelerator.print(f"resumed at step {progress.step}")
+
+    # 4. Loop.
+    seen: list[int] = []
+    last_saved = restored
+    model.train()
+    while progress.step < total_steps:
+        epoch, done_in_epoch = divmod(progress.step, steps_per_epoch)
+        train_dl.set_epoch(epoch)
+        batches = train_dl
+        if done_in_epoch:
+            batches = accelerator.skip_first_batches(train_dl, done_in_epoch * accelerator.gradient_accumulation_steps)
+        running, count = 0.0, 0
+        for batch in batches:
+            if epoch == 0:
+                seen.extend(batch["index"].tolist())
+            with accelerator.accumulate(model):
+                out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+                accelerator.backward(out.loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            running += out.loss.item()
+            count += 1
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            loss = accelerator.reduce(torch.tensor(running / count, device=accelerator.device), "mean").item()
+            accelerator.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "epoch": epoch}, step=progress.step)
+            session.log({"rank_loss": running / count, "samples": count * cfg["batch_size"]}, step=progress.step)
+            running, count = 0.0, 0
+            if cfg["checkpoint_every"] and progress.step % cfg["checkpoint_every"] == 0:
+                session.save(accelerator, progress.step)
+                last_saved = progress.step
+            if progress.step >= total_steps:
+                break
+
+    # 5. Evaluate on held-out images; gather_for_metrics drops even_batches' repeats.
+    model.eval()
+    correct = total = 0
+    for batch in test_dl:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+        correct += (preds == labels).sum().item()
+        total += labels.numel()
+    accuracy = correct / total
+    accelerator.log({"eval_accuracy": accuracy}, step=progress.step)
+    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+
+    # 6. Save the final state (a committed checkpoint under the runner).
+    if last_saved != progress.step:
+        session.save(accelerator, progress.step)
+    accelerator.end_training()
+    return {
+        "eval_accuracy": accuracy,
+        "steps": progress.step,
+        "world_size": accelerator.num_processes,
+        "rank": accelerator.process_index,
+        "weights": weights_digest(accelerator.unwrap_model(model)),
+        "restored_step": restored,
+        "restored_weights": restored_digest,
+        "seen_epoch0": sorted(seen),
+    }
+
+
+if __name__ == "__main__":
+    result = train({})
+    print({k: v for k, v in result.items() if k != "seen_epoch0"})
