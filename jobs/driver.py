@@ -48,7 +48,8 @@ class RunResult:
     start_time: float = 0.0
     end_time: float = 0.0
     error: str | None = None
-    return_value: Any = None
+    return_value: Any = None  # rank 0's
+    rank_results: dict = field(default_factory=dict)  # every rank's return value
     nodes: list[dict] = field(default_factory=list)
 
 
@@ -89,6 +90,7 @@ class Driver:
         self.run_dir = RunDir(spec.storage, spec.name)
         self._result = RunResult(status="failed", run_dir=self.run_dir.uri)
         self._token: str | None = None
+        self._last_print = 0.0
 
     def _say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -247,6 +249,7 @@ class Driver:
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
             return False, error
         self._result.return_value = _jsonable(returns.get(0))
+        self._result.rank_results = {str(k): _jsonable(v) for k, v in sorted(returns.items())}
         return True, None
 
     def _events(self, events, node_of, attempt, joined, pending, staging, world) -> None:
@@ -279,6 +282,11 @@ class Driver:
             r.last_step = max(r.last_step or 0, int(record["step"]))
         values = {k: v for k, v in record.items() if k not in ("step", "rank", "node", "attempt", "time")}
         r.last_metrics.update(values)
+        now = time.monotonic()
+        # At most one progress line a second, but never drop an evaluation.
+        if now - self._last_print < 1.0 and not any("eval" in k for k in values):
+            return
+        self._last_print = now
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         self._say(f"raylaunch: step {record.get('step')} {shown}")
 

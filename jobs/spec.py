@@ -57,15 +57,24 @@ class SpecError(ValueError):
         return (SpecError, (self.problems, self.source))
 
 
+def _at_least(low: float, default: Any, extra: str = "", *, strict: bool = False) -> Any:
+    """A field whose numeric value must be >= low (> low when strict)."""
+    def ok(v: Any) -> bool:
+        return not isinstance(v, (int, float)) or (v > low if strict else v >= low)
+
+    word = f"more than {low:g}" if strict else f"at least {low:g}"
+    return field(default=default, metadata={"check": (ok, f"must be {word}{extra}")})
+
+
 @dataclass(frozen=True)
 class ScalingSpec:
     """How many nodes, and how many worker processes on each."""
 
-    num_nodes: int = 1
+    num_nodes: int = _at_least(1, 1)
     # A number, or "auto": every GPU of a node (every CPU slot on CPU nodes).
-    workers_per_node: Union[int, Literal["auto"]] = 1
+    workers_per_node: Union[int, Literal["auto"]] = _at_least(1, 1, " or 'auto'")
     use_gpu: Union[bool, Literal["auto"]] = "auto"
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = _at_least(0, 1.0, strict=True)
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ class AccelerateSpec:
     """Accelerator options the runner applies to every rank."""
 
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = _at_least(1, 1)
     dataloader: DataLoaderSpec = field(default_factory=DataLoaderSpec)
 
 
@@ -90,14 +99,14 @@ class AccelerateSpec:
 class CheckpointSpec:
     """How many committed checkpoints to keep (the newest ``keep``)."""
 
-    keep: int = 2
+    keep: int = _at_least(1, 2, " (the latest committed checkpoint is never deleted)")
 
 
 @dataclass(frozen=True)
 class FailureSpec:
     """Restarts from the last committed checkpoint after a failed attempt."""
 
-    max_restarts: int = 0
+    max_restarts: int = _at_least(0, 0)
 
 
 @dataclass(frozen=True)
@@ -106,9 +115,9 @@ class TimeoutSpec:
 
     # Waiting for the cluster to grant one bundle per node. A cluster that
     # can never grant them (too few nodes and no autoscaler) fails at once.
-    placement_s: float = 120.0
+    placement_s: float = _at_least(0, 120.0, " seconds", strict=True)
     # Every rank must join the process group within this time.
-    rendezvous_s: float = 300.0
+    rendezvous_s: float = _at_least(0, 300.0, " seconds", strict=True)
 
 
 @dataclass(frozen=True)
@@ -244,27 +253,8 @@ def _cross_checks(spec: JobSpec) -> list[str]:
             "(it names the run directory)"
         )
     s = spec.scaling
-    if s.num_nodes < 1:
-        out.append(f"scaling.num_nodes: must be at least 1, got {s.num_nodes}")
-    if isinstance(s.workers_per_node, int) and s.workers_per_node < 1:
-        out.append(f"scaling.workers_per_node: must be at least 1 or 'auto', got {s.workers_per_node}")
-    if s.cpus_per_worker <= 0:
-        out.append(f"scaling.cpus_per_worker: must be more than 0, got {s.cpus_per_worker}")
     if s.use_gpu is False and spec.accelerate.mixed_precision == "fp16":
         out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")
-    if spec.accelerate.gradient_accumulation_steps < 1:
-        out.append(
-            "accelerate.gradient_accumulation_steps: must be at least 1, "
-            f"got {spec.accelerate.gradient_accumulation_steps}"
-        )
-    if spec.checkpoint.keep < 1:
-        out.append(f"checkpoint.keep: must be at least 1 (the latest is never deleted), got {spec.checkpoint.keep}")
-    if spec.failure.max_restarts < 0:
-        out.append(f"failure.max_restarts: must be 0 or more, got {spec.failure.max_restarts}")
-    for f in dataclasses.fields(TimeoutSpec):
-        v = getattr(spec.timeouts, f.name)
-        if v <= 0:
-            out.append(f"timeouts.{f.name}: must be more than 0 seconds, got {v}")
     if not spec.storage.strip():
         out.append("storage: must be a path or a URI such as s3://bucket/runs")
     return out
@@ -346,6 +336,10 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[str]) 
             continue
         out = _check(hints[key], value, path, problems)
         if out is not _MISSING:
+            check = fields[key].metadata.get("check")
+            if check and not check[0](out):
+                problems.append(f"{path}: {check[1]}, got {value!r}")
+                continue
             kwargs[key] = out
     for name, f in fields.items():
         if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

@@ -1,0 +1,37 @@
+"""Shared fixtures: one real multi-node Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A head and one more node, each a real raylet with 2 logical CPUs."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+             log_to_driver=False, configure_logging=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    return env

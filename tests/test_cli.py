@@ -1,0 +1,72 @@
+"""Bad input through the real command line: a clear error, a non-zero exit, nothing started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, cli_env
+
+
+def raylaunch(*args: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_validate_accepts_the_example():
+    proc = raylaunch("validate", "jobs/examples/digits.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "ok (digits: 2 nodes x 1 workers" in proc.stdout
+
+
+def test_spec_that_does_not_parse(tmp_path):
+    proc = raylaunch("run", write(tmp_path, "name: [oops\n"), "--storage", str(tmp_path / "runs"))
+    assert proc.returncode == 2
+    assert "job.yaml has 1 problem" in proc.stderr and "not valid YAML" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_misspelt_key_and_bad_override(tmp_path):
+    spec = write(tmp_path, "name: t\ntrain_fn: train_fn.digits:train\nscaling: {num_nodez: 2}\n")
+    proc = raylaunch("run", spec, "--set", "scaling.workers_per_node=-1", "--storage", str(tmp_path / "runs"))
+    assert proc.returncode == 2
+    assert "scaling.num_nodez: unknown key; did you mean 'num_nodes'?" in proc.stderr
+    assert "scaling.workers_per_node: must be at least 1 or 'auto', got -1" in proc.stderr
+
+
+def test_train_fn_module_or_function_that_does_not_exist(tmp_path):
+    proc = raylaunch("run", write(tmp_path, "name: t\ntrain_fn: train_fn.digitz:train\n"),
+                     "--storage", str(tmp_path / "runs"))
+    assert proc.returncode == 2
+    assert "no module named 'train_fn.digitz'" in proc.stderr and "Fix `train_fn`" in proc.stderr
+    proc = raylaunch("validate", write(tmp_path, "name: t\ntrain_fn: train_fn.digits:trian\n"))
+    assert proc.returncode == 2
+    assert "has no function 'trian'; it defines:" in proc.stderr and "train" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_storage_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = raylaunch("run", "jobs/examples/digits.yaml", "--storage", str(blocker / "runs"))
+    assert proc.returncode == 2
+    assert f"cannot write the run directory {blocker}/runs/digits" in proc.stderr
+    assert "Set `storage` in the spec (or --storage)" in proc.stderr
+
+
+def test_more_nodes_than_the_cluster_can_ever_give(tmp_path):
+    proc = raylaunch("run", "jobs/examples/digits.yaml", "--local-nodes", "1", "--set", "scaling.num_nodes=3",
+                     "--storage", str(tmp_path / "runs"))
+    assert proc.returncode == 1
+    assert "the job needs 3 nodes with {CPU: 1} each" in proc.stderr
+    assert "only 1 of the cluster's 1 alive nodes can hold that" in proc.stderr
+    assert "--set scaling.num_nodes=1" in proc.stderr
+    result = (tmp_path / "runs" / "digits" / "result.json").read_text()
+    assert '"status": "failed"' in result and '"attempts": 0' in result

@@ -1,0 +1,156 @@
+"""The runner on a real two-node Ray cluster (one raylet per node), gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from conftest import ROOT, cli_env
+from jobs.driver import Driver
+from jobs.spec import load_spec_text
+
+DIGITS = """
+name: {name}
+train_fn: train_fn.digits:train
+config: {{epochs: 3, batch_size: 16, dropout: 0.0, checkpoint_every: 45, record_samples: true}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+checkpoint: {{keep: 2}}
+storage: {storage}
+"""
+
+
+def run_spec(text: str, **kw):
+    spec = load_spec_text(text)
+    return Driver(spec, can_grow=False, **kw).run()
+
+
+def metrics(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def digits_run(ray_cluster, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("storage")
+    result = run_spec(DIGITS.format(name="digits", storage=storage))
+    return result, storage
+
+
+def test_one_actor_per_node_and_ranks_by_node(ray_cluster, tmp_path):
+    result = run_spec(f"name: probe\ntrain_fn: fns:probe\nscaling: {{num_nodes: 2, workers_per_node: 2}}\n"
+                      f"storage: {tmp_path}\n")
+    assert result.status == "succeeded", result.error
+    cluster_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert sorted(n["node_id"] for n in result.nodes) == sorted(cluster_nodes)  # one actor on each node
+    ranks = {int(r): v for r, v in result.rank_results.items()}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, seen in ranks.items():
+        env = seen["env"]
+        assert seen["num_processes"] == 4 and seen["process_index"] == rank  # Accelerate saw the whole world
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
+        assert env["NODE_RANK"] == str(rank // 2) and env["LOCAL_RANK"] == str(rank % 2)
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["OMP_NUM_THREADS"] == "1"
+        assert env["ACCELERATE_USE_CPU"] == "true"
+        assert seen["sum_of_ranks"] == 6.0  # a real all-reduce over the four ranks
+    assert len({v["env"]["MASTER_PORT"] for v in ranks.values()}) == 1
+    # When the run ends no worker process is left on any node.
+    assert not [v["pid"] for v in ranks.values() if psutil.pid_exists(v["pid"])]
+
+
+def test_digits_trains_on_disjoint_shards_and_writes_the_run_directory(digits_run):
+    result, storage = digits_run
+    assert result.status == "succeeded", result.error
+    assert result.world_size == 2 and result.num_nodes == 2 and result.attempts == 1
+    r0, r1 = result.rank_results["0"], result.rank_results["1"]
+    # 1,437 training images over 2 ranks x batch 16: even_batches gives each
+    # rank 45 batches (720 images), the 3 missing ones repeated from the start.
+    seen0, seen1 = r0["seen_epoch0"], r1["seen_epoch0"]
+    assert len(seen0) == len(seen1) == 720
+    assert set(seen0) | set(seen1) == set(range(1437))
+    assert len(set(seen0) & set(seen1)) == 3 and len(set(seen0)) + len(set(seen1)) == 1440
+    assert r0["steps"] == r1["steps"] == 135 and r0["world_size"] == 2
+    assert r0["weights"] == r1["weights"]  # DDP kept the replicas identical
+
+    run = Path(storage, "digits")
+    assert {p.name for p in run.iterdir()} >= {"spec.yaml", "metrics.jsonl", "result.json", "checkpoints", "logs"}
+    saved = json.loads((run / "result.json").read_text())
+    assert saved["status"] == "succeeded" and saved["world_size"] == 2 and saved["last_step"] == 135
+    rows = metrics(str(run))
+    assert {r["rank"] for r in rows} == {0, 1}  # metrics from every rank, not only rank 0
+    assert {(r["rank"], r["node"]) for r in rows} == {(0, 0), (1, 1)}
+    assert all(r["attempt"] == 1 and "time" in r for r in rows)
+    losses = [r["loss"] for r in rows if r["rank"] == 0 and "loss" in r]
+    assert len(losses) == 135
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first - 0.3, (first, last)  # the loss fell
+    logs = sorted(p.name for p in (run / "logs").iterdir())
+    assert logs == ["rank-0.log", "rank-1.log"]
+    assert "eval accuracy" in (run / "logs/rank-0.log").read_text()
+
+
+def test_checkpoints_are_committed_with_a_manifest_and_pruned(digits_run):
+    result, storage = digits_run
+    ckpts = Path(storage, "digits", "checkpoints")
+    names = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
+    assert names == ["checkpoint-00000090", "checkpoint-00000135"]  # keep: 2
+    manifest = json.loads((ckpts / "checkpoint-00000135" / "manifest.json").read_text())
+    assert manifest["step"] == 135 and manifest["world_size"] == 2
+    assert {"model.safetensors", "random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"])
+    for rel, meta in manifest["files"].items():
+        assert (ckpts / "checkpoint-00000135" / rel).stat().st_size == meta["size"]
+    assert json.loads((ckpts / "latest.json").read_text()) == {"name": "checkpoint-00000135", "step": 135}
+    assert not list(Path(storage, "digits", ".staging").glob("*/*"))
+
+
+def test_resubmitting_restores_the_saved_weights(digits_run, ray_cluster):
+    result, storage = digits_run
+    again = run_spec(DIGITS.format(name="digits", storage=storage))
+    assert again.status == "succeeded", again.error
+    r0 = again.rank_results["0"]
+    assert r0["restored_step"] == 135 and r0["steps"] == 135
+    assert r0["restored_weights"] == result.rank_results["0"]["weights"]
+    # and the weights file itself holds them
+    weights = load_file(str(Path(storage, "digits", "checkpoints", "checkpoint-00000135", "model.safetensors")))
+    assert len(weights) > 10
+
+
+def test_exception_in_train_fn_fails_with_grouped_traceback(ray_cluster, tmp_path):
+    result = run_spec(f"name: boom\ntrain_fn: fns:fail_on_all_ranks\nscaling: {{num_nodes: 2}}\nstorage: {tmp_path}\n")
+    assert result.status == "failed"
+    assert result.error.startswith("[ranks 0, 1] ValueError: bad batch shape (3, 4)")
+    assert 'fns.py", line' in result.error and "fail_on_all_ranks" in result.error  # the traceback
+    saved = json.loads(Path(tmp_path, "boom", "result.json").read_text())
+    assert saved["status"] == "failed" and "ValueError: bad batch shape" in saved["error"]
+
+
+def test_same_result_under_accelerate_launch(digits_run, tmp_path):
+    """The same function, world size 2 under `accelerate launch`, ends with the same weights."""
+    result, _ = digits_run
+    script = tmp_path / "run_digits.py"
+    script.write_text(
+        "import json, sys\n"
+        "from train_fn.digits import train\n"
+        "r = train({'epochs': 3, 'batch_size': 16, 'dropout': 0.0, 'checkpoint_every': 45})\n"
+        "print('RESULT', json.dumps({'rank': r['rank'], 'world_size': r['world_size'], 'weights': r['weights']}))\n"
+    )
+    env = cli_env()
+    env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", RAYLAUNCH_LOCAL_DIR=str(tmp_path / "local"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "--main_process_port", "0", str(script)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    lines = [json.loads(l.split("RESULT ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(r["rank"] for r in lines) == [0, 1] and {r["world_size"] for r in lines} == {2}
+    assert {r["weights"] for r in lines} == {result.rank_results["0"]["weights"]}
+    # outside the runner the checkpoints went to the local folder
+    assert (tmp_path / "local" / "checkpoints" / "checkpoint-00000135" / "model.safetensors").exists()

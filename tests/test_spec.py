@@ -1,0 +1,79 @@
+"""Spec parsing: pure, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs.spec import JobSpec, SpecError, load_spec, load_spec_text
+
+ROOT = Path(__file__).resolve().parent.parent
+MINIMAL = "name: t\ntrain_fn: train_fn.digits:train\n"
+
+
+def problems(text: str, overrides=None) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_spec_text(text, overrides)
+    return info.value.problems
+
+
+def test_example_spec_loads_with_its_values():
+    spec = load_spec(ROOT / "jobs/examples/digits.yaml")
+    assert isinstance(spec, JobSpec)
+    assert spec.scaling.num_nodes == 2 and spec.scaling.workers_per_node == 1
+    assert spec.config["lr"] == 2e-3  # YAML 1.1 would leave "2e-3" a string
+    assert spec.accelerate.dataloader.even_batches is True
+
+
+def test_defaults_fill_what_is_left_out():
+    spec = load_spec_text(MINIMAL)
+    assert spec.scaling.num_nodes == 1 and spec.scaling.use_gpu == "auto"
+    assert spec.failure.max_restarts == 0 and spec.checkpoint.keep == 2
+
+
+def test_misspelt_key_names_path_and_nearest_key():
+    assert problems(MINIMAL + "scaling:\n  num_node: 2\n") == [
+        "scaling.num_node: unknown key; did you mean 'num_nodes'?"
+    ]
+    assert problems(MINIMAL + "scalng: {}\n") == ["scalng: unknown key; did you mean 'scaling'?"]
+
+
+def test_wrong_types_name_the_field_and_what_was_given():
+    got = problems(MINIMAL + "scaling:\n  num_nodes: two\n  workers_per_node: many\n")
+    assert got == [
+        "scaling.num_nodes: expected an integer, got a string 'two'",
+        "scaling.workers_per_node: expected an integer or 'auto', got a string 'many'",
+    ]
+
+
+def test_impossible_values_are_rejected_with_the_fix():
+    got = problems(MINIMAL + "scaling: {num_nodes: 0}\ncheckpoint: {keep: 0}\n")
+    assert "scaling.num_nodes: must be at least 1, got 0" in got
+    assert any(p.startswith("checkpoint.keep: must be at least 1") for p in got)
+    assert problems("name: t\ntrain_fn: digits.train\n")[0].startswith(
+        "train_fn: 'digits.train' must be 'module:function'"
+    )
+
+
+def test_missing_required_keys():
+    assert problems("train_fn: a:b\n") == ["name: required, but missing"]
+
+
+def test_yaml_that_does_not_parse():
+    got = problems("name: [unclosed\n")
+    assert got[0].startswith("not valid YAML")
+
+
+def test_overrides_keep_types_and_reject_unknown_paths():
+    spec = load_spec_text(MINIMAL, ["scaling.num_nodes=4", "config.lr=3e-4", "scaling.workers_per_node=auto"])
+    assert spec.scaling.num_nodes == 4 and spec.config["lr"] == 3e-4
+    assert spec.scaling.workers_per_node == "auto"
+    assert problems(MINIMAL, ["scaling.num_nods=4"]) == ["scaling.num_nods: unknown key; did you mean 'num_nodes'?"]
+    assert problems(MINIMAL, ["scaling"])[0].startswith("--set 'scaling': expected KEY=VALUE")
+
+
+def test_spec_round_trips_through_overrides():
+    spec = load_spec_text(MINIMAL)
+    assert spec.with_overrides(["name=other"]).name == "other"
+    assert spec.with_overrides([]) == spec
