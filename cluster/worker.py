@@ -84,6 +84,12 @@ def run_worker(payload: WorkerPayload) -> Any:
 
     import os
 
+    import torch
+
+    # The process was spawned with the actor's environment (Ray gives an actor
+    # OMP_NUM_THREADS = its CPUs) and torch read it at import, before the
+    # rank's own variables were applied: apply the rank's bound now.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     session = runtime._install(payload)
     # The Accelerate boundary: a plain Accelerator() honours these too.
     acc = payload.accelerate

@@ -22,6 +22,7 @@ def probe(config: dict) -> dict:
         "num_processes": accelerator.num_processes,
         "process_index": accelerator.process_index,
         "sum_of_ranks": total,
+        "torch_threads": torch.get_num_threads(),
         "pid": os.getpid(),
         "ppid": os.getppid(),
     }

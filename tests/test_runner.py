@@ -57,6 +57,7 @@ def test_one_actor_per_node_and_ranks_by_node(ray_cluster, tmp_path):
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
         assert env["NODE_RANK"] == str(rank // 2) and env["LOCAL_RANK"] == str(rank % 2)
         assert env["LOCAL_WORLD_SIZE"] == "2" and env["OMP_NUM_THREADS"] == "1"
+        assert seen["torch_threads"] == 1  # not the actor's 2 CPUs
         assert env["ACCELERATE_USE_CPU"] == "true"
         assert seen["sum_of_ranks"] == 6.0  # a real all-reduce over the four ranks
     assert len({v["env"]["MASTER_PORT"] for v in ranks.values()}) == 1
@@ -154,3 +155,14 @@ def test_same_result_under_accelerate_launch(digits_run, tmp_path):
     assert {r["weights"] for r in lines} == {result.rank_results["0"]["weights"]}
     # outside the runner the checkpoints went to the local folder
     assert (tmp_path / "local" / "checkpoints" / "checkpoint-00000135" / "model.safetensors").exists()
+
+
+def test_topology_does_not_change_the_result(digits_run, tmp_path):
+    """1 node x 2 workers ends with the same weights as 2 nodes x 1 worker: only `scaling` changed."""
+    result, _ = digits_run
+    spec = load_spec_text(DIGITS.format(name="one-node", storage=tmp_path),
+                          ["scaling.num_nodes=1", "scaling.workers_per_node=2"])
+    one_node = Driver(spec, can_grow=False).run()
+    assert one_node.status == "succeeded", one_node.error
+    assert one_node.num_nodes == 1 and one_node.world_size == 2
+    assert one_node.rank_results["1"]["weights"] == result.rank_results["0"]["weights"]
