@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -188,8 +188,25 @@ class NodeGroup:
         ray.get(starts)
         return self.contexts
 
+    def _call_all(self, method: str, timeout_s: float, default: Any) -> list[Any]:
+        """Call ``method`` on every actor; a dead actor (a lost node) gives ``default``."""
+        refs = []
+        for a in self.actors:
+            try:
+                refs.append(getattr(a, method).remote())
+            except Exception:  # the actor is already known dead: nothing to submit to
+                refs.append(None)
+        out = []
+        for ref in refs:
+            try:
+                out.append(default if ref is None else ray.get(ref, timeout=timeout_s))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                out.append(default)
+        return out
+
     def poll(self, timeout_s: float = 60.0) -> list[NodePoll]:
-        return ray.get([a.poll.remote() for a in self.actors], timeout=timeout_s)
+        """Every node's news; a node whose actor died (node lost) comes back as state "lost"."""
+        return [p if p is not None else NodePoll(state="lost") for p in self._call_all("poll", timeout_s, None)]
 
     def scratch_dirs(self) -> list[str]:
         return ray.get([a.scratch_dir.remote() for a in self.actors])
@@ -202,23 +219,17 @@ class NodeGroup:
 
     def stop(self) -> list[NodePoll]:
         """Stop every rank on every node; return what they left to read."""
-        refs = [a.stop.remote() for a in self.actors]
-        out = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref, timeout=60))
-            except Exception:  # a lost node: its ranks die with its actor
-                out.append(NodePoll(state="lost"))
-        return out
+        return [p if p is not None else NodePoll(state="lost") for p in self._call_all("stop", 60, None)]
 
     def shutdown(self) -> None:
         """Stop the ranks, end the actors and release the placement group."""
-        refs = [a.shutdown.remote() for a in self.actors]
-        for ref in refs:
+        self._call_all("shutdown", 30, None)
+        for a in self.actors:
             try:
-                ray.get(ref, timeout=60)
+                ray.kill(a)
             except Exception:
                 pass
-        for a in self.actors:
-            ray.kill(a)
-        remove_placement_group(self._pg)
+        try:
+            remove_placement_group(self._pg)
+        except Exception:
+            pass

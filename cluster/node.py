@@ -52,6 +52,8 @@ class NodePoll:
     state: str = "idle"  # idle | running | succeeded | failed
     failures: list[RankFailure] = field(default_factory=list)
     returns: dict[int, Any] = field(default_factory=dict)  # world rank -> return value
+    # world rank -> seconds since the rank's heartbeat (absent before it started beating)
+    beat_age_s: dict[int, float] = field(default_factory=dict)
 
 
 class _Tail:
@@ -90,6 +92,7 @@ class NodeActor:
         self._ranks: list[int] = []
         self._tails: list[tuple[int, str, _Tail]] = []
         self._state = "idle"
+        self._beats: dict[int, str] = {}
 
     def describe(self) -> NodeInfo:
         import socket
@@ -134,6 +137,7 @@ class NodeActor:
             envs=full_envs,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
         )
+        self._beats = {p.context.world_rank: p.events_path + ".beat" for p in payloads}
         self._tails = []
         for i, rank in enumerate(self._ranks):
             self._tails.append((rank, "stdout", _Tail(self._pctx.stdouts[i])))
@@ -159,6 +163,15 @@ class NodeActor:
         self._drain(out, final=result is not None)
         if result is not None:
             self._pctx = None
+        else:
+            import time
+
+            now = time.time()
+            for rank, path in self._beats.items():
+                try:
+                    out.beat_age_s[rank] = now - os.stat(path).st_mtime
+                except FileNotFoundError:
+                    pass
         return out
 
     def _drain(self, out: NodePoll, final: bool) -> None:
@@ -201,19 +214,15 @@ class NodeActor:
 
 
 def _failure(rank: int, f: Any) -> RankFailure:
-    data = f.error_file_data or {}
-    message = data.get("message") if isinstance(data, dict) else None
-    traceback = ""
-    if isinstance(message, dict):
+    """A torch ``ProcessFailure`` as the driver reports it: the exception line and traceback."""
+    if f.exitcode is not None and f.exitcode < 0:
+        return RankFailure(rank, f.exitcode, f"killed by signal {f.signal_name()}", "")
+    data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+    message = data.get("message")
+    if isinstance(message, dict):  # written by the @record handler around our entry point
         traceback = message.get("extraInfo", {}).get("py_callstack", "")
-        message = message.get("message", "")
-    if not message or message.startswith("To enable traceback"):
-        message = f.message
-        if f.exitcode < 0:
-            message = f"killed by signal {f.signal_name()}"
-        elif not message or message.startswith("To enable traceback"):
-            message = f"exited with code {f.exitcode}"
-    return RankFailure(rank=rank, exitcode=f.exitcode, message=str(message), traceback=str(traceback))
+        return RankFailure(rank, f.exitcode, str(message.get("message", "")), str(traceback))
+    return RankFailure(rank, f.exitcode, f"exited with code {f.exitcode} (no Python exception)", "")
 
 
 def _rank_main(payload: WorkerPayload) -> Any:

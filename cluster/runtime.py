@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class WorkerPayload:
     restore_uri: str | None  # the committed checkpoint to resume from, if any
     backend: str
     rendezvous_timeout_s: float
+    collective_timeout_s: float = 600.0
     # The spec's ``accelerate`` section: mixed_precision,
     # gradient_accumulation_steps, dataloader {even_batches, ...}.
     accelerate: dict = field(default_factory=dict)
@@ -98,6 +100,7 @@ class Session:
             self._events_path = local_dir / f"metrics-rank{rank}.jsonl"
         self._events_path.parent.mkdir(parents=True, exist_ok=True)
         self._events = open(self._events_path, "a", buffering=1)
+        self._lock = threading.Lock()
 
     @property
     def under_runner(self) -> bool:
@@ -196,8 +199,9 @@ class Session:
         event = {"time": time.time(), **event}
         if self.payload is not None:
             event["rank"] = self.payload.context.world_rank
-        self._events.write(json.dumps(event) + "\n")
-        self._events.flush()
+        with self._lock:
+            self._events.write(json.dumps(event) + "\n")
+            self._events.flush()
 
 
 def _jsonable(values: dict) -> dict:

@@ -101,9 +101,10 @@ def run_worker(payload: WorkerPayload) -> Any:
     # We create the process group ourselves, against the store node 0 already
     # holds, so the join has our bound instead of torch's 30 minutes.
     # Accelerate adopts an existing group unchanged.
+    _start_heartbeat(payload.events_path + ".beat")
     dist.init_process_group(
         backend=payload.backend,
-        timeout=timedelta(seconds=payload.rendezvous_timeout_s),
+        timeout=timedelta(seconds=payload.collective_timeout_s),
     )
     session._emit({"kind": "joined", "world_size": dist.get_world_size()})
     result = fn(dict(payload.config))
@@ -111,3 +112,19 @@ def run_worker(payload: WorkerPayload) -> Any:
         dist.destroy_process_group()
     session._emit({"kind": "finished"})
     return result
+
+
+def _start_heartbeat(path: str, every_s: float = 0.5) -> None:
+    """Touch ``path`` while this process runs; a stopped or frozen process stops touching it."""
+    import os
+    import threading
+    import time
+
+    open(path, "a").close()
+
+    def beat() -> None:
+        while True:
+            os.utime(path)
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, daemon=True, name="raylaunch-heartbeat").start()

@@ -29,6 +29,9 @@ from jobs.storage import CheckpointError, RunDir, StorageError
 
 __all__ = ["Driver", "RunError", "RunResult", "group_failures"]
 
+# How long the other ranks get to report their own failure once one rank failed.
+FAILURE_GRACE_S = 2.0
+
 
 class RunError(RuntimeError):
     """The run could not start or did not succeed; the message is for the user."""
@@ -51,6 +54,13 @@ class RunResult:
     return_value: Any = None  # rank 0's
     rank_results: dict = field(default_factory=dict)  # every rank's return value
     nodes: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    error: str | None = None
+    lost_nodes: list[int] = field(default_factory=list)
 
 
 def group_failures(failures: list[RankFailure]) -> str:
@@ -91,6 +101,8 @@ class Driver:
         self._result = RunResult(status="failed", run_dir=self.run_dir.uri)
         self._token: str | None = None
         self._last_print = 0.0
+        self.group: NodeGroup | None = None  # the nodes of the current attempt
+        self.contexts: list[WorkerContext] = []
 
     def _say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -117,10 +129,8 @@ class Driver:
     def run(self) -> RunResult:
         """Run to the end; returns the result, which is also in ``result.json``."""
         self.preflight()
-        token = self._token
         r = self._result
         r.start_time = time.time()
-        group = None
         try:
             s = self.spec.scaling
             placement = resolve_placement(s.num_nodes, s.workers_per_node, s.use_gpu, s.cpus_per_worker)
@@ -130,29 +140,35 @@ class Driver:
                 f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
             )
             self._say(f"raylaunch: run directory {self.run_dir.uri}")
-            group = NodeGroup.create(
-                placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say
-            )
-            r.nodes = [
-                {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname}
-                for i, info in enumerate(group.infos)
-            ]
-            self._check_shared_storage(group, token)
-            self._attempts(group, placement)
+            self._attempts(placement)
         except (PlacementError, StorageError, CheckpointError, RunError) as exc:
             r.status, r.error = "failed", str(exc)
         except KeyboardInterrupt:
             r.status, r.error = "stopped", "interrupted (Ctrl-C)"
         finally:
-            if group is not None:
-                group.shutdown()
+            if self.group is not None:
+                self.group.shutdown()
+                self.group = None
             r.end_time = time.time()
             r.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
             self.run_dir.write_result(dataclasses.asdict(r))
             self.run_dir.close()
         return r
 
-    def _check_shared_storage(self, group: NodeGroup, token: str) -> None:
+    def _reserve(self, placement: Placement) -> NodeGroup:
+        """Reserve one bundle and start one actor per node; check the storage is shared."""
+        group = NodeGroup.create(
+            placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say
+        )
+        self.group = group
+        self._result.nodes = [
+            {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname}
+            for i, info in enumerate(group.infos)
+        ]
+        self._check_shared_storage(group, self._token)
+        return group
+
+    def _check_shared_storage(self, group: NodeGroup, token: str | None) -> None:
         """Every node must read the marker the driver wrote: a node-local 'shared' path fails here."""
         marker = self.run_dir.marker_uri()
         seen = ray.get([a.read_file.remote(marker) for a in group.actors])
@@ -163,28 +179,35 @@ class Driver:
                 "shared by every node. Use an NFS mount present on every node or an object store (s3://...)."
             )
 
-    def _attempts(self, group: NodeGroup, placement: Placement) -> None:
+    def _attempts(self, placement: Placement) -> None:
         r = self._result
         max_attempts = self.spec.failure.max_restarts + 1
         while r.attempts < max_attempts:
+            if self.group is None:
+                self._reserve(placement)
             r.attempts += 1
             latest = self.run_dir.latest_checkpoint()
             if latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
-            ok, error = self._attempt(group, r.attempts, latest.uri if latest else None)
-            if ok:
+            outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None)
+            if outcome.ok:
                 r.status, r.error = "succeeded", None
                 return
-            r.error = error
+            r.error = outcome.error
+            if outcome.lost_nodes:
+                # The placement group's bundles on lost nodes are gone: reserve anew,
+                # on the nodes that are left or that the cluster adds.
+                self.group.shutdown()
+                self.group = None
             if r.attempts < max_attempts:
                 r.restarts += 1
-                self._say(f"raylaunch: attempt {r.attempts} failed; restarting ({r.restarts} of "
-                          f"{self.spec.failure.max_restarts} restarts)")
+                self._say(f"raylaunch: attempt {r.attempts} failed; restarting from the last committed "
+                          f"checkpoint ({r.restarts} of {self.spec.failure.max_restarts} restarts)")
         r.status = "failed"
 
     # --- one attempt ------------------------------------------------------------------
 
-    def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None) -> tuple[bool, str | None]:
+    def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None) -> "_Outcome":
         spec = self.spec
         staging = self.run_dir.staging_uri(attempt)
         use_gpu = group.placement.use_gpu
@@ -200,10 +223,12 @@ class Driver:
                 restore_uri=restore_uri,
                 backend="nccl" if use_gpu else "gloo",
                 rendezvous_timeout_s=spec.timeouts.rendezvous_s,
+                collective_timeout_s=spec.timeouts.collective_s,
                 accelerate=dataclasses.asdict(spec.accelerate),
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s)
+        self.contexts = contexts
         node_of = {c.world_rank: c.node_rank for c in contexts}
         world = len(contexts)
         joined: set[int] = set()
@@ -212,20 +237,29 @@ class Driver:
         states = ["running"] * len(group.actors)
         returns: dict[int, Any] = {}
         failures: list[RankFailure] = []
+        lost: list[int] = []
         while True:
             polls = group.poll()
             for node_rank, p in enumerate(polls):
-                for rank, stream, line in p.logs:
-                    self._say(f"[node {node_rank} rank {rank}] {line}")
-                by_rank: dict[int, list[str]] = defaultdict(list)
-                for rank, _, line in p.logs:
-                    by_rank[rank].append(line)
-                for rank, lines in by_rank.items():
-                    self.run_dir.append_log(rank, lines)
-                self._events(p.events, node_of, attempt, joined, pending, staging, world)
+                self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
                 states[node_rank] = p.state
                 returns.update(p.returns)
                 failures.extend(p.failures)
+                if p.state == "lost":
+                    lost.append(node_rank)
+                    info = group.infos[node_rank]
+                    ranks = [c.world_rank for c in contexts if c.node_rank == node_rank]
+                    failures.extend(
+                        RankFailure(rank=r, exitcode=-9, message=f"node {node_rank} ({info.node_id[:12]}, "
+                                    f"{info.ip}) was lost", traceback="")
+                        for r in ranks
+                    )
+                for rank, age in p.beat_age_s.items():
+                    if age > spec.timeouts.heartbeat_s and not any(f.rank == rank for f in failures):
+                        failures.append(RankFailure(
+                            rank=rank, exitcode=-1, traceback="",
+                            message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is "
+                                    f"{spec.timeouts.heartbeat_s:g}): the process is stopped or frozen"))
             if failures:
                 break
             if all(s == "succeeded" for s in states):
@@ -234,23 +268,42 @@ class Driver:
                 missing = sorted(set(range(world)) - joined)
                 nodes = sorted({node_of[m] for m in missing})
                 group.stop()
-                return False, (
+                return _Outcome(False, (
                     f"ranks {missing} on nodes {nodes} did not join the process group within "
                     f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained"
-                )
+                ))
             time.sleep(self.poll_interval_s)
         if failures:
+            # The same bug usually fails every rank within moments: wait briefly for the
+            # other nodes to report theirs, so the error is grouped, not one rank's alone.
+            grace = time.monotonic() + FAILURE_GRACE_S
+            while time.monotonic() < grace and any(s == "running" for s in states):
+                time.sleep(self.poll_interval_s)
+                for node_rank, p in enumerate(group.poll()):
+                    if states[node_rank] != "running":
+                        continue
+                    self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
+                    states[node_rank] = p.state
+                    failures.extend(p.failures)
             # Stop everyone else now: a rank blocked in a collective would wait forever.
             for node_rank, p in enumerate(group.stop()):
-                for rank, _, line in p.logs:
-                    self._say(f"[node {node_rank} rank {rank}] {line}")
-                self._events(p.events, node_of, attempt, joined, pending, staging, world)
+                self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
             error = group_failures(failures)
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
-            return False, error
+            return _Outcome(False, error, lost)
         self._result.return_value = _jsonable(returns.get(0))
         self._result.rank_results = {str(k): _jsonable(v) for k, v in sorted(returns.items())}
-        return True, None
+        return _Outcome(True)
+
+    def _forward(self, node_rank, p, node_of, attempt, joined, pending, staging, world) -> None:
+        """Print and store one node's logs; handle its events."""
+        by_rank: dict[int, list[str]] = defaultdict(list)
+        for rank, _, line in p.logs:
+            self._say(f"[node {node_rank} rank {rank}] {line}")
+            by_rank[rank].append(line)
+        for rank, lines in by_rank.items():
+            self.run_dir.append_log(rank, lines)
+        self._events(p.events, node_of, attempt, joined, pending, staging, world)
 
     def _events(self, events, node_of, attempt, joined, pending, staging, world) -> None:
         records = []

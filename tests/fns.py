@@ -31,3 +31,60 @@ def probe(config: dict) -> dict:
 def fail_on_all_ranks(config: dict) -> None:
     Accelerator(**get_session().accelerator_kwargs())
     raise ValueError(f"bad batch shape {config.get('shape', '(3, 4)')}")
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def steady(config: dict) -> dict:
+    """A small regression that takes ``step_s`` a step and checkpoints every ``every`` steps.
+
+    Each rank writes ``<pid_dir>/rank-<R>.pid`` (attempt, pid) when it starts, so tests can
+    kill or stop it from outside.
+    """
+    import time
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    accelerator.init_trackers("steady", config)
+    pid_dir = Path(config["pid_dir"])
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    attempt = session.payload.attempt if session.payload else 0
+    (pid_dir / f"rank-{accelerator.process_index}.pid").write_text(f"{attempt} {os.getpid()}")
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y = x @ torch.arange(8.0) + 1
+    dl = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt, dl = accelerator.prepare(model, opt, dl)
+    progress = _Progress()
+    accelerator.register_for_checkpointing(progress)
+    restored = session.restore(accelerator)
+    total = config["steps"]
+    while progress.step < total:
+        for xb, yb in dl:
+            loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            progress.step += 1
+            accelerator.log({"loss": loss.item()}, step=progress.step)
+            session.log({"rank_loss": loss.item()}, step=progress.step)
+            if progress.step % config["every"] == 0:
+                session.save(accelerator, progress.step)
+            time.sleep(config.get("step_s", 0.05))
+            if progress.step >= total:
+                break
+    return {"restored_step": restored, "steps": progress.step}

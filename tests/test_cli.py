@@ -70,3 +70,43 @@ def test_more_nodes_than_the_cluster_can_ever_give(tmp_path):
     assert "--set scaling.num_nodes=1" in proc.stderr
     result = (tmp_path / "runs" / "digits" / "result.json").read_text()
     assert '"status": "failed"' in result and '"attempts": 0' in result
+
+
+def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
+    """The driver process is SIGKILLed mid-run; running the same spec again resumes."""
+    import json
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    spec = write(tmp_path, f"name: lost-driver\ntrain_fn: fns:steady\nscaling: {{num_nodes: 2}}\n"
+                           f"config: {{steps: 80, every: 10, step_s: 0.05, pid_dir: {tmp_path / 'pids'}}}\n"
+                           f"storage: {tmp_path / 'runs'}\n")
+    latest = tmp_path / "runs" / "lost-driver" / "checkpoints" / "latest.json"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", spec, "--local-nodes", "2"],
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not latest.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert latest.exists(), "no checkpoint was committed"
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        # The embedded cluster died with its driver's process group leader gone: end what it started.
+        for child in locals().get("tree", []):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+    step = json.loads(latest.read_text())["step"]
+    again = raylaunch("run", spec, "--local-nodes", "2", timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resuming from {latest.parent}/checkpoint-{step:08d} (step {step})" in again.stdout
+    result = json.loads((tmp_path / "runs" / "lost-driver" / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["rank_results"]["0"]["restored_step"] >= step

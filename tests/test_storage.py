@@ -1,0 +1,67 @@
+"""The run directory's commit protocol, on a real local filesystem (no processes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jobs.storage import CheckpointError, RunDir, StorageError
+
+
+def stage(run: RunDir, attempt: int, step: int, ranks: list[int]) -> str:
+    path = Path(run.staging_uri(attempt)) / f"checkpoint-{step:08d}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights %d" % step)
+    for r in ranks:
+        (path / f"random_states_{r}.pkl").write_bytes(b"rng %d" % r)
+    return str(path)
+
+
+def test_commit_writes_manifest_moves_in_then_points_latest(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    c = run.commit_checkpoint(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    manifest = json.loads((Path(c.uri) / "manifest.json").read_text())
+    assert manifest["step"] == 5 and manifest["files"]["model.safetensors"]["size"] == len(b"weights 5")
+    assert len(manifest["files"]["random_states_1.pkl"]["sha256"]) == 64
+    assert run.latest_checkpoint().step == 5
+
+
+def test_a_missing_rank_part_is_never_committed(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    run.commit_checkpoint(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    with pytest.raises(CheckpointError, match=r"lacks the part of ranks \[1\]"):
+        run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=2, keep=2)
+    assert [c.step for c in run.committed_checkpoints()] == [5]
+    assert run.latest_checkpoint().step == 5
+    # the next start clears the staging folder a crash left behind
+    run.prepare({"name": "r"})
+    assert not list((tmp_path / "r" / ".staging").iterdir())
+
+
+def test_keep_one_always_leaves_the_latest(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    for step in (1, 2, 3):
+        run.commit_checkpoint(stage(run, 1, step, [0]), step, 1, world_size=1, keep=1)
+        assert [c.step for c in run.committed_checkpoints()] == [step]
+        assert run.latest_checkpoint().step == step
+
+
+def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    c = run.commit_checkpoint(stage(run, 1, 7, [0]), 7, 1, world_size=1, keep=2)
+    shutil.rmtree(c.uri)
+    with pytest.raises(CheckpointError, match="names checkpoint-00000007, which is not a committed checkpoint.*--fresh"):
+        run.latest_checkpoint()
+
+
+def test_unwritable_storage_says_what_to_set(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match=r"cannot write the run directory .*Set `storage`"):
+        RunDir(str(tmp_path / "file"), "r").prepare({})
