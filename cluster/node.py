@@ -160,6 +160,8 @@ class NodeActor:
             out.state = self._state = "failed" if result.is_failed() else "succeeded"
             out.returns = {self._ranks[i]: v for i, v in result.return_values.items()}
             out.failures = [_failure(self._ranks[i], f) for i, f in result.failures.items()]
+            if out.failures:
+                out.failures += self._sibling_failures(set(result.failures))
         self._drain(out, final=result is not None)
         if result is not None:
             self._pctx = None
@@ -172,6 +174,18 @@ class NodeActor:
                     out.beat_age_s[rank] = now - os.stat(path).st_mtime
                 except FileNotFoundError:
                     pass
+        return out
+
+    def _sibling_failures(self, reported: set[int]) -> list[RankFailure]:
+        """torch reports the first local failure and kills the rest; a sibling that had
+        already raised left its error file, so the driver can group identical errors."""
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        out = []
+        for i, path in self._pctx.error_files.items():
+            if i not in reported and path and os.path.isfile(path):
+                f = ProcessFailure(local_rank=i, pid=0, exitcode=1, error_file=path)
+                out.append(_failure(self._ranks[i], f))
         return out
 
     def _drain(self, out: NodePoll, final: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -45,7 +46,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     driver.preflight()  # train_fn and storage are checked before Ray starts
     s = spec.scaling
     per_node = s.workers_per_node * s.cpus_per_worker if isinstance(s.workers_per_node, int) else float(os.cpu_count() or 1)
+    # `raylaunch stop` (Ray Jobs) and a scheduler's kill send SIGTERM: stop every rank,
+    # record "stopped" and keep the last committed checkpoint.
     with connect(address, local_nodes=args.local_nodes or 1, cpus_per_node=per_node) as can_grow:
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which installs its own
         driver.can_grow = can_grow
         result = driver.run()
     print(f"raylaunch: {result.status} after {result.attempts} attempt(s); run directory {result.run_dir}")
@@ -54,6 +58,93 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.status != "succeeded":
         print(f"raylaunch: {spec.name} {result.status}: {result.error}", file=sys.stderr)
         return 1
+    return 0
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the driver is, so it stops cleanly."""
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise _Stopped("stopped (SIGTERM)")
+
+
+def _address(args: argparse.Namespace) -> str:
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise SpecError(["--address is required (or set RAY_ADDRESS), e.g. --address http://127.0.0.1:8265 "
+                         "after `ray dashboard cluster.yaml`"], "the command line")
+    return address
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from jobs import submit
+
+    overrides = list(args.set or [])
+    if args.storage:
+        overrides.append(f"storage={args.storage}")
+    if args.name:
+        overrides.append(f"name={args.name}")
+    address = _address(args)
+    request = submit.plan_submit(args.spec, overrides, address)
+    if args.dry_run:
+        print(request.describe())
+        print("raylaunch: --dry-run: nothing was sent")
+        return 0
+    job_id = submit.send(request)
+    print(f"raylaunch: submitted {job_id}")
+    print(f"raylaunch: run directory {request.run_dir}")
+    if not args.follow:
+        print(f"raylaunch: follow it with: raylaunch logs {job_id} --follow --address {address}")
+        return 0
+    return submit.follow(address, job_id)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from jobs import submit
+
+    address = _address(args)
+    jobs = submit.client(address)
+    info = submit.call(jobs.get_job_info, address, args.job)
+    print(f"{args.job}: {str(info.status).split('.')[-1]}"
+          + (f" ({info.message})" if info.message else ""))
+    meta = info.metadata or {}
+    if "raylaunch_storage" in meta:
+        print(f"run directory: {meta['raylaunch_storage']}/{meta.get('raylaunch_run', '')}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from jobs import submit
+
+    address = _address(args)
+    if args.follow:
+        return submit.follow(address, args.job)
+    jobs = submit.client(address)
+    print(submit.call(jobs.get_job_logs, address, args.job), end="")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from jobs import submit
+
+    address = _address(args)
+    jobs = submit.client(address)
+    submit.call(jobs.get_job_status, address, args.job)
+    stopped = submit.call(jobs.stop_job, address, args.job)
+    print(f"raylaunch: {'stopping' if stopped else 'already ended:'} {args.job}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from jobs import submit
+
+    address = _address(args)
+    jobs = submit.client(address)
+    for info in sorted(submit.call(jobs.list_jobs, address), key=lambda i: i.start_time or 0):
+        name = (info.metadata or {}).get("raylaunch_run", "")
+        print(f"{info.submission_id or info.job_id}\t{str(info.status).split('.')[-1]}\t{name}")
     return 0
 
 
@@ -77,6 +168,25 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fresh", action="store_true",
                      help="start over in a new run directory instead of resuming (the old one is kept)")
     run.set_defaults(func=cmd_run)
+
+    sb = sub.add_parser("submit", help="send a job to a cluster through the Ray Jobs API")
+    spec_args(sb)
+    sb.add_argument("--address", help="the dashboard, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS)")
+    sb.add_argument("--follow", action="store_true", help="show live progress and logs; exit with the job's status")
+    sb.add_argument("--dry-run", action="store_true", help="print the request and send nothing")
+    sb.set_defaults(func=cmd_submit)
+
+    for verb, func, text in [("status", cmd_status, "a job's status"), ("logs", cmd_logs, "a job's logs"),
+                             ("stop", cmd_stop, "stop a job; its ranks stop and result.json says stopped")]:
+        vp = sub.add_parser(verb, help=text)
+        vp.add_argument("job", help="the job id that submit printed")
+        vp.add_argument("--address", help="the dashboard address (default: RAY_ADDRESS)")
+        if verb == "logs":
+            vp.add_argument("--follow", action="store_true", help="follow live, with a progress bar")
+        vp.set_defaults(func=func)
+    lp = sub.add_parser("list", help="the cluster's jobs")
+    lp.add_argument("--address", help="the dashboard address (default: RAY_ADDRESS)")
+    lp.set_defaults(func=cmd_list)
 
     val = sub.add_parser("validate", help="check a spec and its train_fn without running anything")
     spec_args(val)
@@ -102,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as exc:
         from jobs.storage import StorageError
+        from jobs.submit import JobsError
 
         if isinstance(exc, StorageError):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, JobsError):
+            print(f"raylaunch: {exc}", file=sys.stderr)
+            return 1
         raise
 
 

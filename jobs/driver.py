@@ -143,8 +143,9 @@ class Driver:
             self._attempts(placement)
         except (PlacementError, StorageError, CheckpointError, RunError) as exc:
             r.status, r.error = "failed", str(exc)
-        except KeyboardInterrupt:
-            r.status, r.error = "stopped", "interrupted (Ctrl-C)"
+        except KeyboardInterrupt as exc:
+            r.status, r.error = "stopped", str(exc) or "interrupted (Ctrl-C)"
+            self._say(f"raylaunch: {r.error}: stopping every rank")
         finally:
             if self.group is not None:
                 self.group.shutdown()

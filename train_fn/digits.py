@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 
 import torch
 from accelerate import Accelerator
@@ -160,6 +161,8 @@ def train(config: dict) -> dict:
     # 4. Loop.
     seen: list[int] = []
     last_saved = restored
+    global_batch = cfg["batch_size"] * accelerator.num_processes * accelerator.gradient_accumulation_steps
+    step_began = time.perf_counter()
     model.train()
     while progress.step < total_steps:
         epoch, done_in_epoch = divmod(progress.step, steps_per_epoch)
@@ -183,7 +186,11 @@ def train(config: dict) -> dict:
                 continue
             progress.step += 1
             loss = accelerator.reduce(torch.tensor(running / count, device=accelerator.device), "mean").item()
-            accelerator.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "epoch": epoch}, step=progress.step)
+            now = time.perf_counter()
+            samples_per_s = global_batch / (now - step_began)
+            step_began = now
+            accelerator.log({"loss": loss, "lr": scheduler.get_last_lr()[0], "epoch": epoch,
+                             "samples_per_s": samples_per_s, "total_steps": total_steps}, step=progress.step)
             session.log({"rank_loss": running / count, "samples": count * cfg["batch_size"]}, step=progress.step)
             running, count = 0.0, 0
             if cfg["checkpoint_every"] and progress.step % cfg["checkpoint_every"] == 0:

@@ -1,0 +1,335 @@
+"""Submission from a laptop through Ray's Jobs API: plan (pure), then act.
+
+``plan_submit`` checks the spec exactly as ``raylaunch validate`` does, works
+out what the working-directory upload will hold, and builds the request; it
+sends nothing, which gives ``--dry-run``. ``send`` submits it; ``follow``
+shows a live progress bar from the driver's output and returns the job's
+exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from jobs.spec import JobSpec, SpecError, load_spec
+
+__all__ = [
+    "JobsError",
+    "SubmitRequest",
+    "UploadPlan",
+    "client",
+    "follow",
+    "plan_submit",
+    "plan_upload",
+    "send",
+]
+
+# What never belongs in a job's code upload, besides what .gitignore and .rayignore name.
+UPLOAD_EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache",
+                   ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info"]
+
+
+# How long submit waits for the job agent of a cluster that has just started.
+AGENT_WAIT_S = 60.0
+
+
+class JobsError(RuntimeError):
+    """A Jobs API problem, with the one line a user needs."""
+
+
+@dataclass(frozen=True)
+class UploadPlan:
+    root: str
+    files: int
+    bytes: int
+    largest: list[tuple[str, int]]  # (relative path, bytes), biggest first
+    limit: int
+
+
+def _upload_limit() -> int:
+    # The dashboard refuses larger request bodies with HTTP 413 (ray#45602).
+    from ray._private import ray_constants
+
+    return int(ray_constants.DASHBOARD_CLIENT_MAX_SIZE)
+
+
+def plan_upload(root: str | Path, excludes: list[str] | None = None) -> UploadPlan:
+    """The files Ray would upload from ``root`` (same exclusion rules, .gitignore included)."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    root = Path(root).resolve()
+    sizes: dict[str, int] = {}
+
+    def handler(path: Path) -> None:
+        if path.is_file():
+            sizes[str(path.relative_to(root))] = path.stat().st_size
+
+    quiet = logging.getLogger("raylaunch.upload")
+    quiet.setLevel(logging.WARNING)
+    _dir_travel(root, [_get_excludes(root, list(excludes or UPLOAD_EXCLUDES))], handler,
+                include_gitignore=True, logger=quiet)
+    # Group the largest by top-level folder too: a data folder is one line, not a thousand.
+    by_top: dict[str, int] = {}
+    for rel, size in sizes.items():
+        top = rel.split(os.sep, 1)[0] + ("/" if os.sep in rel else "")
+        by_top[top] = by_top.get(top, 0) + size
+    largest = sorted(by_top.items(), key=lambda kv: -kv[1])[:5]
+    return UploadPlan(str(root), len(sizes), sum(sizes.values()), largest, _upload_limit())
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """Everything ``send`` will do; printing it is ``--dry-run``."""
+
+    address: str
+    submission_id: str
+    entrypoint: list[str]
+    runtime_env: dict
+    metadata: dict
+    run_dir: str
+    upload: UploadPlan
+    spec: JobSpec = field(repr=False)
+
+    def describe(self) -> str:
+        lines = [
+            f"address:       {self.address}",
+            f"submission id: {self.submission_id}",
+            f"entrypoint:    {shlex.join(self.entrypoint)}",
+            f"working dir:   {self.upload.root} ({self.upload.files} files, {_mib(self.upload.bytes)} "
+            f"before compression; limit {_mib(self.upload.limit)})",
+            f"run directory: {self.run_dir} (on the cluster's storage)",
+        ]
+        return "\n".join(lines)
+
+
+def plan_submit(
+    spec_path: str,
+    overrides: list[str],
+    address: str,
+    cwd: str | Path | None = None,
+) -> SubmitRequest:
+    """Check everything locally and build the request; sends nothing."""
+    from cluster.worker import check_train_fn
+
+    cwd = Path(cwd or os.getcwd()).resolve()
+    spec = load_spec(spec_path, overrides)
+    check_train_fn(spec.train_fn)
+    spec_abs = Path(spec_path).resolve()
+    try:
+        spec_rel = spec_abs.relative_to(cwd)
+    except ValueError:
+        raise SpecError([f"the spec must be inside the working directory that is uploaded ({cwd}); "
+                         "run submit from the project folder"], spec_path) from None
+    upload = plan_upload(cwd)
+    if upload.bytes > upload.limit:
+        zipped = _zipped_size(cwd)
+        if zipped > upload.limit:
+            biggest = ", ".join(f"{p} ({_mib(s)})" for p, s in upload.largest)
+            raise JobsError(
+                f"the working directory {cwd} is {_mib(zipped)} compressed, over Ray's upload limit of "
+                f"{_mib(upload.limit)}. Largest: {biggest}. Name what the job does not need in "
+                ".rayignore (or .gitignore), or put data on shared storage."
+            )
+    # An argument list; Ray Jobs takes one string, so it is quoted by shlex, never
+    # pasted together from user input.
+    entrypoint = ["python", "-m", "jobs.cli", "run", str(spec_rel)]
+    for item in overrides:
+        entrypoint += ["--set", item]
+    submission_id = f"raylaunch-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    runtime_env = {
+        "working_dir": str(cwd),
+        "excludes": UPLOAD_EXCLUDES,
+        # Time for the driver to stop every rank and record "stopped" after SIGTERM.
+        "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"},
+    }
+    storage = spec.storage.rstrip("/")
+    return SubmitRequest(
+        address=address,
+        submission_id=submission_id,
+        entrypoint=entrypoint,
+        runtime_env=runtime_env,
+        metadata={"raylaunch_run": spec.name, "raylaunch_storage": storage},
+        run_dir=f"{storage}/{spec.name}",
+        upload=upload,
+        spec=spec,
+    )
+
+
+def _zipped_size(root: Path) -> int:
+    import tempfile
+
+    from ray._private.runtime_env.packaging import _zip_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pkg.zip")
+        quiet = logging.getLogger("raylaunch.upload")
+        quiet.setLevel(logging.WARNING)
+        _zip_files(str(root), UPLOAD_EXCLUDES, out, include_gitignore=True, logger=quiet)
+        return os.path.getsize(out)
+
+
+# --- talking to the cluster ----------------------------------------------------------
+
+
+def client(address: str):
+    """A ``JobSubmissionClient``, or a ``JobsError`` that says what to do."""
+    from ray.job_submission import JobSubmissionClient
+
+    # Ray's client logs every packaging step at INFO; the laptop wants our lines only.
+    for name in ("ray", "ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging",
+                 "ray._private.runtime_env.working_dir", "ray.dashboard.modules.job.sdk"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:  # connection refused, version mismatch, auth
+        raise _translate(exc, address) from None
+
+
+def _translate(exc: Exception, address: str) -> JobsError:
+    text = str(exc)
+    low = text.lower()
+    if "authentication" in low or "unauthenticated" in low or "401" in low or "403" in low:
+        return JobsError(
+            f"the cluster at {address} requires Ray's token authentication and refused this client. "
+            "Set RAY_AUTH_MODE=token and put the cluster's token in ~/.ray/auth_token (or RAY_AUTH_TOKEN); "
+            "`ray get-auth-token` on the head prints it."
+        )
+    if "connect" in low or "refused" in low or "timed out" in low or "max retries" in low:
+        return JobsError(f"no Ray dashboard answers at {address}. Is the cluster up, and the tunnel open "
+                         "(`ray dashboard cluster.yaml`)?")
+    if "version" in low:
+        return JobsError(f"the cluster at {address} runs another Ray version: {text.splitlines()[0]}")
+    if "does not exist" in low or "not found" in low or "404" in low:
+        return JobsError(text.splitlines()[0] if text else "no such job")
+    return JobsError(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''} (address {address})")
+
+
+def call(fn, address: str, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except JobsError:
+        raise
+    except Exception as exc:
+        raise _translate(exc, address) from None
+
+
+def send(request: SubmitRequest, jobs=None) -> str:
+    """Submit; returns the job id."""
+    jobs = jobs or client(request.address)
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return jobs.submit_job(
+                entrypoint=shlex.join(request.entrypoint),
+                submission_id=request.submission_id,
+                runtime_env=request.runtime_env,
+                metadata=request.metadata,
+            )
+        except Exception as exc:
+            # A cluster just started has no job agent for a few seconds.
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise _translate(exc, request.address) from None
+            time.sleep(1.0)
+
+
+# --- following a job ------------------------------------------------------------------
+
+_STEP = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
+_ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
+_RESTART = re.compile(r"\((\d+) of (\d+) restarts\)")
+_TERMINAL = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+
+
+class _Progress:
+    """A tqdm bar fed by the driver's progress lines; other lines print above it."""
+
+    def __init__(self, out: TextIO) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=None, unit="step", file=out, dynamic_ncols=True,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+        self.attempt, self.restarts = 1, 0
+        self.metrics: dict[str, str] = {}
+        self.last_step, self.last_time, self.rate = 0, time.monotonic(), 0.0
+
+    def line(self, text: str) -> None:
+        m = _STEP.match(text)
+        if m:
+            step = int(m.group(1))
+            for kv in (m.group(2) or "").split():
+                k, _, v = kv.partition("=")
+                self.metrics[k] = v
+            if "total_steps" in self.metrics:
+                self.bar.total = int(float(self.metrics["total_steps"]))
+            now = time.monotonic()
+            if step > self.last_step:
+                self.rate = (step - self.last_step) / max(now - self.last_time, 1e-6)
+                self.last_step, self.last_time = step, now
+            self.bar.n = step
+            post = {"loss": self.metrics.get("loss", "-"), "steps/s": f"{self.rate:.1f}",
+                    "attempt": self.attempt, "restarts": self.restarts}
+            if "samples_per_s" in self.metrics:
+                post["samples/s"] = self.metrics["samples_per_s"]
+            self.bar.set_postfix(post, refresh=True)
+            return
+        if m := _ATTEMPT.match(text):
+            self.attempt = int(m.group(1))
+        if m := _RESTART.search(text):
+            self.restarts = int(m.group(1))
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None) -> int:
+    """Show the job live until it ends; its exit status (0 succeeded, 1 failed, 3 stopped).
+
+    Ctrl-C detaches and leaves the job running.
+    """
+    jobs = jobs or client(address)
+    call(jobs.get_job_status, address, job_id)  # a clear error for a job that does not exist
+    progress = _Progress(out)
+
+    async def tail() -> None:
+        pending = ""
+        async for chunk in jobs.tail_job_logs(job_id):
+            pending += chunk
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                progress.line(line)
+        if pending:
+            progress.line(pending)
+
+    try:
+        asyncio.run(tail())
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"\nraylaunch: detached; {job_id} is still running.\n"
+              f"  follow again: raylaunch logs {job_id} --follow --address {address}\n"
+              f"  stop it:      raylaunch stop {job_id} --address {address}", file=out)
+        return 130
+    finally:
+        progress.close()
+    status = str(call(jobs.get_job_status, address, job_id)).split(".")[-1]
+    deadline = time.monotonic() + 30
+    while status not in _TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.5)
+        status = str(call(jobs.get_job_status, address, job_id)).split(".")[-1]
+    print(f"raylaunch: job {job_id} {status.lower()}", file=out)
+    return _TERMINAL.get(status, 1)

@@ -1,0 +1,201 @@
+"""Submission from a laptop: a real Ray head (dashboard on 127.0.0.1, token auth on) in a fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, cli_env
+from jobs.submit import JobsError, plan_upload
+
+SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", "--set", "config.epochs=1",
+         "--set", "config.train_samples=256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """`ray start --head` with token authentication; stopped by PID at the end."""
+    # A short path: Ray's Unix sockets live under it, and socket paths are capped at 107 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+    token = secrets.token_hex(16)
+    port = free_port()
+    env = cli_env()
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
+    subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--port=0", "--num-cpus=2",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={port}", f"--temp-dir={temp}",
+                    "--include-dashboard=true", "--disable-usage-stats",
+                    # not the fixed defaults: another Ray on this machine may hold them
+                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    try:
+        yield {"address": f"http://127.0.0.1:{port}", "token": token, "temp": str(temp)}
+    finally:
+        ours = [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])]
+        procs = {p.pid: p for p in ours}
+        for p in ours:
+            try:
+                procs.update({c.pid: c for c in p.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+        for p in procs.values():
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+        for p in alive:
+            p.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def cli(head, *args, token: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = cli_env()
+    env.pop("RAY_ADDRESS", None)
+    if token:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
+    else:
+        env.pop("RAY_AUTH_MODE", None)
+        env.pop("RAY_AUTH_TOKEN", None)
+        env["HOME"] = head["temp"]  # no ~/.ray/auth_token either
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_submit_follow_trains_and_exits_with_the_job_status(head, tmp_path):
+    proc = cli(head, "submit", "jobs/examples/digits.yaml", "--address", head["address"], "--follow",
+               "--storage", str(tmp_path), *SMALL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"run directory {tmp_path}/digits" in proc.stdout
+    assert "submitted raylaunch-digits-" in proc.stdout and "succeeded" in proc.stdout
+    assert "8/8" in proc.stdout and "loss=" in proc.stdout  # the progress bar: step of total, loss
+    assert "[node 0 rank 0] eval accuracy" in proc.stdout  # rank-prefixed logs under it
+    result = json.loads((tmp_path / "digits" / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["world_size"] == 2
+    job = proc.stdout.split("submitted ", 1)[1].split()[0]
+    status = cli(head, "status", job, "--address", head["address"])
+    assert status.returncode == 0 and f"{job}: SUCCEEDED" in status.stdout
+    listed = cli(head, "list", "--address", head["address"])
+    assert job in listed.stdout and "digits" in listed.stdout
+
+
+def test_a_failing_job_exits_non_zero_with_the_error(head, tmp_path):
+    spec = ROOT / "tests" / "boom.yaml"
+    spec.write_text(f"name: boom\ntrain_fn: tests.fns:fail_on_all_ranks\nscaling: {{num_nodes: 1, workers_per_node: 2}}\n"
+                    f"storage: {tmp_path}\n")
+    try:
+        proc = cli(head, "submit", "tests/boom.yaml", "--address", head["address"], "--follow")
+    finally:
+        spec.unlink()
+    assert proc.returncode == 1, proc.stdout
+    assert "[ranks 0, 1] ValueError: bad batch shape (3, 4)" in proc.stdout
+    assert "job raylaunch-boom-" in proc.stdout and "failed" in proc.stdout
+
+
+def test_stop_records_stopped_and_leaves_no_rank_running(head, tmp_path):
+    spec = ROOT / "tests" / "long.yaml"
+    spec.write_text(f"name: long\ntrain_fn: tests.fns:steady\nscaling: {{num_nodes: 1, workers_per_node: 2}}\n"
+                    f"config: {{steps: 100000, every: 20, step_s: 0.05, pid_dir: {tmp_path / 'pids'}}}\n"
+                    f"storage: {tmp_path}\n")
+    try:
+        proc = cli(head, "submit", "tests/long.yaml", "--address", head["address"])
+    finally:
+        spec.unlink()
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.split("submitted ", 1)[1].split()[0]
+    latest = tmp_path / "long" / "checkpoints" / "latest.json"
+    deadline = time.monotonic() + 120
+    while not latest.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert latest.exists()
+    pids = [int((tmp_path / "pids" / f"rank-{r}.pid").read_text().split()[1]) for r in (0, 1)]
+    stop = cli(head, "stop", job, "--address", head["address"])
+    assert stop.returncode == 0 and f"stopping {job}" in stop.stdout
+    result_file = tmp_path / "long" / "result.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (result_file.exists() and "stopped" in result_file.read_text()):
+        time.sleep(0.2)
+    result = json.loads(result_file.read_text())
+    assert result["status"] == "stopped" and "SIGTERM" in result["error"], result["error"]
+    assert result["checkpoints"]  # the last committed checkpoint is intact
+    assert json.loads(latest.read_text())["name"] in result["checkpoints"][-1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+def job_ids(head) -> set[str]:
+    return {line.split()[0] for line in cli(head, "list", "--address", head["address"]).stdout.splitlines()}
+
+
+def test_dry_run_sends_nothing(head):
+    before = job_ids(head)
+    proc = cli(head, "submit", "jobs/examples/digits.yaml", "--address", head["address"], "--dry-run",
+               "--set", "scaling.num_nodes=4")
+    assert proc.returncode == 0
+    assert "entrypoint:    python -m jobs.cli run jobs/examples/digits.yaml --set scaling.num_nodes=4" in proc.stdout
+    assert "nothing was sent" in proc.stdout
+    assert job_ids(head) == before
+
+
+def test_a_bad_spec_never_reaches_the_cluster(head):
+    before = job_ids(head)
+    proc = cli(head, "submit", "jobs/examples/digits.yaml", "--address", head["address"], "--set", "scaling.nodes=2")
+    assert proc.returncode == 2 and "scaling.nodes: unknown key; did you mean 'num_nodes'?" in proc.stderr
+    assert job_ids(head) == before
+
+
+def test_without_the_token_the_cluster_refuses_and_we_say_how_to_get_one(head):
+    proc = cli(head, "list", "--address", head["address"], token=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "requires Ray's token authentication" in proc.stderr and "ray get-auth-token" in proc.stderr
+
+
+def test_clear_errors_for_a_dead_address_and_an_unknown_job(head):
+    dead = cli(head, "list", "--address", f"http://127.0.0.1:{free_port()}")
+    assert dead.returncode == 1 and "no Ray dashboard answers at" in dead.stderr and "Traceback" not in dead.stderr
+    unknown = cli(head, "status", "raylaunch-nope", "--address", head["address"])
+    assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
+    assert "raylaunch-nope" in unknown.stderr
+
+
+def test_upload_leaves_out_what_does_not_belong_and_refuses_too_large(tmp_path):
+    for rel in ["train.py", ".git/objects/x", ".venv/lib/y", "pkg/__pycache__/z.pyc", "runs/r/metrics.jsonl",
+                "data/ignored.bin", "data/kept.csv"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    (tmp_path / ".gitignore").write_text("data/ignored.bin\n")
+    plan = plan_upload(tmp_path)
+    assert plan.files == 3  # train.py, data/kept.csv, .gitignore
+    big = tmp_path / "data" / "weights.bin"
+    big.write_bytes(os.urandom(plan.limit + 2**20))
+    with pytest.raises(JobsError, match=r"over Ray's upload limit of 100.0 MiB\. Largest: data/ \(101\.0 MiB\)"):
+        from jobs.submit import plan_submit
+
+        (tmp_path / "job.yaml").write_text("name: t\ntrain_fn: train_fn.digits:train\n")
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            plan_submit("job.yaml", [], "http://127.0.0.1:1")
+        finally:
+            os.chdir(cwd)
