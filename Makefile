@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STORAGE ?= /tmp/raylaunch-runs
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean bench
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +23,7 @@ test: install
 
 clean:
 	rm -rf $(VENV) raylaunch-local
+
+# Benchmark against torchrun and Ray Train (quick: under two minutes; BENCH_FULL=1: the full run).
+bench: install
+	$(BIN)/python bench/run.py

@@ -24,10 +24,20 @@ SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", 
          "--set", "config.train_samples=256"]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (all held open together while chosen, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +46,18 @@ def head(tmp_path_factory):
     # A short path: Ray's Unix sockets live under it, and socket paths are capped at 107 bytes.
     temp = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
     token = secrets.token_hex(16)
-    port = free_port()
+    port, listen, grpc, runtime_env, metrics = free_ports(5)
     env = cli_env()
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
-    subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--port=0", "--num-cpus=2",
+    started = subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--port=0", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={port}", f"--temp-dir={temp}",
                     "--include-dashboard=true", "--disable-usage-stats",
                     # not the fixed defaults: another Ray on this machine may hold them
-                    f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                    f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
-                   env=env, check=True, capture_output=True, timeout=120)
+                    f"--dashboard-agent-listen-port={listen}", f"--dashboard-agent-grpc-port={grpc}",
+                    f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}"],
+                   env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     try:
         yield {"address": f"http://127.0.0.1:{port}", "token": token, "temp": str(temp)}
     finally:

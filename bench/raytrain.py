@@ -1,0 +1,23 @@
+"""The peer: Ray Train's TorchTrainer running the same function (argv[1] is the config JSON)."""
+
+import json
+import os
+import sys
+
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.fn import train  # noqa: E402
+
+if __name__ == "__main__":
+    config = json.loads(sys.argv[1])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray.init(num_cpus=2, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}})
+    trainer = TorchTrainer(train, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                           run_config=RunConfig(storage_path=config["storage"], name="raytrain"))
+    trainer.fit()
+    ray.shutdown()
