@@ -26,4 +26,5 @@ clean:
 
 # Benchmark against torchrun and Ray Train (quick: under two minutes; BENCH_FULL=1: the full run).
 bench: install
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python bench/run.py

@@ -137,7 +137,7 @@ class NodeGroup:
                     + _unplaceable(placement, _alive_nodes())
                 )
             on_wait(
-                f"waiting for {placement.num_nodes} nodes with {placement.bundle} "
+                f"raylaunch: waiting for {placement.num_nodes} nodes with {placement.bundle} "
                 f"({deadline - time.monotonic():.0f} s left of timeouts.placement_s)"
             )
         remote_cls = ray.remote(NodeActor)

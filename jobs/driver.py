@@ -89,7 +89,7 @@ class Driver:
         *,
         can_grow: bool = True,
         fresh: bool = False,
-        out: TextIO = sys.stdout,
+        out: TextIO | None = None,
         poll_interval_s: float = 0.25,
     ) -> None:
         self.spec = spec
@@ -105,7 +105,7 @@ class Driver:
         self.contexts: list[WorkerContext] = []
 
     def _say(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        print(text, file=self.out or sys.stdout, flush=True)
 
     # --- the whole run ------------------------------------------------------------
 

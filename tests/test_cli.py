@@ -110,3 +110,12 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
     assert f"resuming from {latest.parent}/checkpoint-{step:08d} (step {step})" in again.stdout
     result = json.loads((tmp_path / "runs" / "lost-driver" / "result.json").read_text())
     assert result["status"] == "succeeded" and result["rank_results"]["0"]["restored_step"] >= step
+
+
+def test_an_exception_in_the_training_function_fails_the_run(tmp_path):
+    spec = write(tmp_path, "name: boom\ntrain_fn: fns:fail_on_all_ranks\nscaling: {num_nodes: 1, workers_per_node: 1}\n")
+    proc = raylaunch("run", spec, "--storage", str(tmp_path / "runs"))
+    assert proc.returncode == 1
+    assert "[rank 0] ValueError: bad batch shape (3, 4)" in proc.stderr
+    assert 'fns.py", line' in proc.stderr  # the rank's traceback
+    assert "raylaunch: boom failed: [rank 0] ValueError" in proc.stderr

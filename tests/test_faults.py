@@ -133,3 +133,36 @@ def test_a_lost_node_moves_the_run_to_the_nodes_left(ray_cluster, tmp_path):
     assert lost_id not in {n["node_id"] for n in result.nodes}
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert {n["node_id"] for n in result.nodes} == alive and len(alive) == 2
+
+
+def test_waiting_for_nodes_is_visible_and_bounded(ray_cluster, tmp_path, capsys):
+    """On a cluster that may grow, too few nodes wait timeouts.placement_s, then fail with the numbers."""
+    spec = load_spec_text(STEADY.format(name="wait", steps=10, restarts=0, pid_dir=tmp_path / "pids",
+                                        storage=tmp_path / "runs"),
+                          ["scaling.num_nodes=4", "timeouts.placement_s=12"])
+    began = time.monotonic()
+    result = Driver(spec, can_grow=True).run()
+    assert 11 < time.monotonic() - began < 60
+    assert result.status == "failed" and result.attempts == 0
+    assert result.error.startswith("gave up after 12 s (timeouts.placement_s): the job needs 4 nodes with {CPU: 1}")
+    assert "of the cluster's 2 alive nodes can hold that" in result.error
+    assert "waiting for 4 nodes with {'CPU': 1.0}" in capsys.readouterr().out
+
+
+def test_a_node_that_arrives_while_waiting_is_used(ray_cluster, tmp_path):
+    """The autoscaler's part, played by the test: a third node joins while the driver waits."""
+    spec = load_spec_text(STEADY.format(name="grow", steps=20, restarts=0, pid_dir=tmp_path / "pids",
+                                        storage=tmp_path / "runs"), ["scaling.num_nodes=3"])
+    driver = Driver(spec, can_grow=True)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    time.sleep(3)
+    node = ray_cluster.add_node(num_cpus=2)
+    try:
+        thread.join(180)
+        result = box["result"]
+        assert result.status == "succeeded", result.error
+        assert result.num_nodes == 3 and node.node_id in {n["node_id"] for n in result.nodes}
+    finally:
+        ray_cluster.remove_node(node)
