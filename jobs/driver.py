@@ -187,7 +187,7 @@ class Driver:
             if self.group is None:
                 self._reserve(placement)
             r.attempts += 1
-            latest = self.run_dir.latest_checkpoint()
+            latest = self.run_dir.loadable_checkpoint(warn=self._say)
             if latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None)

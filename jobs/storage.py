@@ -197,6 +197,37 @@ class RunDir:
             )
         return committed[pointer["name"]]
 
+    def verify(self, checkpoint: CommittedCheckpoint) -> None:
+        """Check every file against the manifest; ``CheckpointError`` names the first that differs."""
+        path = checkpoint.uri.split("://", 1)[-1] if not self._local else checkpoint.uri
+        manifest = self._read_json(f"{path}/{MANIFEST}")
+        if manifest is None:
+            raise CheckpointError(f"{checkpoint.uri} has no {MANIFEST}")
+        for rel, meta in manifest["files"].items():
+            info = self.fs.get_file_info(f"{path}/{rel}")
+            if info.type == pafs.FileType.NotFound:
+                raise CheckpointError(f"{checkpoint.uri}/{rel} is missing (listed in its manifest)")
+            if info.size != meta["size"]:
+                raise CheckpointError(f"{checkpoint.uri}/{rel} has {info.size} bytes; its manifest says {meta['size']}")
+            if self._sha256(f"{path}/{rel}") != meta["sha256"]:
+                raise CheckpointError(f"{checkpoint.uri}/{rel} does not match the checksum in its manifest")
+
+    def loadable_checkpoint(self, warn=print) -> CommittedCheckpoint | None:
+        """The latest committed checkpoint whose files match its manifest; older ones if it does not."""
+        latest = self.latest_checkpoint()
+        if latest is None:
+            return None
+        for c in reversed([c for c in self.committed_checkpoints() if c.step <= latest.step]):
+            try:
+                self.verify(c)
+                return c
+            except CheckpointError as exc:
+                warn(f"raylaunch: not loading {c.uri}: {exc}; trying the previous committed checkpoint")
+        raise CheckpointError(
+            f"no committed checkpoint in {self.checkpoints_path} matches its manifest. Restore the files, "
+            "or start over with --fresh."
+        )
+
     def _prune(self, keep: int) -> None:
         committed = self.committed_checkpoints()
         for old in committed[: max(0, len(committed) - keep)]:

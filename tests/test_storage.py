@@ -65,3 +65,18 @@ def test_unwritable_storage_says_what_to_set(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StorageError, match=r"cannot write the run directory .*Set `storage`"):
         RunDir(str(tmp_path / "file"), "r").prepare({})
+
+
+def test_a_tampered_or_truncated_file_is_refused_and_the_previous_checkpoint_used(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    run.commit_checkpoint(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
+    newest = run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
+    (Path(newest.uri) / "model.safetensors").write_bytes(b"weights 99")  # same size, other bytes
+    said = []
+    assert run.loadable_checkpoint(warn=said.append).step == 5
+    assert "model.safetensors does not match the checksum in its manifest" in said[0]
+    (Path(newest.uri) / "model.safetensors").write_bytes(b"weights 10")  # restored
+    (Path(newest.uri) / "random_states_0.pkl").write_bytes(b"rn")  # truncated
+    with pytest.raises(CheckpointError, match="random_states_0.pkl has 2 bytes; its manifest says 5"):
+        run.verify(newest)

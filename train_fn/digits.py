@@ -44,6 +44,7 @@ DEFAULTS = {
     "checkpoint_every": 0,  # optimizer steps between checkpoints; 0: only at the end
     "name_or_path": None,  # a saved or hub model to start from instead of a config
     "record_samples": False,  # return the training indices this rank saw in epoch 0
+    "throttle_s": 0.0,  # sleep after each optimizer step: to watch a demo, or to interrupt one in a test
 }
 CLS = 17  # pixel intensities are the tokens 0..16
 NUM_LABELS = 10
@@ -196,6 +197,8 @@ def train(config: dict) -> dict:
             if cfg["checkpoint_every"] and progress.step % cfg["checkpoint_every"] == 0:
                 session.save(accelerator, progress.step)
                 last_saved = progress.step
+            if cfg["throttle_s"]:
+                time.sleep(cfg["throttle_s"])
             if progress.step >= total_steps:
                 break
 
