@@ -102,6 +102,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # holds, so the join has our bound instead of torch's 30 minutes.
     # Accelerate adopts an existing group unchanged.
     _start_heartbeat(payload.events_path + ".beat")
+    session._emit({"kind": "arrived"})  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,
         timeout=timedelta(seconds=payload.collective_timeout_s),

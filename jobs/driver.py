@@ -233,6 +233,7 @@ class Driver:
         node_of = {c.world_rank: c.node_rank for c in contexts}
         world = len(contexts)
         joined: set[int] = set()
+        self._arrived: set[int] = set()
         pending: dict[int, set[int]] = defaultdict(set)
         started = time.monotonic()
         states = ["running"] * len(group.actors)
@@ -266,7 +267,8 @@ class Driver:
             if all(s == "succeeded" for s in states):
                 break
             if len(joined) < world and time.monotonic() - started > spec.timeouts.rendezvous_s:
-                missing = sorted(set(range(world)) - joined)
+                # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
+                missing = sorted(set(range(world)) - self._arrived) or sorted(set(range(world)) - joined)
                 nodes = sorted({node_of[m] for m in missing})
                 group.stop()
                 return _Outcome(False, (
@@ -311,7 +313,9 @@ class Driver:
         for e in events:
             rank = e.get("rank", 0)
             kind = e.get("kind")
-            if kind == "joined":
+            if kind == "arrived":
+                self._arrived.add(rank)
+            elif kind == "joined":
                 joined.add(rank)
             elif kind == "metrics":
                 record = {"step": e.get("step"), "rank": rank, "node": node_of.get(rank), "attempt": attempt,

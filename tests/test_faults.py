@@ -166,3 +166,15 @@ def test_a_node_that_arrives_while_waiting_is_used(ray_cluster, tmp_path):
         assert result.num_nodes == 3 and node.node_id in {n["node_id"] for n in result.nodes}
     finally:
         ray_cluster.remove_node(node)
+
+
+def test_a_rank_that_never_joins_fails_the_attempt_naming_it(ray_cluster, tmp_path):
+    spec = load_spec_text(f"name: nojoin\ntrain_fn: never_joins:train\nscaling: {{num_nodes: 2}}\n"
+                          f"timeouts: {{rendezvous_s: 5}}\nstorage: {tmp_path}\n")
+    began = time.monotonic()
+    result = Driver(spec, can_grow=False).run()
+    assert time.monotonic() - began < 60
+    assert result.status == "failed" and result.attempts == 1
+    assert result.error == ("ranks [1] on nodes [1] did not join the process group within 5 s "
+                            "(timeouts.rendezvous_s); no rank trained")
+    assert not list((tmp_path / "nojoin").glob("metrics.jsonl"))
