@@ -43,6 +43,7 @@ class RunResult:
     run_dir: str
     attempts: int = 0
     restarts: int = 0
+    preemptions: int = 0
     num_nodes: int = 0
     world_size: int = 0
     last_step: int | None = None
@@ -61,6 +62,7 @@ class _Outcome:
     ok: bool
     error: str | None = None
     lost_nodes: list[int] = field(default_factory=list)
+    preempted: bool = False  # every rank that failed first was ended by SIGTERM
 
 
 def group_failures(failures: list[RankFailure]) -> str:
@@ -182,8 +184,8 @@ class Driver:
 
     def _attempts(self, placement: Placement) -> None:
         r = self._result
-        max_attempts = self.spec.failure.max_restarts + 1
-        while r.attempts < max_attempts:
+        policy = self.spec.failure
+        while True:
             if self.group is None:
                 self._reserve(placement)
             r.attempts += 1
@@ -200,11 +202,18 @@ class Driver:
                 # on the nodes that are left or that the cluster adds.
                 self.group.shutdown()
                 self.group = None
-            if r.attempts < max_attempts:
+            if outcome.preempted and r.preemptions < policy.max_preemptions:
+                r.preemptions += 1
+                self._say(f"raylaunch: attempt {r.attempts} was preempted (SIGTERM); restarting from the last "
+                          f"committed checkpoint ({r.preemptions} of {policy.max_preemptions} preemptions; "
+                          "restarts are not used up)")
+            elif r.restarts < policy.max_restarts:
                 r.restarts += 1
                 self._say(f"raylaunch: attempt {r.attempts} failed; restarting from the last committed "
-                          f"checkpoint ({r.restarts} of {self.spec.failure.max_restarts} restarts)")
-        r.status = "failed"
+                          f"checkpoint ({r.restarts} of {policy.max_restarts} restarts)")
+            else:
+                r.status = "failed"
+                return
 
     # --- one attempt ------------------------------------------------------------------
 
@@ -263,6 +272,7 @@ class Driver:
                             message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is "
                                     f"{spec.timeouts.heartbeat_s:g}): the process is stopped or frozen"))
             if failures:
+                first_count = len(failures)  # what failed on its own, before the grace period
                 break
             if all(s == "succeeded" for s in states):
                 break
@@ -293,7 +303,8 @@ class Driver:
                 self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
             error = group_failures(failures)
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
-            return _Outcome(False, error, lost)
+            preempted = all(f.message == "killed by signal SIGTERM" for f in failures[:first_count])
+            return _Outcome(False, error, lost, preempted and not lost)
         self._result.return_value = _jsonable(returns.get(0))
         self._result.rank_results = {str(k): _jsonable(v) for k, v in sorted(returns.items())}
         return _Outcome(True)

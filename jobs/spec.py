@@ -107,6 +107,9 @@ class FailureSpec:
     """Restarts from the last committed checkpoint after a failed attempt."""
 
     max_restarts: int = _at_least(0, 0)
+    # Ranks ended by SIGTERM (a spot node's preemption notice) restart without using
+    # max_restarts, up to this many times.
+    max_preemptions: int = _at_least(0, 10)
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,17 @@ def test_a_rank_that_never_joins_fails_the_attempt_naming_it(ray_cluster, tmp_pa
     assert result.error == ("ranks [1] on nodes [1] did not join the process group within 5 s "
                             "(timeouts.rendezvous_s); no rank trained")
     assert not list((tmp_path / "nojoin").glob("metrics.jsonl"))
+
+
+def test_a_preempted_rank_restarts_without_using_the_restart_budget(ray_cluster, tmp_path):
+    driver, thread, box = start(tmp_path, "preempt", restarts=0)
+    victim = rank_pid(tmp_path, 1)
+    step = wait_for(lambda: committed(tmp_path, "preempt"), 60, "a committed checkpoint")
+    os.kill(victim, signal.SIGTERM)  # what a spot node's shutdown sends its processes
+    thread.join(180)
+    result = box["result"]
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and result.restarts == 0 and result.preemptions == 1
+    assert result.rank_results["0"]["restored_step"] >= step
+    saved = json.loads((tmp_path / "runs" / "preempt" / "result.json").read_text())
+    assert saved["preemptions"] == 1 and saved["restarts"] == 0
