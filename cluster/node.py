@@ -198,10 +198,11 @@ class NodeActor:
                     out.logs.append((rank, stream, line))
 
     def stop(self) -> NodePoll:
-        """Stop every local rank (SIGTERM, then SIGKILL after 5 s); return what was left to read."""
+        """Stop every local rank (SIGKILL: a rank blocked in a collective would not
+        answer SIGTERM, and SIGTERM means "preempted" to a cooperative function)."""
         out = NodePoll(state=self._state)
         if self._pctx is not None:
-            self._pctx.close(death_sig=signal.SIGTERM, timeout=5)
+            self._pctx.close(death_sig=signal.SIGKILL, timeout=5)
             self._pctx = None
             out.state = self._state = "stopped"
             self._drain(out, final=True)

@@ -101,6 +101,9 @@ class Session:
         self._events_path.parent.mkdir(parents=True, exist_ok=True)
         self._events = open(self._events_path, "a", buffering=1)
         self._lock = threading.Lock()
+        self._cooperative = False  # the function calls preempted()
+        self._stop_requested = False  # this rank got SIGTERM
+        self._stopped_for_preemption = False  # every rank agreed to stop
 
     @property
     def under_runner(self) -> bool:
@@ -134,6 +137,33 @@ class Session:
     def log(self, values: dict, step: int | None = None) -> None:
         """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank."""
         self._emit({"kind": "metrics", "step": step, "values": _jsonable(values)})
+
+    def preempted(self, accelerator: Any) -> bool:
+        """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
+
+        A collective: call it on every rank at the same point, after an optimizer
+        step. A function that calls it opts in to checkpointing within the grace
+        period: save with ``session.save`` and return; the runner then restarts the
+        run from that checkpoint without using up ``failure.max_restarts``. Ranks of a
+        function that never calls it simply end on SIGTERM.
+        """
+        import torch
+
+        self._cooperative = True
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=accelerator.device)
+        if accelerator.reduce(flag, "sum").item() > 0:
+            self._stopped_for_preemption = True
+        return self._stopped_for_preemption
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if not self._cooperative:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._stop_requested = True
+        self._emit({"kind": "preempt_notice"})
 
     def tracker(self) -> RunnerTracker:
         """Pass to ``Accelerator(log_with=[...])``; ``accelerator.log`` then reaches the driver."""

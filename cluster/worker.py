@@ -80,11 +80,11 @@ def resolve_train_fn(path: str) -> Callable[[dict], Any]:
 
 def run_worker(payload: WorkerPayload) -> Any:
     """Runs in each rank process started by the node actor."""
-    import torch.distributed as dist
-
     import os
+    import signal
 
     import torch
+    import torch.distributed as dist
 
     # The process was spawned with the actor's environment (Ray gives an actor
     # OMP_NUM_THREADS = its CPUs) and torch read it at import, before the
@@ -108,7 +108,10 @@ def run_worker(payload: WorkerPayload) -> Any:
         timeout=timedelta(seconds=payload.collective_timeout_s),
     )
     session._emit({"kind": "joined", "world_size": dist.get_world_size()})
+    signal.signal(signal.SIGTERM, session._on_sigterm)
     result = fn(dict(payload.config))
+    if session._stopped_for_preemption:
+        session._emit({"kind": "preempted"})
     if dist.is_initialized():
         dist.destroy_process_group()
     session._emit({"kind": "finished"})

@@ -243,6 +243,7 @@ class Driver:
         world = len(contexts)
         joined: set[int] = set()
         self._arrived: set[int] = set()
+        self._preempted_ranks: set[int] = set()
         pending: dict[int, set[int]] = defaultdict(set)
         started = time.monotonic()
         states = ["running"] * len(group.actors)
@@ -275,6 +276,10 @@ class Driver:
                 first_count = len(failures)  # what failed on its own, before the grace period
                 break
             if all(s == "succeeded" for s in states):
+                if self._preempted_ranks:
+                    step = self._result.last_step
+                    return _Outcome(False, f"preempted: ranks {sorted(self._preempted_ranks)} checkpointed "
+                                           f"within the grace period at step {step} and stopped", preempted=True)
                 break
             if len(joined) < world and time.monotonic() - started > spec.timeouts.rendezvous_s:
                 # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
@@ -326,6 +331,10 @@ class Driver:
             kind = e.get("kind")
             if kind == "arrived":
                 self._arrived.add(rank)
+            elif kind == "preempted":
+                self._preempted_ranks.add(rank)
+            elif kind == "preempt_notice":
+                self._say(f"raylaunch: rank {rank} got a stop notice (SIGTERM): checkpointing at the next step")
             elif kind == "joined":
                 joined.add(rank)
             elif kind == "metrics":

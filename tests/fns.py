@@ -84,6 +84,9 @@ def steady(config: dict) -> dict:
             session.log({"rank_loss": loss.item()}, step=progress.step)
             if progress.step % config["every"] == 0:
                 session.save(accelerator, progress.step)
+            if config.get("cooperative") and session.preempted(accelerator):
+                session.save(accelerator, progress.step)  # within the grace period
+                return {"restored_step": restored, "steps": progress.step, "preempted_at": progress.step}
             time.sleep(config.get("step_s", 0.05))
             if progress.step >= total:
                 break

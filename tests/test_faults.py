@@ -170,12 +170,12 @@ def test_a_node_that_arrives_while_waiting_is_used(ray_cluster, tmp_path):
 
 def test_a_rank_that_never_joins_fails_the_attempt_naming_it(ray_cluster, tmp_path):
     spec = load_spec_text(f"name: nojoin\ntrain_fn: never_joins:train\nscaling: {{num_nodes: 2}}\n"
-                          f"timeouts: {{rendezvous_s: 5}}\nstorage: {tmp_path}\n")
+                          f"timeouts: {{rendezvous_s: 20}}\nstorage: {tmp_path}\n")
     began = time.monotonic()
     result = Driver(spec, can_grow=False).run()
     assert time.monotonic() - began < 60
     assert result.status == "failed" and result.attempts == 1
-    assert result.error == ("ranks [1] on nodes [1] did not join the process group within 5 s "
+    assert result.error == ("ranks [1] on nodes [1] did not join the process group within 20 s "
                             "(timeouts.rendezvous_s); no rank trained")
     assert not list((tmp_path / "nojoin").glob("metrics.jsonl"))
 
@@ -192,3 +192,24 @@ def test_a_preempted_rank_restarts_without_using_the_restart_budget(ray_cluster,
     assert result.rank_results["0"]["restored_step"] >= step
     saved = json.loads((tmp_path / "runs" / "preempt" / "result.json").read_text())
     assert saved["preemptions"] == 1 and saved["restarts"] == 0
+
+
+def test_a_preempted_rank_checkpoints_within_the_grace_period(ray_cluster, tmp_path):
+    spec = load_spec_text(STEADY.format(name="grace", steps=80, restarts=0, pid_dir=tmp_path / "pids",
+                                        storage=tmp_path / "runs"), ["config.cooperative=true", "config.every=1000"])
+    driver = Driver(spec, can_grow=False)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    victim = rank_pid(tmp_path, 1)
+    wait_for(lambda: any(r["step"] and r["step"] >= 15 for r in rows(tmp_path, "grace"))
+             if (tmp_path / "runs" / "grace" / "metrics.jsonl").exists() else None, 60, "step 15")
+    os.kill(victim, signal.SIGTERM)
+    thread.join(180)
+    result = box["result"]
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and result.restarts == 0 and result.preemptions == 1
+    # no periodic checkpoint was due (every 1000 steps): the one it resumed from was the notice's
+    restored = result.rank_results["0"]["restored_step"]
+    assert restored is not None and restored >= 15
+    assert not psutil.pid_exists(victim)

@@ -197,6 +197,13 @@ def train(config: dict) -> dict:
             if cfg["checkpoint_every"] and progress.step % cfg["checkpoint_every"] == 0:
                 session.save(accelerator, progress.step)
                 last_saved = progress.step
+            if session.preempted(accelerator):
+                # A node got its preemption notice: save within the grace period and stop;
+                # the runner restarts from here without using up the restart budget.
+                if last_saved != progress.step:
+                    session.save(accelerator, progress.step)
+                accelerator.end_training()
+                return {"preempted_at": progress.step, "steps": progress.step, "rank": accelerator.process_index}
             if cfg["throttle_s"]:
                 time.sleep(cfg["throttle_s"])
             if progress.step >= total_steps:
