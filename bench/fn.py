@@ -44,6 +44,10 @@ def train(config: dict) -> dict:
         times.append(time.perf_counter() - began)
         if first_step_at is None:
             first_step_at = time.time()
+            if config.get("pid_dir"):  # the recovery figure: who started when
+                with open(os.path.join(config["pid_dir"], "first_steps.jsonl"), "a") as f:
+                    f.write(json.dumps({"rank": accelerator.process_index, "pid": os.getpid(),
+                                        "first_step_at": first_step_at}) + "\n")
         if step in ckpt_at:
             t = time.perf_counter()
             session.save(accelerator, step)

@@ -5,7 +5,7 @@ import os
 import sys
 
 import ray
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -18,6 +18,7 @@ if __name__ == "__main__":
              runtime_env={"env_vars": {"PYTHONPATH": root, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}})
     trainer = TorchTrainer(train, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                           run_config=RunConfig(storage_path=config["storage"], name="raytrain"))
+                           run_config=RunConfig(storage_path=config["storage"], name="raytrain",
+                                                failure_config=FailureConfig(max_failures=config.get("max_failures", 0))))
     trainer.fit()
     ray.shutdown()

@@ -83,6 +83,40 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path) -> dict:
     return r
 
 
+def recovery(cmd: list[str], env: dict, config: dict, tmp: Path) -> float:
+    """Seconds from SIGKILL of rank 1 to the restarted world's first step on rank 0."""
+    pid_dir = tmp / f"pids-{secrets.token_hex(3)}"
+    pid_dir.mkdir()
+    config = {**config, "pid_dir": str(pid_dir)}
+    cmd = [c.replace("{config}", json.dumps(config)) for c in cmd]
+    if "{set_config}" in cmd:
+        i = cmd.index("{set_config}")
+        cmd[i:i + 1] = [x for k, v in config.items() for x in ("--set", f"config.{k}={json.dumps(v)}")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = pid_dir / "first_steps.jsonl"
+
+    def starts() -> list[dict]:
+        return [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+
+    deadline = time.time() + 300
+    while time.time() < deadline and not {0, 1} <= {r["rank"] for r in starts()}:
+        time.sleep(0.05)
+    time.sleep(1.0)  # a few steady steps first
+    victim = next(r["pid"] for r in starts() if r["rank"] == 1)
+    killed_at = time.time()
+    os.kill(victim, 9)
+    while time.time() < deadline:
+        again = [r for r in starts() if r["rank"] == 0 and r["first_step_at"] > killed_at]
+        if again:
+            out, _ = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}) after the restart:\n{out[-3000:]}")
+            return again[0]["first_step_at"] - killed_at
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{cmd[:4]}: no restarted first step within 300 s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,6 +157,19 @@ def main() -> int:
             for name, (cmd, cfg) in extra.items():
                 rows[name].append(run(cmd, env, {**base, **cfg}, tmp))
                 print(f"rep {rep + 1}/{REPS} {name:22s} steady {1000 * rows[name][-1]['steady_step_s']:6.1f} ms",
+                      flush=True)
+        # Recovery: one rank killed mid-run; both restart it once (raylaunch: failure.max_restarts=1,
+        # Ray Train: FailureConfig(max_failures=1)). Once per mode: each costs two start-ups.
+        rec_cfg = {**base, "steps": 4 * STEPS, "max_failures": 1}
+        recover_cmds = {
+            "ray_train": launchers["ray_train"],
+            "raylaunch_warm": [*launchers["raylaunch_warm"], "--set", "failure.max_restarts=1"],
+        }
+        for rep in range(REPS):
+            for name, cmd in recover_cmds.items():
+                cfg = {k: v for k, v in rec_cfg.items() if name == "ray_train" or k != "max_failures"}
+                rows.setdefault(f"recovery_{name}", []).append({"s": recovery(cmd, env, cfg, tmp)})
+                print(f"rep {rep + 1}/{REPS} recovery {name:15s} {rows[f'recovery_{name}'][-1]['s']:6.2f} s",
                       flush=True)
     finally:
         stop_cluster(tmp)
@@ -172,6 +219,10 @@ def report(rows: dict[str, list[dict]]) -> None:
         [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ckpt])
     figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ckpt])
     figures["local_save_state_s"] = summary([statistics.median(r["local_save_s"]) for r in ckpt])
+    for name in ("ray_train", "raylaunch_warm"):
+        figures[f"recovery_{name}_s"] = summary([r["s"] for r in rows[f"recovery_{name}"]])
+    figures["recovery_ratio_to_ray_train"] = summary(
+        [a["s"] / b["s"] for a, b in zip(rows["recovery_raylaunch_warm"], rows["recovery_ray_train"])])
     figures["peak_actor_mb"] = summary([r["peak_actor_mb"] for r in warm])
     figures["peak_driver_mb"] = summary([r["peak_driver_mb"] for r in warm])
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, " \
@@ -198,6 +249,9 @@ def report(rows: dict[str, list[dict]]) -> None:
               f"- checkpoint stall: `session.save` {cell(figures['checkpoint_save_s'], '.3f')} s against "
               f"Accelerate's `save_state` to local disk {cell(figures['local_save_state_s'], '.3f')} s: "
               f"{cell(figures['checkpoint_stall_ratio'], '.2f')} x",
+              f"- recovery, SIGKILL of rank 1 to the restarted world's first step: raylaunch "
+              f"{cell(figures['recovery_raylaunch_warm_s'], '.1f')} s, Ray Train (FailureConfig(max_failures=1)) "
+              f"{cell(figures['recovery_ray_train_s'], '.1f')} s: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
               f"- raylaunch warm: peak RSS of a node actor {figures['peak_actor_mb']['median']:.0f} MB, "
               f"of the driver {figures['peak_driver_mb']['median']:.0f} MB",
               "- ray_train and raylaunch_warm's process trees do not include a warm cluster's own processes; "
