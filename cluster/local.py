@@ -8,10 +8,12 @@ from typing import Iterator
 
 import ray
 
-__all__ = ["connect"]
+__all__ = ["UPLOAD_EXCLUDES", "connect"]
 
-# What a job's code upload never needs (see also Ray's own upload limit).
-UPLOAD_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "raylaunch-local", "runs"]
+# What a job's code upload never needs, besides what .gitignore and .rayignore name
+# (used here for `run --address` and by `raylaunch submit`).
+UPLOAD_EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache",
+                   ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info"]
 
 
 @contextlib.contextmanager

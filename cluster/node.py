@@ -17,7 +17,6 @@ import shutil
 import signal
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from cluster.runtime import WorkerPayload

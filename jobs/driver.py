@@ -10,12 +10,11 @@ every node), or when all succeed.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import ray
 

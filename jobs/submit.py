@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from cluster.local import UPLOAD_EXCLUDES
 from jobs.spec import JobSpec, SpecError, load_spec
 
 __all__ = [
@@ -34,9 +35,6 @@ __all__ = [
     "send",
 ]
 
-# What never belongs in a job's code upload, besides what .gitignore and .rayignore name.
-UPLOAD_EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache",
-                   ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info"]
 
 
 # How long submit waits for the job agent of a cluster that has just started.

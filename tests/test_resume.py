@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
