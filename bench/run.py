@@ -24,6 +24,9 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cluster.local import stop_processes_under  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FULL = os.environ.get("BENCH_FULL") == "1"
@@ -172,29 +175,10 @@ def main() -> int:
                 print(f"rep {rep + 1}/{REPS} recovery {name:15s} {rows[f'recovery_{name}'][-1]['s']:6.2f} s",
                       flush=True)
     finally:
-        stop_cluster(tmp)
+        stop_processes_under(str(tmp))  # the warm cluster, by PID
     report(rows)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
-
-
-def stop_cluster(tmp: Path) -> None:
-    """End the warm cluster's processes (found by its temp dir) and their children, by PID."""
-    ours = [p for p in psutil.process_iter(["cmdline"]) if str(tmp) in " ".join(p.info["cmdline"] or [])]
-    procs = {p.pid: p for p in ours}
-    for p in ours:
-        try:
-            procs.update({c.pid: c for c in p.children(recursive=True)})
-        except psutil.Error:
-            pass
-    for p in procs.values():
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
-    for p in alive:
-        p.kill()
 
 
 def summary(values: list[float]) -> dict:

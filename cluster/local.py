@@ -8,7 +8,7 @@ from typing import Iterator
 
 import ray
 
-__all__ = ["UPLOAD_EXCLUDES", "connect"]
+__all__ = ["UPLOAD_EXCLUDES", "connect", "stop_processes_under"]
 
 # What a job's code upload never needs, besides what .gitignore and .rayignore name
 # (used here for `run --address` and by `raylaunch submit`).
@@ -58,3 +58,32 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         yield True
     finally:
         ray.shutdown()
+
+
+def stop_processes_under(temp_dir: str, timeout_s: float = 15.0) -> int:
+    """End a `ray start --temp-dir=<temp_dir>` cluster by PID; returns how many processes.
+
+    Its daemons name the temp dir on their command line; the workers they
+    started are their children. SIGTERM first, SIGKILL for what is left.
+    """
+    import psutil
+
+    ours = [p for p in psutil.process_iter(["cmdline"]) if str(temp_dir) in " ".join(p.info["cmdline"] or [])]
+    procs = {p.pid: p for p in ours}
+    for p in ours:
+        try:
+            procs.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.Error:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return len(procs)

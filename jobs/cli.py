@@ -14,13 +14,18 @@ from jobs.spec import JobSpec, SpecError, load_spec
 __all__ = ["main"]
 
 
-def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` items, then ``--storage`` and ``--name`` as the overrides they are."""
     overrides = list(args.set or [])
     if args.storage:
         overrides.append(f"storage={args.storage}")
     if args.name:
         overrides.append(f"name={args.name}")
-    return load_spec(args.spec, overrides)
+    return overrides
+
+
+def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+    return load_spec(args.spec, _overrides(args))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -81,13 +86,8 @@ def _address(args: argparse.Namespace) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     from jobs import submit
 
-    overrides = list(args.set or [])
-    if args.storage:
-        overrides.append(f"storage={args.storage}")
-    if args.name:
-        overrides.append(f"name={args.name}")
     address = _address(args)
-    request = submit.plan_submit(args.spec, overrides, address)
+    request = submit.plan_submit(args.spec, _overrides(args), address)
     if args.dry_run:
         print(request.describe())
         print("raylaunch: --dry-run: nothing was sent")

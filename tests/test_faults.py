@@ -37,9 +37,11 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def start(tmp_path: Path, name: str, steps: int = 60, restarts: int = 1, can_grow: bool = False):
+def start(tmp_path: Path, name: str, steps: int = 60, restarts: int = 1, can_grow: bool = False,
+          overrides: list[str] | None = None):
+    """The steady job, run by a driver in a thread, so the test can inject faults meanwhile."""
     spec = load_spec_text(STEADY.format(name=name, steps=steps, restarts=restarts,
-                                        pid_dir=tmp_path / "pids", storage=tmp_path / "runs"))
+                                        pid_dir=tmp_path / "pids", storage=tmp_path / "runs"), overrides)
     driver = Driver(spec, can_grow=can_grow)
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
@@ -150,12 +152,8 @@ def test_waiting_for_nodes_is_visible_and_bounded(ray_cluster, tmp_path, capsys)
 
 def test_a_node_that_arrives_while_waiting_is_used(ray_cluster, tmp_path):
     """The autoscaler's part, played by the test: a third node joins while the driver waits."""
-    spec = load_spec_text(STEADY.format(name="grow", steps=20, restarts=0, pid_dir=tmp_path / "pids",
-                                        storage=tmp_path / "runs"), ["scaling.num_nodes=3"])
-    driver = Driver(spec, can_grow=True)
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
-    thread.start()
+    driver, thread, box = start(tmp_path, "grow", steps=20, restarts=0, can_grow=True,
+                                overrides=["scaling.num_nodes=3"])
     time.sleep(3)
     node = ray_cluster.add_node(num_cpus=2)
     try:
@@ -194,12 +192,8 @@ def test_a_preempted_rank_restarts_without_using_the_restart_budget(ray_cluster,
 
 
 def test_a_preempted_rank_checkpoints_within_the_grace_period(ray_cluster, tmp_path):
-    spec = load_spec_text(STEADY.format(name="grace", steps=80, restarts=0, pid_dir=tmp_path / "pids",
-                                        storage=tmp_path / "runs"), ["config.cooperative=true", "config.every=1000"])
-    driver = Driver(spec, can_grow=False)
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
-    thread.start()
+    driver, thread, box = start(tmp_path, "grace", steps=80, restarts=0,
+                                overrides=["config.cooperative=true", "config.every=1000"])
     victim = rank_pid(tmp_path, 1)
     wait_for(lambda: any(r["step"] and r["step"] >= 15 for r in rows(tmp_path, "grace"))
              if (tmp_path / "runs" / "grace" / "metrics.jsonl").exists() else None, 60, "step 15")

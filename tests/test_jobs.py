@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cluster.local import stop_processes_under
 from conftest import ROOT, cli_env
 from jobs.submit import JobsError, plan_upload
 
@@ -60,21 +61,7 @@ def head(tmp_path_factory):
     try:
         yield {"address": f"http://127.0.0.1:{port}", "token": token, "temp": str(temp)}
     finally:
-        ours = [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])]
-        procs = {p.pid: p for p in ours}
-        for p in ours:
-            try:
-                procs.update({c.pid: c for c in p.children(recursive=True)})
-            except psutil.NoSuchProcess:
-                pass
-        for p in procs.values():
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
-        for p in alive:
-            p.kill()
+        stop_processes_under(str(temp))
         shutil.rmtree(temp, ignore_errors=True)
 
 
