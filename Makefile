@@ -1,9 +1,12 @@
-# make demo: create .venv, install, run the digits job on 2 local Ray nodes.
+# make demo: create .venv, install, run the digits job on 2 local Ray nodes, plot its loss.
 # make test: create .venv, install, run the tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STORAGE ?= /tmp/raylaunch-runs
+ifndef DEMO_RUN
+DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
+endif
 
 .PHONY: install demo test clean bench
 
@@ -16,7 +19,9 @@ $(BIN)/raylaunch: pyproject.toml constraints.txt
 install: $(BIN)/raylaunch
 
 demo: install
-	$(BIN)/raylaunch run jobs/examples/digits.yaml --local-nodes 2 --storage $(STORAGE) --fresh
+	$(BIN)/raylaunch run jobs/examples/digits.yaml --local-nodes 2 --storage $(STORAGE) --name $(DEMO_RUN)
+	$(BIN)/raylaunch plot $(DEMO_RUN) --metric loss --storage $(STORAGE) -o $(STORAGE)/$(DEMO_RUN)/loss.png
+	$(BIN)/raylaunch runs --storage $(STORAGE)
 
 test: install
 	$(BIN)/python -m pytest -q

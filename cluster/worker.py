@@ -101,7 +101,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # We create the process group ourselves, against the store node 0 already
     # holds, so the join has our bound instead of torch's 30 minutes.
     # Accelerate adopts an existing group unchanged.
-    _start_heartbeat(payload.events_path + ".beat")
+    _start_heartbeat(payload.events_path + ".beat", session)
     session._emit({"kind": "arrived"})  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,
@@ -110,6 +110,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     session._emit({"kind": "joined", "world_size": dist.get_world_size()})
     signal.signal(signal.SIGTERM, session._on_sigterm)
     result = fn(dict(payload.config))
+    session._emit({"kind": "resources", **peak_memory()})
     if session._stopped_for_preemption:
         session._emit({"kind": "preempted"})
     if dist.is_initialized():
@@ -118,8 +119,13 @@ def run_worker(payload: WorkerPayload) -> Any:
     return result
 
 
-def _start_heartbeat(path: str, every_s: float = 0.5) -> None:
-    """Touch ``path`` while this process runs; a stopped or frozen process stops touching it."""
+def _start_heartbeat(path: str, session: runtime.Session, every_s: float = 0.5, resources_every_s: float = 5.0) -> None:
+    """Touch ``path`` while this process runs; a stopped or frozen process stops touching it.
+
+    Every ``resources_every_s`` it also reports this rank's peak memory
+    (resident, and the GPU's where one is in use), which the driver puts
+    beside the rank's metrics.
+    """
     import os
     import threading
     import time
@@ -127,8 +133,24 @@ def _start_heartbeat(path: str, every_s: float = 0.5) -> None:
     open(path, "a").close()
 
     def beat() -> None:
+        last_report = time.monotonic()
         while True:
             os.utime(path)
+            if time.monotonic() - last_report >= resources_every_s:
+                session._emit({"kind": "resources", **peak_memory()})
+                last_report = time.monotonic()
             time.sleep(every_s)
 
     threading.Thread(target=beat, daemon=True, name="raylaunch-heartbeat").start()
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's peak resident memory, and peak GPU memory where CUDA is in use, in MiB."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out

@@ -47,7 +47,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     address = args.address or os.environ.get("RAY_ADDRESS") or None
     if address is not None and args.local_nodes is not None:
         raise SpecError(["--local-nodes starts an embedded cluster; leave it out when giving --address or RAY_ADDRESS"], "the command line")
-    driver = Driver(spec, fresh=args.fresh)
+    from jobs.progress import ProgressView
+
+    view = ProgressView.for_stream(sys.stdout, quiet=args.quiet)
+    driver = Driver(spec, fresh=args.fresh, out=view)
     driver.preflight()  # train_fn and storage are checked before Ray starts
     s = spec.scaling
     per_node = s.workers_per_node * s.cpus_per_worker if isinstance(s.workers_per_node, int) else float(os.cpu_count() or 1)
@@ -56,7 +59,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     with connect(address, local_nodes=args.local_nodes or 1, cpus_per_node=per_node) as can_grow:
         signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which installs its own
         driver.can_grow = can_grow
-        result = driver.run()
+        try:
+            result = driver.run()
+        finally:
+            view.close()
     print(f"raylaunch: {result.status} after {result.attempts} attempt(s); run directory {result.run_dir}")
     if result.return_value is not None:
         print(f"raylaunch: result {json.dumps(result.return_value)}")
@@ -98,7 +104,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.follow:
         print(f"raylaunch: follow it with: raylaunch logs {job_id} --follow --address {address}")
         return 0
-    return submit.follow(address, job_id)
+    return submit.follow(address, job_id, quiet=args.quiet)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -120,7 +126,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     address = _address(args)
     if args.follow:
-        return submit.follow(address, args.job)
+        return submit.follow(address, args.job, quiet=args.quiet)
     jobs = submit.client(address)
     print(submit.call(jobs.get_job_logs, address, args.job), end="")
     return 0
@@ -148,6 +154,28 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    from jobs.runs import format_runs
+
+    print(format_runs(args.storage))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from jobs.runs import format_show
+
+    print(format_show(args.storage, args.run, per_rank=args.per_rank))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from jobs.runs import plot
+
+    curves = plot(args.storage, args.runs, args.metric, args.output, per_rank=args.per_rank)
+    print(f"raylaunch: wrote {args.output} ({args.metric}: {', '.join(c.label for c in curves)})")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raylaunch", description="Run an Accelerate training function on a Ray cluster.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -167,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="make the embedded cluster N real Ray nodes on this machine (default 1)")
     run.add_argument("--fresh", action="store_true",
                      help="start over in a new run directory instead of resuming (the old one is kept)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     run.set_defaults(func=cmd_run)
 
     sb = sub.add_parser("submit", help="send a job to a cluster through the Ray Jobs API")
@@ -174,6 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--address", help="the dashboard, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS)")
     sb.add_argument("--follow", action="store_true", help="show live progress and logs; exit with the job's status")
     sb.add_argument("--dry-run", action="store_true", help="print the request and send nothing")
+    sb.add_argument("--quiet", action="store_true", help="with --follow: logs and the outcome, no progress")
     sb.set_defaults(func=cmd_submit)
 
     for verb, func, text in [("status", cmd_status, "a job's status"), ("logs", cmd_logs, "a job's logs"),
@@ -183,10 +213,29 @@ def _parser() -> argparse.ArgumentParser:
         vp.add_argument("--address", help="the dashboard address (default: RAY_ADDRESS)")
         if verb == "logs":
             vp.add_argument("--follow", action="store_true", help="follow live, with a progress bar")
+            vp.add_argument("--quiet", action="store_true", help="with --follow: no progress")
         vp.set_defaults(func=func)
     lp = sub.add_parser("list", help="the cluster's jobs")
     lp.add_argument("--address", help="the dashboard address (default: RAY_ADDRESS)")
     lp.set_defaults(func=cmd_list)
+
+    default_storage = os.environ.get("RAYLAUNCH_STORAGE", "~/raylaunch-runs")
+    storage_help = f"the storage the runs were written to (default: RAYLAUNCH_STORAGE or {default_storage})"
+    rp = sub.add_parser("runs", help="a table of the runs on a storage path")
+    rp.add_argument("--storage", default=default_storage, help=storage_help)
+    rp.set_defaults(func=cmd_runs)
+    shp = sub.add_parser("show", help="one run: spec, result, restarts, checkpoints, where the logs are")
+    shp.add_argument("run", help="the run's name (see `raylaunch runs`)")
+    shp.add_argument("--storage", default=default_storage, help=storage_help)
+    shp.add_argument("--per-rank", action="store_true", help="metrics per rank instead of the mean across ranks")
+    shp.set_defaults(func=cmd_show)
+    pp = sub.add_parser("plot", help="a PNG of one metric by step for one or more runs")
+    pp.add_argument("runs", nargs="+", metavar="RUN", help="run names (see `raylaunch runs`)")
+    pp.add_argument("--metric", default="loss", help="the metric to plot (default: loss)")
+    pp.add_argument("-o", "--output", default="plot.png", help="the PNG to write (default: plot.png)")
+    pp.add_argument("--storage", default=default_storage, help=storage_help)
+    pp.add_argument("--per-rank", action="store_true", help="one curve per rank instead of the mean across ranks")
+    pp.set_defaults(func=cmd_plot)
 
     val = sub.add_parser("validate", help="check a spec and its train_fn without running anything")
     spec_args(val)
@@ -211,9 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raylaunch: {exc}. Fix `train_fn` in the spec (module:function).", file=sys.stderr)
         return 2
     except Exception as exc:
+        from jobs.runs import RunNotFound
         from jobs.storage import StorageError
         from jobs.submit import JobsError
 
+        if isinstance(exc, RunNotFound):
+            print(f"raylaunch: {exc.args[0]}", file=sys.stderr)
+            return 2
         if isinstance(exc, StorageError):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 2

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+import psutil
 import ray
 
 from cluster.context import WorkerContext
@@ -23,6 +24,7 @@ from cluster.group import NodeGroup, Placement, PlacementError, resolve_placemen
 from cluster.node import RankFailure
 from cluster.runtime import WorkerPayload
 from cluster.worker import check_train_fn
+from jobs.board import Board
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import CheckpointError, RunDir, StorageError
 
@@ -30,6 +32,8 @@ __all__ = ["Driver", "RunError", "RunResult", "group_failures"]
 
 # How long the other ranks get to report their own failure once one rank failed.
 FAILURE_GRACE_S = 2.0
+# How often the TensorBoard files are brought up to date while an attempt runs.
+BOARD_FLUSH_S = 2.0
 
 
 class RunError(RuntimeError):
@@ -38,7 +42,7 @@ class RunError(RuntimeError):
 
 @dataclass
 class RunResult:
-    status: str  # succeeded | failed | stopped
+    status: str  # running | succeeded | failed | stopped
     run_dir: str
     attempts: int = 0
     restarts: int = 0
@@ -54,6 +58,27 @@ class RunResult:
     return_value: Any = None  # rank 0's
     rank_results: dict = field(default_factory=dict)  # every rank's return value
     nodes: list[dict] = field(default_factory=list)
+    # When the first attempt got where (Unix times): process_start, driver_ready (imports and
+    # ray.init done), reserved, ranks_started, arrived, joined (last rank), first_step (rank 0).
+    timeline: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Attempt:
+    """What the driver tracks while one attempt runs."""
+
+    number: int
+    staging: str
+    node_of: dict[int, int]  # world rank -> node rank
+    arrived: set[int] = field(default_factory=set)  # ranks at the rendezvous
+    joined: set[int] = field(default_factory=set)  # ranks in the process group
+    preempted: set[int] = field(default_factory=set)  # ranks that checkpointed in a grace period and stopped
+    parts: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))  # step -> ranks whose part is saved
+    steps: dict[int, int] = field(default_factory=dict)  # rank -> the latest step it logged
+
+    @property
+    def world(self) -> int:
+        return len(self.node_of)
 
 
 @dataclass
@@ -102,6 +127,7 @@ class Driver:
         self._result = RunResult(status="failed", run_dir=self.run_dir.uri)
         self._token: str | None = None
         self._last_print = 0.0
+        self._board: Board | None = None
         self.group: NodeGroup | None = None  # the nodes of the current attempt
         self.contexts: list[WorkerContext] = []
 
@@ -132,6 +158,11 @@ class Driver:
         self.preflight()
         r = self._result
         r.start_time = time.time()
+        r.timeline = {"process_start": psutil.Process().create_time(), "driver_ready": r.start_time}
+        # A rerun of the same run continues its attempt numbers, so metrics.jsonl
+        # rows from before and after the resume stay apart.
+        r.attempts = int((self.run_dir.read_result() or {}).get("attempts") or 0)
+        self._board = Board(self.run_dir)
         try:
             s = self.spec.scaling
             placement = resolve_placement(s.num_nodes, s.workers_per_node, s.use_gpu, s.cpus_per_worker)
@@ -152,10 +183,15 @@ class Driver:
                 self.group.shutdown()
                 self.group = None
             r.end_time = time.time()
-            r.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
-            self.run_dir.write_result(dataclasses.asdict(r))
+            self._board.close()
+            self._write_result()
             self.run_dir.close()
         return r
+
+    def _write_result(self) -> None:
+        """``result.json`` as the run stands: written when each attempt starts, and at the end."""
+        self._result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+        self.run_dir.write_result(dataclasses.asdict(self._result))
 
     def _reserve(self, placement: Placement) -> NodeGroup:
         """Reserve one bundle and start one actor per node; check the storage is shared."""
@@ -163,6 +199,7 @@ class Driver:
             placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say
         )
         self.group = group
+        self._mark("reserved")
         self._result.nodes = [
             {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname}
             for i, info in enumerate(group.infos)
@@ -191,6 +228,9 @@ class Driver:
             latest = self.run_dir.loadable_checkpoint(warn=self._say)
             if latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
+            r.status = "running"
+            self._write_result()
+            self._board.start_attempt(latest.step if latest else None)
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None)
             if outcome.ok:
                 r.status, r.error = "succeeded", None
@@ -237,14 +277,10 @@ class Driver:
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s)
+        self._mark("ranks_started")
         self.contexts = contexts
-        node_of = {c.world_rank: c.node_rank for c in contexts}
-        world = len(contexts)
-        joined: set[int] = set()
-        self._arrived: set[int] = set()
-        self._preempted_ranks: set[int] = set()
-        pending: dict[int, set[int]] = defaultdict(set)
-        started = time.monotonic()
+        a = _Attempt(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
+        started = last_board = time.monotonic()
         states = ["running"] * len(group.actors)
         returns: dict[int, Any] = {}
         failures: list[RankFailure] = []
@@ -252,7 +288,7 @@ class Driver:
         while True:
             polls = group.poll()
             for node_rank, p in enumerate(polls):
-                self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
+                self._forward(node_rank, p, a)
                 states[node_rank] = p.state
                 returns.update(p.returns)
                 failures.extend(p.failures)
@@ -275,20 +311,23 @@ class Driver:
                 first_count = len(failures)  # what failed on its own, before the grace period
                 break
             if all(s == "succeeded" for s in states):
-                if self._preempted_ranks:
+                if a.preempted:
                     step = self._result.last_step
-                    return _Outcome(False, f"preempted: ranks {sorted(self._preempted_ranks)} checkpointed "
+                    return _Outcome(False, f"preempted: ranks {sorted(a.preempted)} checkpointed "
                                            f"within the grace period at step {step} and stopped", preempted=True)
                 break
-            if len(joined) < world and time.monotonic() - started > spec.timeouts.rendezvous_s:
+            if len(a.joined) < a.world and time.monotonic() - started > spec.timeouts.rendezvous_s:
                 # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
-                missing = sorted(set(range(world)) - self._arrived) or sorted(set(range(world)) - joined)
-                nodes = sorted({node_of[m] for m in missing})
+                missing = sorted(set(a.node_of) - a.arrived) or sorted(set(a.node_of) - a.joined)
+                nodes = sorted({a.node_of[m] for m in missing})
                 group.stop()
                 return _Outcome(False, (
                     f"ranks {missing} on nodes {nodes} did not join the process group within "
                     f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained"
                 ))
+            if time.monotonic() - last_board > BOARD_FLUSH_S:
+                self._board.flush()
+                last_board = time.monotonic()
             time.sleep(self.poll_interval_s)
         if failures:
             # The same bug usually fails every rank within moments: wait briefly for the
@@ -299,12 +338,12 @@ class Driver:
                 for node_rank, p in enumerate(group.poll()):
                     if states[node_rank] != "running":
                         continue
-                    self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
+                    self._forward(node_rank, p, a)
                     states[node_rank] = p.state
                     failures.extend(p.failures)
             # Stop everyone else now: a rank blocked in a collective would wait forever.
             for node_rank, p in enumerate(group.stop()):
-                self._forward(node_rank, p, node_of, attempt, joined, pending, staging, world)
+                self._forward(node_rank, p, a)
             error = group_failures(failures)
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
             preempted = all(f.message == "killed by signal SIGTERM" for f in failures[:first_count])
@@ -313,7 +352,7 @@ class Driver:
         self._result.rank_results = {str(k): _jsonable(v) for k, v in sorted(returns.items())}
         return _Outcome(True)
 
-    def _forward(self, node_rank, p, node_of, attempt, joined, pending, staging, world) -> None:
+    def _forward(self, node_rank: int, p, a: _Attempt) -> None:
         """Print and store one node's logs; handle its events."""
         by_rank: dict[int, list[str]] = defaultdict(list)
         for rank, _, line in p.logs:
@@ -321,37 +360,54 @@ class Driver:
             by_rank[rank].append(line)
         for rank, lines in by_rank.items():
             self.run_dir.append_log(rank, lines)
-        self._events(p.events, node_of, attempt, joined, pending, staging, world)
+        self._events(p.events, a)
 
-    def _events(self, events, node_of, attempt, joined, pending, staging, world) -> None:
+    def _events(self, events: list[dict], a: _Attempt) -> None:
         records = []
         for e in events:
             rank = e.get("rank", 0)
             kind = e.get("kind")
             if kind == "arrived":
-                self._arrived.add(rank)
+                a.arrived.add(rank)
+                if len(a.arrived) == a.world:
+                    self._mark("arrived", e["time"])
             elif kind == "preempted":
-                self._preempted_ranks.add(rank)
+                a.preempted.add(rank)
             elif kind == "preempt_notice":
                 self._say(f"raylaunch: rank {rank} got a stop notice (SIGTERM): checkpointing at the next step")
             elif kind == "joined":
-                joined.add(rank)
+                a.joined.add(rank)
+                if len(a.joined) == a.world:
+                    self._mark("joined", e["time"])
             elif kind == "metrics":
-                record = {"step": e.get("step"), "rank": rank, "node": node_of.get(rank), "attempt": attempt,
+                record = {"step": e.get("step"), "rank": rank, "node": a.node_of.get(rank), "attempt": a.number,
                           "time": e["time"], **e.get("values", {})}
                 records.append(record)
+                if record["step"] is not None:
+                    a.steps[rank] = max(int(record["step"]), a.steps.get(rank, 0))
                 if rank == 0:
+                    self._mark("first_step", e["time"])
                     self._progress(record)
+            elif kind == "resources" and rank in a.steps:
+                # Peak memory, at the rank's latest step, beside its metrics.
+                records.append({"step": a.steps[rank], "rank": rank, "node": a.node_of.get(rank),
+                                "attempt": a.number, "time": e["time"],
+                                **{k: v for k, v in e.items() if k.startswith("peak_")}})
             elif kind == "checkpoint":
                 step = int(e["step"])
-                pending[step].add(rank)
-                if len(pending[step]) == world:
-                    del pending[step]
+                a.parts[step].add(rank)
+                if len(a.parts[step]) == a.world:
+                    del a.parts[step]
                     c = self.run_dir.commit_checkpoint(
-                        f"{staging}/checkpoint-{step:08d}", step, attempt, world, self.spec.checkpoint.keep
+                        f"{a.staging}/checkpoint-{step:08d}", step, a.number, a.world, self.spec.checkpoint.keep
                     )
                     self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
         self.run_dir.append_metrics(records)
+        self._board.add(records)
+
+    def _mark(self, phase: str, at: float | None = None) -> None:
+        """The first time the run got to ``phase`` (the first attempt's start-up, for `show` and the bench)."""
+        self._result.timeline.setdefault(phase, at or time.time())
 
     def _progress(self, record: dict) -> None:
         r = self._result

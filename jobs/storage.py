@@ -9,6 +9,7 @@
       checkpoints/   committed checkpoints only, each with manifest.json written last,
                      and latest.json naming the newest
       logs/          rank-<R>.log, one per rank
+      tensorboard/   TensorBoard event files the driver writes (``tensorboard --logdir <storage>``)
       .staging/      checkpoints being written; never loaded, cleared at the next start
 
 Paths go through ``pyarrow.fs``, so ``storage`` may be a local or NFS path
@@ -233,7 +234,61 @@ class RunDir:
         for old in committed[: max(0, len(committed) - keep)]:
             self.fs.delete_dir(old.uri.split("://")[-1] if not self._local else old.uri)
 
+    # --- reading a run back (raylaunch runs, show, plot) ------------------------------
+
+    @staticmethod
+    def names(storage: str) -> list[str]:
+        """The runs under ``storage``: folders holding a ``spec.yaml``, by name."""
+        probe = RunDir(storage, "_")
+        base = probe.path.rsplit("/", 1)[0]
+        infos = probe.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        dirs = [i for i in infos if i.type == pafs.FileType.Directory]
+        return sorted(
+            i.base_name for i in dirs
+            if probe.fs.get_file_info(f"{i.path}/spec.yaml").type == pafs.FileType.File
+        )
+
+    def read_spec(self) -> dict | None:
+        try:
+            with self.fs.open_input_stream(f"{self.path}/spec.yaml") as f:
+                return yaml.safe_load(f.read())
+        except FileNotFoundError:
+            return None
+
+    def read_metrics(self) -> list[dict]:
+        """Every record of ``metrics.jsonl``; a line being written (no newline yet) is left out."""
+        try:
+            with self.fs.open_input_stream(f"{self.path}/metrics.jsonl") as f:
+                text = f.read().decode()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+    def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
+        """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
+        manifest = self._read_json(f"{self._path(checkpoint.uri)}/{MANIFEST}") or {}
+        return manifest.get("files", {})
+
+    def log_uris(self) -> list[str]:
+        infos = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/logs", allow_not_found=True))
+        return sorted(self._uri(i.path) for i in infos if i.type == pafs.FileType.File)
+
+    def local_path(self, rel: str) -> str | None:
+        """A folder of the run as a local path, or None on object storage."""
+        if not self._local:
+            return None
+        os.makedirs(f"{self.path}/{rel}", exist_ok=True)
+        return f"{self.path}/{rel}"
+
+    def upload_dir(self, local_dir: str, rel: str) -> None:
+        """Copy a local folder's files over ``<run>/<rel>`` (object storage)."""
+        pafs.copy_files(local_dir, f"{self.path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=self.fs)
+
     # --- helpers ---------------------------------------------------------------------
+
+    def _path(self, uri: str) -> str:
+        return uri if self._local else uri.split("://", 1)[-1]
 
     def _write(self, path: str, data: bytes) -> None:
         """Write to a temporary name, then rename: readers never see half a file."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import shlex
 import sys
@@ -247,72 +246,24 @@ def send(request: SubmitRequest, jobs=None) -> str:
 
 # --- following a job ------------------------------------------------------------------
 
-_STEP = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
-_ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
-_RESTART = re.compile(r"\((\d+) of (\d+) restarts\)")
 _TERMINAL = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 
 
-class _Progress:
-    """A tqdm bar fed by the driver's progress lines; other lines print above it."""
-
-    def __init__(self, out: TextIO) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=None, unit="step", file=out, dynamic_ncols=True,
-                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
-        self.attempt, self.restarts = 1, 0
-        self.metrics: dict[str, str] = {}
-        self.last_step, self.last_time, self.rate = 0, time.monotonic(), 0.0
-
-    def line(self, text: str) -> None:
-        m = _STEP.match(text)
-        if m:
-            step = int(m.group(1))
-            for kv in (m.group(2) or "").split():
-                k, _, v = kv.partition("=")
-                self.metrics[k] = v
-            if "total_steps" in self.metrics:
-                self.bar.total = int(float(self.metrics["total_steps"]))
-            now = time.monotonic()
-            if step > self.last_step:
-                self.rate = (step - self.last_step) / max(now - self.last_time, 1e-6)
-                self.last_step, self.last_time = step, now
-            self.bar.n = step
-            post = {"loss": self.metrics.get("loss", "-"), "steps/s": f"{self.rate:.1f}",
-                    "attempt": self.attempt, "restarts": self.restarts}
-            if "samples_per_s" in self.metrics:
-                post["samples/s"] = self.metrics["samples_per_s"]
-            self.bar.set_postfix(post, refresh=True)
-            return
-        if m := _ATTEMPT.match(text):
-            self.attempt = int(m.group(1))
-        if m := _RESTART.search(text):
-            self.restarts = int(m.group(1))
-        self.bar.write(text)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None) -> int:
+def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None, quiet: bool = False) -> int:
     """Show the job live until it ends; its exit status (0 succeeded, 1 failed, 3 stopped).
 
+    A bar on a terminal, plain lines otherwise (see ``jobs.progress``).
     Ctrl-C detaches and leaves the job running.
     """
+    from jobs.progress import ProgressView
+
     jobs = jobs or client(address)
     call(jobs.get_job_status, address, job_id)  # a clear error for a job that does not exist
-    progress = _Progress(out)
+    progress = ProgressView.for_stream(out, quiet)
 
     async def tail() -> None:
-        pending = ""
         async for chunk in jobs.tail_job_logs(job_id):
-            pending += chunk
-            *lines, pending = pending.split("\n")
-            for line in lines:
-                progress.line(line)
-        if pending:
-            progress.line(pending)
+            progress.write(chunk)
 
     try:
         asyncio.run(tail())

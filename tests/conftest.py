@@ -19,7 +19,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)
     pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},

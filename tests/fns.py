@@ -48,7 +48,7 @@ def steady(config: dict) -> dict:
     """A small regression that takes ``step_s`` a step and checkpoints every ``every`` steps.
 
     Each rank writes ``<pid_dir>/rank-<R>.pid`` (attempt, pid) when it starts, so tests can
-    kill or stop it from outside.
+    kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1.
     """
     import time
     from pathlib import Path
@@ -84,6 +84,8 @@ def steady(config: dict) -> dict:
             session.log({"rank_loss": loss.item()}, step=progress.step)
             if progress.step % config["every"] == 0:
                 session.save(accelerator, progress.step)
+            if progress.step == config.get("fail_at") and attempt == 1 and accelerator.process_index == 1:
+                raise RuntimeError(f"injected failure at step {progress.step}")
             if config.get("cooperative") and session.preempted(accelerator):
                 session.save(accelerator, progress.step)  # within the grace period
                 return {"restored_step": restored, "steps": progress.step, "preempted_at": progress.step}

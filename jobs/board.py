@@ -1,0 +1,113 @@
+"""TensorBoard event files of a run, written by the driver beside ``metrics.jsonl``.
+
+``tensorboard --logdir <storage>`` then shows every run (one TensorBoard
+"run" per run directory). Each numeric metric is written as the mean across
+the ranks that logged it, once every one of those ranks has moved past that
+step (or the attempt ends); per-rank throughput and peak memory go under
+``rank_<R>/`` so an imbalance or an out-of-memory risk shows before it
+happens. A resumed attempt opens a new event file with ``purge_step`` at the
+resumed step, so the curve shows the steps the final model saw, once.
+
+On object storage the event files are written to a local folder and copied
+into the run directory on every flush.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections import defaultdict
+
+from jobs.storage import RunDir
+
+__all__ = ["Board", "PER_RANK"]
+
+# Metrics also written per rank (``rank_<R>/<name>``): throughput and memory.
+PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb")
+_NOT_METRICS = ("step", "rank", "node", "attempt", "time")
+
+
+class Board:
+    """One run's TensorBoard writer; ``add`` records as they arrive, ``flush`` now and then."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+        self._local = run_dir.local_path("tensorboard")
+        self._tmp = None
+        if self._local is None:  # object storage: write here, copy on flush
+            self._tmp = tempfile.mkdtemp(prefix="raylaunch-tb-")
+            self._local = self._tmp
+        self._writer = None
+        self._reset()
+
+    def _reset(self) -> None:
+        # step -> metric -> rank -> value, for steps not yet written
+        self._pending: dict[int, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+        self._ranks_of: dict[str, set[int]] = defaultdict(set)  # metric -> the ranks that log it
+        self._rank_step: dict[int, int] = {}  # rank -> the latest step it reported anything at
+        self._last_seen: dict[int, tuple[int, float]] = {}  # rank -> (step, time) of its previous record
+
+    def start_attempt(self, resume_step: int | None) -> None:
+        """A new event file; on resume, TensorBoard drops what the old files hold past ``resume_step``."""
+        from tensorboardX import SummaryWriter
+
+        self.close_writer()
+        self._reset()
+        self._writer = SummaryWriter(self._local, purge_step=None if resume_step is None else resume_step + 1,
+                                     flush_secs=5)
+
+    def add(self, records: list[dict]) -> None:
+        for r in records:
+            step, rank = r.get("step"), r.get("rank", 0)
+            if step is None:
+                continue
+            step = int(step)
+            values = {k: float(v) for k, v in r.items()
+                      if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v)}
+            prev = self._last_seen.get(rank)
+            if "time" in r and "peak_rss_mb" not in values and "peak_gpu_mb" not in values:
+                if prev is not None and step > prev[0] and r["time"] > prev[1]:
+                    values["steps_per_s"] = (step - prev[0]) / (r["time"] - prev[1])
+                if prev is None or step > prev[0]:
+                    self._last_seen[rank] = (step, r["time"])
+            for k, v in values.items():
+                self._pending[step][k][rank] = v
+                self._ranks_of[k].add(rank)
+            self._rank_step[rank] = max(step, self._rank_step.get(rank, step))
+
+    def flush(self, final: bool = False) -> None:
+        """Write every step that all its ranks have passed (all of them when ``final``)."""
+        if self._writer is None:
+            return
+        for step in sorted(self._pending):
+            metrics = self._pending[step]
+            for name in list(metrics):
+                by_rank = metrics[name]
+                if not final and any(self._rank_step[r] <= step for r in self._ranks_of[name]):
+                    continue
+                self._writer.add_scalar(name, sum(by_rank.values()) / len(by_rank), step)
+                if name in PER_RANK:
+                    for rank, v in by_rank.items():
+                        self._writer.add_scalar(f"rank_{rank}/{name}", v, step)
+                del metrics[name]
+            if not metrics:
+                del self._pending[step]
+        self._writer.flush()
+        if self._tmp is not None:
+            self.run_dir.upload_dir(self._tmp, "tensorboard")
+
+    def close_writer(self) -> None:
+        if self._writer is not None:
+            self.flush(final=True)
+            self._writer.close()
+            self._writer = None
+            if self._tmp is not None:
+                self.run_dir.upload_dir(self._tmp, "tensorboard")
+
+    def close(self) -> None:
+        self.close_writer()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

@@ -1,0 +1,159 @@
+"""What a person sees while a job runs: a live bar on a terminal, plain lines elsewhere.
+
+The driver prints machine-readable progress lines (``raylaunch: step N k=v ...``,
+at most one a second) among its other output. ``raylaunch run`` and
+``raylaunch submit --follow`` pass all of it through one ``ProgressView``:
+
+- ``bar``: a tqdm bar (step of total, loss, samples/s, elapsed, remaining,
+  attempt, restarts); every other line prints above it;
+- ``plain``: when the output is not a terminal (CI logs, files), one plain
+  progress line every ``every_s`` seconds, never a carriage return;
+- ``quiet``: no progress at all; every other line still prints.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TextIO
+
+__all__ = ["ProgressView"]
+
+STEP = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
+_ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
+_RESTART = re.compile(r"\((\d+) of (\d+) restarts\)")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class ProgressView:
+    """A text stream (``write``/``flush``) that turns progress lines into a bar or plain lines.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> view = ProgressView(out, "plain")
+    >>> print("raylaunch: step 5 loss=0.5 total_steps=10", file=view)
+    >>> out.getvalue().startswith("raylaunch: step 5/10 (50%) loss=0.5")
+    True
+    """
+
+    def __init__(self, out: TextIO, mode: str, every_s: float = 10.0) -> None:
+        if mode not in ("bar", "plain", "quiet"):
+            raise ValueError(f"mode must be bar, plain or quiet, not {mode!r}")
+        self.out, self.mode, self.every_s = out, mode, every_s
+        self.attempt, self.restarts = 1, 0
+        self.metrics: dict[str, str] = {}
+        self.step: int | None = None
+        self.total: int | None = None
+        self.started = time.monotonic()
+        self._rate_from: tuple[int, float] | None = None  # (step, time) where this attempt's steps began
+        self._shown_step: int | None = None
+        self._last_shown = 0.0
+        self._pending = ""
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=None, unit="step", file=out, dynamic_ncols=True,
+                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+    @classmethod
+    def for_stream(cls, out: TextIO, quiet: bool = False) -> "ProgressView":
+        """``quiet`` if asked, a bar on a terminal, plain lines otherwise."""
+        if quiet:
+            return cls(out, "quiet")
+        return cls(out, "bar" if getattr(out, "isatty", lambda: False)() else "plain")
+
+    # --- a text stream --------------------------------------------------------------
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            self.line(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def line(self, text: str) -> None:
+        m = STEP.match(text)
+        if m:
+            self._on_step(int(m.group(1)), m.group(2) or "")
+            return
+        if m := _ATTEMPT.match(text):
+            self.attempt = int(m.group(1))
+            self._rate_from = None
+        if m := _RESTART.search(text):
+            self.restarts = int(m.group(1))
+        if self._bar is not None:
+            self._bar.write(text, file=self.out)
+        else:
+            print(text, file=self.out, flush=True)
+
+    def close(self) -> None:
+        """Flush a partial line and, in plain mode, the latest progress if it was not shown."""
+        if self._pending:
+            self.line(self._pending)
+            self._pending = ""
+        if self.mode == "plain" and self.step is not None and self._shown_step != self.step:
+            self._show_plain()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    # --- progress ---------------------------------------------------------------------
+
+    def _on_step(self, step: int, rest: str) -> None:
+        now = time.monotonic()
+        for kv in rest.split():
+            k, _, v = kv.partition("=")
+            self.metrics[k] = v
+        if "total_steps" in self.metrics:
+            try:
+                self.total = int(float(self.metrics["total_steps"]))
+            except ValueError:
+                pass
+        if self._rate_from is None:
+            self._rate_from = (step, now)
+        self.step = step
+        if self.mode == "quiet":
+            return
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.n = step
+            self._bar.set_postfix(self._postfix(), refresh=True)
+            return
+        evals = {k: v for k, _, v in (kv.partition("=") for kv in rest.split()) if k.startswith("eval")}
+        if self._shown_step is None or now - self._last_shown >= self.every_s or evals:
+            self._show_plain(evals)
+
+    def _rate(self) -> float | None:
+        if self._rate_from is None or self.step is None:
+            return None
+        step0, t0 = self._rate_from
+        elapsed = time.monotonic() - t0
+        return (self.step - step0) / elapsed if self.step > step0 and elapsed > 0 else None
+
+    def _postfix(self) -> dict:
+        post = {"loss": self.metrics.get("loss", "-")}
+        if "samples_per_s" in self.metrics:
+            post["samples/s"] = self.metrics["samples_per_s"]
+        post["attempt"], post["restarts"] = self.attempt, self.restarts
+        return post
+
+    def _show_plain(self, evals: dict | None = None) -> None:
+        self._shown_step, self._last_shown = self.step, time.monotonic()
+        of = f"/{self.total} ({100 * self.step / self.total:.0f}%)" if self.total else ""
+        values = {k: v for k, v in self._postfix().items() if k not in ("attempt", "restarts")}
+        shown = " ".join(f"{k}={v}" for k, v in {**values, **(evals or {})}.items())
+        elapsed = time.monotonic() - self.started
+        rate = self._rate()
+        remaining = _clock((self.total - self.step) / rate) if rate and self.total else "?"
+        print(f"raylaunch: step {self.step}{of} {shown} | elapsed {_clock(elapsed)} remaining {remaining} "
+              f"| attempt {self.attempt} restarts {self.restarts}", file=self.out, flush=True)
+

@@ -1,0 +1,226 @@
+"""Run history on storage: ``raylaunch runs``, ``show`` and ``plot``.
+
+Everything here reads what the driver wrote (``spec.yaml``, ``result.json``,
+``metrics.jsonl``, checkpoint manifests) through ``RunDir``, so it works on
+any storage the runner supports, on runs still running and on runs that
+failed. Metrics are the mean across the ranks that logged them, unless
+asked per rank.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from jobs.storage import RunDir
+
+__all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "series", "summaries"]
+
+_NOT_METRICS = ("step", "rank", "node", "attempt", "time")
+
+
+class RunNotFound(LookupError):
+    """A run or a metric that does not exist; the message lists what does."""
+
+
+@dataclass(frozen=True)
+class Series:
+    """One curve: ``values[i]`` at ``steps[i]``; ``restarts`` are the steps where a later attempt took over."""
+
+    label: str
+    steps: list[int]
+    values: list[float]
+    restarts: list[int]
+
+
+def _open(storage: str, name: str) -> RunDir:
+    run = RunDir(storage, name)
+    if run.read_spec() is None:
+        names = RunDir.names(storage)
+        raise RunNotFound(f"no run {name!r} in {storage}" + (f"; runs there: {', '.join(names)}" if names
+                                                              else "; it holds no runs"))
+    return run
+
+
+def series(records: list[dict], metric: str, per_rank: bool = False, label: str = "") -> list[Series]:
+    """The curve of ``metric`` by step: the mean across ranks, or one curve per rank.
+
+    Steps run again after a restart take the later attempt's values (what the
+    final model saw); ``restarts`` marks where each later attempt began.
+    """
+    # (rank or None) -> step -> (attempt, [values])
+    curves: dict[int | None, dict[int, tuple[int, list[float]]]] = defaultdict(dict)
+    first_step: dict[int, int] = {}
+    for r in records:
+        if r.get("step") is None or not isinstance(r.get(metric), (int, float)):
+            continue
+        step, attempt = int(r["step"]), int(r.get("attempt", 1))
+        first_step[attempt] = min(step, first_step.get(attempt, step))
+        key = r.get("rank", 0) if per_rank else None
+        held = curves[key].get(step)
+        if held is None or attempt > held[0]:
+            curves[key][step] = (attempt, [float(r[metric])])
+        elif attempt == held[0]:
+            held[1].append(float(r[metric]))
+    restarts = sorted(s for a, s in first_step.items() if a > min(first_step))
+    out = []
+    for key in sorted(curves, key=lambda k: -1 if k is None else k):
+        points = sorted(curves[key].items())
+        name = label if key is None else f"{label} rank {key}".strip()
+        out.append(Series(name, [s for s, _ in points], [sum(v) / len(v) for _, (_, v) in points], restarts))
+    return out
+
+
+def metric_names(records: list[dict]) -> list[str]:
+    return sorted({k for r in records for k, v in r.items()
+                   if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+
+@dataclass(frozen=True)
+class Summary:
+    name: str
+    status: str
+    nodes: int | None
+    workers: int | None
+    steps: int | None
+    last_loss: float | None
+    best: tuple[str, float] | None
+    duration_s: float | None
+    started: float | None
+
+
+def _best(records: list[dict]) -> tuple[str, float] | None:
+    """The best value of the evaluation metric (``eval*``): highest, or lowest for losses and errors."""
+    names = [n for n in metric_names(records) if n.startswith("eval")]
+    if not names:
+        return None
+    name = next((n for n in names if "acc" in n), names[0])
+    values = series(records, name)[0].values
+    lower = any(w in name for w in ("loss", "err", "perplexity", "wer"))
+    return name, (min(values) if lower else max(values))
+
+
+def summaries(storage: str) -> list[Summary]:
+    """One line of facts per run under ``storage``, oldest first."""
+    out = []
+    for name in RunDir.names(storage):
+        run = RunDir(storage, name)
+        result = run.read_result() or {}
+        spec = run.read_spec() or {}
+        records = run.read_metrics()
+        loss = series(records, "loss")
+        nodes = result.get("num_nodes") or spec.get("scaling", {}).get("num_nodes")
+        world = result.get("world_size")
+        workers = world // nodes if world and nodes else spec.get("scaling", {}).get("workers_per_node")
+        steps = max((int(r["step"]) for r in records if r.get("step") is not None), default=None)
+        start = result.get("start_time") or None
+        end = result.get("end_time") or None
+        status = result.get("status", "running")
+        duration = ((end if status != "running" and end else time.time()) - start) if start else None
+        out.append(Summary(name, status, nodes, workers if isinstance(workers, int) else None, steps,
+                           loss[0].values[-1] if loss else None, _best(records), duration, start))
+    return sorted(out, key=lambda s: (s.started or 0, s.name))
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _when(t: float | None) -> str:
+    return _dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "-"
+
+
+def format_runs(storage: str) -> str:
+    """The ``raylaunch runs`` table."""
+    rows = [("NAME", "STATUS", "NODES x WORKERS", "STEPS", "LAST LOSS", "BEST", "DURATION", "STARTED")]
+    for s in summaries(storage):
+        rows.append((
+            s.name, s.status,
+            f"{s.nodes} x {s.workers}" if s.nodes and s.workers else "-",
+            str(s.steps) if s.steps is not None else "-",
+            f"{s.last_loss:.4g}" if s.last_loss is not None else "-",
+            f"{s.best[0]}={s.best[1]:.4g}" if s.best else "-",
+            _dur(s.duration_s), _when(s.started),
+        ))
+    if len(rows) == 1:
+        return f"no runs in {storage}"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def format_show(storage: str, name: str, per_rank: bool = False) -> str:
+    """The ``raylaunch show`` report of one run."""
+    import yaml
+
+    run = _open(storage, name)
+    result = run.read_result() or {}
+    records = run.read_metrics()
+    status = result.get("status", "running")
+    lines = [f"run {name}: {status}", f"  directory   {run.uri}"]
+    if result:
+        lines.append(f"  world       {result.get('num_nodes')} nodes, world size {result.get('world_size')}")
+        lines.append(f"  attempts    {result.get('attempts')} (restarts {result.get('restarts')}, "
+                     f"preemptions {result.get('preemptions', 0)})")
+        lines.append(f"  started     {_when(result.get('start_time'))}, duration "
+                     f"{_dur((result.get('end_time') or time.time()) - result['start_time']) if result.get('start_time') else '-'}")
+        if result.get("error"):
+            lines.append("  error       " + result["error"].replace("\n", "\n              "))
+        if result.get("return_value") is not None:
+            lines.append(f"  result      {result['return_value']}")
+    lines.append(f"  steps       {max((r['step'] for r in records if r.get('step') is not None), default='-')}")
+    lines.append("  metrics (last value, " + ("per rank" if per_rank else "mean across ranks") + "):")
+    for metric in metric_names(records):
+        for s in series(records, metric, per_rank=per_rank, label=metric):
+            lines.append(f"    {s.label:<28} {s.values[-1]:.6g} at step {s.steps[-1]}")
+    checkpoints = run.committed_checkpoints()
+    lines.append(f"  checkpoints ({len(checkpoints)} committed):")
+    for c in checkpoints:
+        size = sum(f["size"] for f in run.checkpoint_files(c).values())
+        lines.append(f"    step {c.step:<8} {size / 2**20:9.1f} MiB  {c.uri}")
+    logs = run.log_uris()
+    lines.append(f"  logs        {run.uri}/logs/ ({', '.join(u.rsplit('/', 1)[-1] for u in logs) or 'no output yet'})")
+    lines.append(f"  metrics     {run.uri}/metrics.jsonl")
+    lines.append(f"  tensorboard tensorboard --logdir {run.uri}/tensorboard")
+    lines.append("  spec:")
+    lines.extend("    " + line for line in yaml.safe_dump(run.read_spec(), sort_keys=False).splitlines())
+    return "\n".join(lines)
+
+
+def plot(storage: str, names: list[str], metric: str, out: str, per_rank: bool = False) -> list[Series]:
+    """Write a PNG of ``metric`` by step for each run; restarts are marked on the curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: list[Series] = []
+    for name in names:
+        records = _open(storage, name).read_metrics()
+        found = series(records, metric, per_rank=per_rank, label=name)
+        if not found:
+            available = metric_names(records)
+            raise RunNotFound(f"run {name!r} has no metric {metric!r}"
+                              + (f"; it has: {', '.join(available)}" if available else "; it logged no metrics yet"))
+        curves.extend(found)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for s in curves:
+        (line,) = ax.plot(s.steps, s.values, label=s.label)
+        marks = [(st, v) for st, v in zip(s.steps, s.values) if st in s.restarts]
+        if marks:
+            ax.plot([m[0] for m in marks], [m[1] for m in marks], "x", color=line.get_color(), markersize=10,
+                    label=f"{s.label}: restart")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric + ("" if per_rank else " (mean across ranks)"))
+    ax.set_title(f"{metric} by step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return curves

@@ -1,0 +1,212 @@
+"""Looking back at runs: `raylaunch runs`, `show`, `plot`, TensorBoard files, progress output."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cli_env
+from jobs.driver import Driver
+from jobs.progress import ProgressView
+from jobs.runs import format_runs
+from jobs.spec import load_spec_text
+
+STEADY = """
+name: steady
+train_fn: fns:steady
+config: {{steps: 40, every: 10, step_s: 0.1, fail_at: 25, pid_dir: {pids}}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+failure: {{max_restarts: 1}}
+storage: {storage}
+"""
+
+
+def raylaunch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(storage: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (storage / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    """Three runs on one storage: one restarted once, one through the CLI, one that failed.
+
+    The first is looked at with ``raylaunch runs`` while it is still running.
+    """
+    storage = tmp_path_factory.mktemp("runs")
+    spec = load_spec_text(STEADY.format(pids=storage / "pids", storage=storage))
+    out = io.StringIO()
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.update(result=Driver(spec, can_grow=False, out=out).run()))
+    thread.start()
+    while_running = ""
+    deadline = time.monotonic() + 120
+    while thread.is_alive() and time.monotonic() < deadline:
+        table = format_runs(str(storage))
+        if "running" in table and (storage / "steady" / "metrics.jsonl").exists():
+            while_running = table
+            break
+        time.sleep(0.2)
+    thread.join(180)
+    assert done["result"].status == "succeeded", done["result"].error
+    cli = raylaunch("run", "jobs/examples/digits.yaml", "--address", ray_cluster.address, "--storage", str(storage),
+                    "--set", "config.epochs=1", "--set", "config.dropout=0.0")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    failed = Driver(load_spec_text(f"name: broken\ntrain_fn: fns:fail_on_all_ranks\nscaling: {{num_nodes: 2}}\n"
+                                   f"storage: {storage}\nfailure: {{max_restarts: 0}}\n"), can_grow=False,
+                    out=io.StringIO()).run()
+    assert failed.status == "failed"
+    return {"storage": storage, "while_running": while_running, "cli": cli, "steady": done["result"]}
+
+
+def test_runs_lists_every_run_with_its_outcome(runs):
+    storage = runs["storage"]
+    assert "steady" in runs["while_running"] and "running" in runs["while_running"]
+    proc = raylaunch("runs", "--storage", str(storage), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "STATUS", "NODES", "x", "WORKERS", "STEPS", "LAST", "LOSS", "BEST",
+                                "DURATION", "STARTED"]
+    table = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(table) == {"steady", "digits", "broken"}
+    last_loss = [r["loss"] for r in rows(storage, "steady") if r.get("step") == 40 and "loss" in r]
+    assert table["steady"][1:6] == ["succeeded", "2", "x", "1", "40"]
+    assert table["steady"][6] == f"{last_loss[-1]:.4g}"
+    assert table["digits"][1:6] == ["succeeded", "2", "x", "1", "45"]
+    accuracy = json.loads((storage / "digits" / "result.json").read_text())["return_value"]["eval_accuracy"]
+    assert table["digits"][7] == f"eval_accuracy={accuracy:.4g}"
+    assert table["broken"][1:5] == ["failed", "2", "x", "1"] and table["broken"][5] == "-"
+
+
+def test_show_tells_restarts_checkpoints_logs_and_errors(runs):
+    storage = runs["storage"]
+    proc = raylaunch("show", "steady", "--storage", str(storage), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "run steady: succeeded" in out
+    assert "attempts    2 (restarts 1, preemptions 0)" in out
+    ckpt = storage / "steady" / "checkpoints" / "checkpoint-00000040"
+    size = sum(f.stat().st_size for f in ckpt.iterdir() if f.name != "manifest.json") / 2**20
+    assert f"step 40       {size:9.1f} MiB  {ckpt}" in out
+    logs = sorted(p.name for p in (storage / "steady" / "logs").iterdir())
+    assert f"logs        {storage}/steady/logs/ ({', '.join(logs) or 'no output yet'})" in out
+    # the mean across ranks by default, every rank on request
+    per_rank = {r["rank"]: r["rank_loss"] for r in rows(storage, "steady") if r.get("step") == 40 and "rank_loss" in r}
+    assert f"rank_loss                    {sum(per_rank.values()) / 2:.6g} at step 40" in out
+    by_rank = raylaunch("show", "steady", "--storage", str(storage), "--per-rank", timeout=60).stdout
+    assert f"rank_loss rank 1             {per_rank[1]:.6g} at step 40" in by_rank
+    broken = raylaunch("show", "broken", "--storage", str(storage), timeout=60)
+    assert "run broken: failed" in broken.stdout and "ValueError: bad batch shape (3, 4)" in broken.stdout
+    missing = raylaunch("show", "nope", "--storage", str(storage), timeout=60)
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr and "broken, digits, steady" in missing.stderr
+
+
+def test_plot_writes_a_png_with_one_curve_per_run(runs, tmp_path):
+    import matplotlib.image
+
+    storage = runs["storage"]
+    png = tmp_path / "loss.png"
+    proc = raylaunch("plot", "steady", "digits", "--metric", "loss", "-o", str(png), "--storage", str(storage),
+                     timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {png} (loss: steady, digits)" in proc.stdout
+    image = matplotlib.image.imread(png)
+    assert image.shape[:2] == (500, 800)
+    rgb = (image[..., :3] * 255).round()
+
+    def pixels(hex_color: str) -> int:
+        target = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)])
+        return int((np.abs(rgb - target).sum(axis=-1) < 30).sum())
+
+    # matplotlib's first two line colours: one curve each (and the legend's swatches)
+    assert pixels("#1f77b4") > 200 and pixels("#ff7f0e") > 200
+    # errors name what exists
+    bad = raylaunch("plot", "steady", "--metric", "los", "--storage", str(storage), "-o", str(png), timeout=60)
+    assert bad.returncode == 2 and "run 'steady' has no metric 'los'; it has:" in bad.stderr and "loss" in bad.stderr
+    bad = raylaunch("plot", "steady", "ghost", "--storage", str(storage), "-o", str(png), timeout=60)
+    assert bad.returncode == 2 and "no run 'ghost'" in bad.stderr
+
+
+def test_restarts_are_marked_and_rerun_steps_counted_once(runs):
+    from jobs.runs import series
+    from jobs.storage import RunDir
+
+    records = RunDir(str(runs["storage"]), "steady").read_metrics()
+    (loss,) = series(records, "loss")
+    assert loss.steps == list(range(1, 41)) and loss.restarts == [21]  # resumed from the checkpoint of step 20
+    # steps 21-25 ran twice; the curve holds the second attempt's values
+    second = {r["step"]: r["loss"] for r in records if r["attempt"] == 2 and "loss" in r}
+    assert loss.values[loss.steps.index(23)] == pytest.approx(second[23])
+
+
+def test_tensorboard_files_hold_the_metrics_memory_and_throughput(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    storage = runs["storage"]
+    board = EventAccumulator(str(storage / "steady" / "tensorboard"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"loss", "rank_loss", "rank_0/steps_per_s", "rank_1/steps_per_s", "rank_0/peak_rss_mb",
+            "rank_1/peak_rss_mb"} <= tags
+    loss = board.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 41))  # the restarted steps once, not twice
+    second = {r["step"]: r["loss"] for r in rows(storage, "steady") if r["attempt"] == 2 and "loss" in r}
+    assert loss[22].value == pytest.approx(second[23], rel=1e-6)
+    assert all(100 < e.value < 20_000 for e in board.Scalars("rank_1/peak_rss_mb"))  # MiB of a real process
+    assert all(0 < e.value < 100 for e in board.Scalars("rank_0/steps_per_s"))  # step_s is 0.1
+    # the run made through the CLI has its own files
+    assert list((storage / "digits" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_progress_in_a_log_file_is_plain_lines(runs):
+    out = runs["cli"].stdout
+    assert "\r" not in out and "\x1b[" not in out
+    progress = [line for line in out.splitlines() if line.startswith("raylaunch: step ")]
+    assert progress, out
+    assert progress[-1].startswith("raylaunch: step 45/45 (100%) loss=")
+    assert all("| elapsed " in line and " remaining " in line and "| attempt 1 restarts 0" in line
+               for line in progress)
+
+
+def test_progress_view_modes():
+    """A terminal gets a bar (carriage returns), --quiet nothing; other lines always pass through."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    lines = ["raylaunch: attempt 2: resuming from /x (step 3)", "raylaunch: step 4 loss=0.5 total_steps=8",
+             "[node 0 rank 0] hello", "raylaunch: step 8 loss=0.25 total_steps=8"]
+    term = Terminal()
+    view = ProgressView.for_stream(term)
+    assert view.mode == "bar"
+    for line in lines:
+        print(line, file=view)
+    view.close()
+    assert "\r" in term.getvalue() and "8/8" in term.getvalue() and "[node 0 rank 0] hello" in term.getvalue()
+    quiet = io.StringIO()
+    view = ProgressView.for_stream(quiet, quiet=True)
+    for line in lines:
+        print(line, file=view)
+    view.close()
+    assert quiet.getvalue() == "raylaunch: attempt 2: resuming from /x (step 3)\n[node 0 rank 0] hello\n"
+    plain = io.StringIO()
+    view = ProgressView(plain, "plain", every_s=3600)
+    for line in lines:
+        print(line, file=view)
+    view.close()
+    shown = [x for x in plain.getvalue().splitlines() if x.startswith("raylaunch: step")]
+    # the first step at once, then the last one when the view closes
+    assert [x.split(" loss")[0] for x in shown] == ["raylaunch: step 4/8 (50%)", "raylaunch: step 8/8 (100%)"]
+    assert shown[-1].endswith("| attempt 2 restarts 0")
