@@ -85,6 +85,14 @@ def resolve_placement(
 def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
     fitting = sum(_fits(n.get("Resources", {}), placement.bundle) for n in nodes)
     bundle = ", ".join(f"{k}: {v:g}" for k, v in placement.bundle.items())
+    if fitting >= placement.num_nodes:
+        return (
+            f"the job needs {placement.num_nodes} nodes with {{{bundle}}} each, and {fitting} of the "
+            f"cluster's {len(nodes)} alive nodes are big enough, but Ray did not grant them: other work "
+            "holds their resources, or a node is listed alive but unreachable (a cut link or a hung host "
+            "stays listed until Ray's health checks give up on it). Check `ray status`, or raise "
+            "timeouts.placement_s."
+        )
     return (
         f"the job needs {placement.num_nodes} nodes with {{{bundle}}} each "
         f"({placement.workers_per_node} workers x {placement.cpus_per_worker:g} CPUs"
