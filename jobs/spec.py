@@ -123,7 +123,8 @@ class TimeoutSpec:
     placement_s: float = _at_least(0, 120.0, " seconds", strict=True)
     # Every rank must join the process group within this time.
     rendezvous_s: float = _at_least(0, 300.0, " seconds", strict=True)
-    # A rank process that has not run for this long (stopped, frozen) is
+    # A rank process that has not run for this long (stopped, frozen), or a
+    # node that has not answered for this long (its host or link is down), is
     # treated as dead: every rank is stopped and the attempt restarts.
     heartbeat_s: float = _at_least(0, 60.0, " seconds", strict=True)
     # A collective that waits this long fails its rank (the process group's
