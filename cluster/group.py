@@ -120,9 +120,9 @@ class NodeGroup:
                                     environ=i.socket_env)
             for i in infos
         ]
-        # Polls: at most one in flight per node, and when each node last answered.
-        self._inflight: dict[int, Any] = {}
-        self._answered = [time.monotonic()] * len(actors)
+        # Polls: at most one in flight per node, with the time it was sent.
+        self._inflight: dict[int, tuple[Any, float]] = {}
+        self._answered = [False] * len(actors)  # since the ranks started
         self._states = ["idle"] * len(actors)
         self._lost: set[int] = set()
 
@@ -221,7 +221,7 @@ class NodeGroup:
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
         ray.get(starts)
-        self._answered = [time.monotonic()] * len(self.actors)
+        self._answered = [False] * len(self.actors)
         self._states = ["running"] * len(self.actors)
         return self.contexts
 
@@ -245,18 +245,21 @@ class NodeGroup:
         """Every node's news, waiting at most ``wait_s`` for the nodes to answer.
 
         A node whose actor died comes back as state "lost"; so does one that has
-        not answered for ``lost_after_s`` (its host or its network link is down:
-        its calls neither return nor fail), with ``silent_s`` set. A node that is
-        merely slow comes back empty, in its last state, and is asked again once
-        it has answered.
+        left a poll unanswered for ``lost_after_s`` (its host or its network link
+        is down: its calls neither return nor fail), with ``silent_s`` set. That
+        clock runs once the node has answered since its ranks started: before,
+        the ranks spawn and import (a starved machine can take seconds), and the
+        rendezvous bound covers a node that never answers. A node that is merely
+        slow comes back empty, in its last state, and is asked again once it has
+        answered.
         """
         for i, a in enumerate(self.actors):
             if i not in self._lost and i not in self._inflight:
                 try:
-                    self._inflight[i] = a.poll.remote()
+                    self._inflight[i] = (a.poll.remote(), time.monotonic())
                 except Exception:  # the actor is already known dead
                     self._lost.add(i)
-        refs = list(self._inflight.values())
+        refs = [ref for ref, _ in self._inflight.values()]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0]) if refs else set()
         now = time.monotonic()
         out = []
@@ -264,19 +267,19 @@ class NodeGroup:
             if i in self._lost:
                 out.append(NodePoll(state="lost"))
                 continue
-            ref = self._inflight[i]
+            ref, sent = self._inflight[i]
             if ref in ready:
                 del self._inflight[i]
                 try:
                     p = ray.get(ref)
-                    self._answered[i], self._states[i] = now, p.state
+                    self._answered[i], self._states[i] = True, p.state
                 except ray.exceptions.RayActorError:
                     self._lost.add(i)
                     p = NodePoll(state="lost")
-            elif now - self._answered[i] > lost_after_s:
+            elif self._answered[i] and now - sent > lost_after_s:
                 del self._inflight[i]
                 self._lost.add(i)
-                p = NodePoll(state="lost", silent_s=now - self._answered[i])
+                p = NodePoll(state="lost", silent_s=now - sent)
             else:
                 p = NodePoll(state=self._states[i])
             out.append(p)
@@ -305,7 +308,7 @@ class NodeGroup:
     def _finish_polls(self, timeout_s: float) -> dict[int, NodePoll]:
         """Wait for the polls still in flight; what they bring is read before a stop."""
         out = {}
-        for i, ref in list(self._inflight.items()):
+        for i, (ref, _) in list(self._inflight.items()):
             try:
                 out[i] = ray.get(ref, timeout=timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -182,7 +182,7 @@ def test_a_two_host_job_meets_over_the_interface_of_each_ray_address(hosts, tmp_
 
 def test_control_loopback_as_the_interface_never_joins(hosts, tmp_path):
     """What the runner prevents: ranks told to meet on loopback do not form a group across hosts."""
-    proc, result = run_job(hosts, tmp_path, "control", "tests.fns:probe", "rendezvous.socket_ifname=lo",
+    proc, result = run_job(hosts, tmp_path, "control", "tests.fns:probe", "rendezvous.socket_ifname=lo", "failure.max_restarts=0",
                            "timeouts.rendezvous_s=15")
     assert proc.returncode == 1, proc.stdout[-3000:]
     # gloo gives up connecting to the loopback address it was told, or the rendezvous bound ends it
