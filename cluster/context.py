@@ -7,9 +7,11 @@ process or talks to Ray, so it is tested on its own.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
-__all__ = ["WorkerContext", "assign_ranks", "rendezvous_env"]
+__all__ = ["SocketInterface", "WorkerContext", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,75 @@ def assign_ranks(workers_per_node: list[int]) -> list[WorkerContext]:
     return out
 
 
+@dataclass(frozen=True)
+class SocketInterface:
+    """The interface one node's ranks use for the collective backend's own connections.
+
+    Without it gloo binds to whatever the hostname resolves to, and Debian puts
+    ``127.0.1.1 <hostname>`` in ``/etc/hosts``: peers on other hosts are then told to
+    connect to a loopback address and the group hangs at its first collective.
+
+    >>> choose_socket_interface("10.0.0.2", {"lo": ["127.0.0.1"], "eth1": ["10.0.0.2"]}, use_gpu=False)
+    SocketInterface(variable='GLOO_SOCKET_IFNAME', name='eth1', source='ray-address', ip='10.0.0.2')
+    """
+
+    variable: str  # GLOO_SOCKET_IFNAME (CPU, gloo) or NCCL_SOCKET_IFNAME (GPU, nccl)
+    name: str | None  # None: no interface carries the node's Ray address
+    source: str  # spec | environment | ray-address | none
+    ip: str  # the node's Ray address
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a rank's environment gets (nothing when no interface was found)."""
+        if self.name is None:
+            return {}
+        # NCCL matches a bare name as a prefix (eth1 would also take eth10); "=" means exactly.
+        exact = self.variable == "NCCL_SOCKET_IFNAME" and self.source == "ray-address"
+        return {self.variable: f"={self.name}" if exact else self.name}
+
+    def describe(self) -> str:
+        if self.name is None:
+            return (f"no interface carries its Ray address {self.ip}, so {self.variable} is left unset and "
+                    "the backend binds to what the hostname resolves to; if ranks on different nodes cannot "
+                    "connect, set rendezvous.socket_ifname")
+        why = {"spec": "rendezvous.socket_ifname", "environment": "from the node's environment",
+               "ray-address": f"the interface of its Ray address {self.ip}"}[self.source]
+        return f"{self.variable}={self.name} ({why})"
+
+
+def choose_socket_interface(
+    ip: str,
+    if_addrs: Mapping[str, Iterable[Any]],
+    *,
+    use_gpu: bool,
+    configured: str = "auto",
+    environ: Mapping[str, str] | None = None,
+) -> SocketInterface:
+    """The spec's interface, else the node environment's, else the one that carries ``ip``.
+
+    ``if_addrs`` maps interface names to addresses, as ``psutil.net_if_addrs()``
+    does (entries with an ``.address``) or as plain strings.
+    """
+    variable = "NCCL_SOCKET_IFNAME" if use_gpu else "GLOO_SOCKET_IFNAME"
+    if configured != "auto":
+        return SocketInterface(variable, configured, "spec", ip)
+    named = (environ or {}).get(variable, "").strip()
+    if named:
+        return SocketInterface(variable, named, "environment", ip)
+    want = _ip(ip)
+    for name, addrs in if_addrs.items():
+        if want is not None and any(_ip(getattr(a, "address", a)) == want for a in addrs):
+            return SocketInterface(variable, name, "ray-address", ip)
+    return SocketInterface(variable, None, "none", ip)
+
+
+def _ip(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(str(text).split("%", 1)[0])  # fe80::1%eth0 -> fe80::1
+    except ValueError:  # a MAC address (AF_PACKET) or anything else that is no IP
+        return None
+
+
 def rendezvous_env(
     ctx: WorkerContext,
     master_addr: str,
@@ -56,6 +127,7 @@ def rendezvous_env(
     *,
     use_gpu: bool,
     omp_threads: int,
+    socket: SocketInterface | None = None,
 ) -> dict[str, str]:
     """The environment that makes an unchanged ``Accelerator()`` join the group.
 
@@ -80,4 +152,6 @@ def rendezvous_env(
     if not use_gpu:
         # Without this, Accelerate on a GPU-less node silently trains alone.
         env["ACCELERATE_USE_CPU"] = "true"
+    if socket is not None:
+        env.update(socket.env)
     return env

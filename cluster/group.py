@@ -10,11 +10,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.context import WorkerContext, assign_ranks, rendezvous_env
-from cluster.node import NodeActor, NodeInfo, NodePoll
+from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
+from cluster.node import NodeActor, NodeInfo, NodePoll, RendezvousError
 from cluster.runtime import WorkerPayload
 
-__all__ = ["NodeGroup", "Placement", "PlacementError", "resolve_placement"]
+__all__ = ["NodeGroup", "Placement", "PlacementError", "RendezvousError", "resolve_placement"]
 
 
 class PlacementError(RuntimeError):
@@ -85,6 +85,14 @@ def resolve_placement(
 def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
     fitting = sum(_fits(n.get("Resources", {}), placement.bundle) for n in nodes)
     bundle = ", ".join(f"{k}: {v:g}" for k, v in placement.bundle.items())
+    if fitting >= placement.num_nodes:
+        return (
+            f"the job needs {placement.num_nodes} nodes with {{{bundle}}} each, and {fitting} of the "
+            f"cluster's {len(nodes)} alive nodes are big enough, but Ray did not grant them: other work "
+            "holds their resources, or a node is listed alive but unreachable (a cut link or a hung host "
+            "stays listed until Ray's health checks give up on it). Check `ray status`, or raise "
+            "timeouts.placement_s."
+        )
     return (
         f"the job needs {placement.num_nodes} nodes with {{{bundle}}} each "
         f"({placement.workers_per_node} workers x {placement.cpus_per_worker:g} CPUs"
@@ -98,12 +106,25 @@ def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
 class NodeGroup:
     """One placement group and one ``NodeActor`` per bundle, in node-rank order."""
 
-    def __init__(self, pg, actors: list, infos: list[NodeInfo], placement: Placement) -> None:
+    def __init__(
+        self, pg, actors: list, infos: list[NodeInfo], placement: Placement, socket_ifname: str = "auto"
+    ) -> None:
         self._pg = pg
         self.actors = actors
         self.infos = infos
         self.placement = placement
         self.contexts: list[WorkerContext] = []
+        # The interface each node's ranks use for the collectives (see cluster.context).
+        self.sockets: list[SocketInterface] = [
+            choose_socket_interface(i.ip, i.interfaces, use_gpu=placement.use_gpu, configured=socket_ifname,
+                                    environ=i.socket_env)
+            for i in infos
+        ]
+        # Polls: at most one in flight per node, with the time it was sent.
+        self._inflight: dict[int, tuple[Any, float]] = {}
+        self._answered = [False] * len(actors)  # since the ranks started
+        self._states = ["idle"] * len(actors)
+        self._lost: set[int] = set()
 
     @classmethod
     def create(
@@ -113,6 +134,7 @@ class NodeGroup:
         timeout_s: float,
         can_grow: bool,
         on_wait: Callable[[str], None] = print,
+        socket_ifname: str = "auto",
     ) -> "NodeGroup":
         """Reserve the nodes and start the actors, or raise ``PlacementError``.
 
@@ -157,24 +179,33 @@ class NodeGroup:
                 ray.kill(a)
             remove_placement_group(pg)
             raise
-        return cls(pg, actors, infos, placement)
+        return cls(pg, actors, infos, placement, socket_ifname)
 
     def start(
         self,
         make_payload: Callable[[WorkerContext, str], WorkerPayload],
         attempt: int,
         rendezvous_timeout_s: float,
+        ports: tuple[int, int] | None = None,
     ) -> list[WorkerContext]:
         """Host a fresh store on node 0 and start every rank; return the world's contexts.
 
         ``make_payload(context, events_path)`` builds each rank's payload; the
-        events path is on the rank's own node, where its actor reads it.
+        events path is on the rank's own node, where its actor reads it. The
+        store binds the first free port of ``ports`` (any port when None);
+        ``RendezvousError`` says when none is free.
         """
         p = self.placement
         scratch = self.scratch_dirs()
         self.contexts = assign_ranks([p.workers_per_node] * p.num_nodes)
+        # Node 0's Ray address: the one address every node already reaches it by.
         master_addr = self.infos[0].ip
-        port = ray.get(self.actors[0].host_store.remote(master_addr, rendezvous_timeout_s))
+        try:
+            port = ray.get(self.actors[0].host_store.remote(master_addr, rendezvous_timeout_s, ports))
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, RendezvousError):
+                raise RendezvousError(str(exc.cause)) from None
+            raise
         threads = max(1, int(p.cpus_per_worker))
         starts = []
         for node_rank, actor in enumerate(self.actors):
@@ -183,17 +214,23 @@ class NodeGroup:
                 make_payload(c, f"{scratch[node_rank]}/attempt-{attempt}/events-rank{c.world_rank}.jsonl")
                 for c in ctxs
             ]
-            envs = [rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads) for c in ctxs]
+            envs = [
+                rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads,
+                               socket=self.sockets[node_rank])
+                for c in ctxs
+            ]
             starts.append(actor.start.remote(payloads, envs, attempt))
         ray.get(starts)
+        self._answered = [False] * len(self.actors)
+        self._states = ["running"] * len(self.actors)
         return self.contexts
 
     def _call_all(self, method: str, timeout_s: float, default: Any) -> list[Any]:
-        """Call ``method`` on every actor; a dead actor (a lost node) gives ``default``."""
+        """Call ``method`` on every actor; a dead actor or a lost node gives ``default``."""
         refs = []
-        for a in self.actors:
+        for i, a in enumerate(self.actors):
             try:
-                refs.append(getattr(a, method).remote())
+                refs.append(None if i in self._lost else getattr(a, method).remote())
             except Exception:  # the actor is already known dead: nothing to submit to
                 refs.append(None)
         out = []
@@ -204,9 +241,49 @@ class NodeGroup:
                 out.append(default)
         return out
 
-    def poll(self, timeout_s: float = 60.0) -> list[NodePoll]:
-        """Every node's news; a node whose actor died (node lost) comes back as state "lost"."""
-        return [p if p is not None else NodePoll(state="lost") for p in self._call_all("poll", timeout_s, None)]
+    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0) -> list[NodePoll]:
+        """Every node's news, waiting at most ``wait_s`` for the nodes to answer.
+
+        A node whose actor died comes back as state "lost"; so does one that has
+        left a poll unanswered for ``lost_after_s`` (its host or its network link
+        is down: its calls neither return nor fail), with ``silent_s`` set. That
+        clock runs once the node has answered since its ranks started: before,
+        the ranks spawn and import (a starved machine can take seconds), and the
+        rendezvous bound covers a node that never answers. A node that is merely
+        slow comes back empty, in its last state, and is asked again once it has
+        answered.
+        """
+        for i, a in enumerate(self.actors):
+            if i not in self._lost and i not in self._inflight:
+                try:
+                    self._inflight[i] = (a.poll.remote(), time.monotonic())
+                except Exception:  # the actor is already known dead
+                    self._lost.add(i)
+        refs = [ref for ref, _ in self._inflight.values()]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0]) if refs else set()
+        now = time.monotonic()
+        out = []
+        for i in range(len(self.actors)):
+            if i in self._lost:
+                out.append(NodePoll(state="lost"))
+                continue
+            ref, sent = self._inflight[i]
+            if ref in ready:
+                del self._inflight[i]
+                try:
+                    p = ray.get(ref)
+                    self._answered[i], self._states[i] = True, p.state
+                except ray.exceptions.RayActorError:
+                    self._lost.add(i)
+                    p = NodePoll(state="lost")
+            elif self._answered[i] and now - sent > lost_after_s:
+                del self._inflight[i]
+                self._lost.add(i)
+                p = NodePoll(state="lost", silent_s=now - sent)
+            else:
+                p = NodePoll(state=self._states[i])
+            out.append(p)
+        return out
 
     def scratch_dirs(self) -> list[str]:
         return ray.get([a.scratch_dir.remote() for a in self.actors])
@@ -219,7 +296,25 @@ class NodeGroup:
 
     def stop(self) -> list[NodePoll]:
         """Stop every rank on every node; return what they left to read."""
-        return [p if p is not None else NodePoll(state="lost") for p in self._call_all("stop", 60, None)]
+        earlier = self._finish_polls(timeout_s=10)
+        out = []
+        for i, p in enumerate(self._call_all("stop", 60, None)):
+            p = p if p is not None else NodePoll(state="lost")
+            if i in earlier:  # the news of a poll that answered late comes first
+                p.events[:0], p.logs[:0] = earlier[i].events, earlier[i].logs
+            out.append(p)
+        return out
+
+    def _finish_polls(self, timeout_s: float) -> dict[int, NodePoll]:
+        """Wait for the polls still in flight; what they bring is read before a stop."""
+        out = {}
+        for i, (ref, _) in list(self._inflight.items()):
+            try:
+                out[i] = ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+        self._inflight.clear()
+        return out
 
     def shutdown(self) -> None:
         """Stop the ranks, end the actors and release the placement group."""

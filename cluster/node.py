@@ -22,16 +22,27 @@ from typing import Any
 from cluster.runtime import WorkerPayload
 from cluster.worker import run_worker
 
-__all__ = ["NodeActor", "NodeInfo", "NodePoll", "RankFailure"]
+__all__ = ["NodeActor", "NodeInfo", "NodePoll", "RankFailure", "RendezvousError"]
+
+# The variables that name the collective backends' socket interface on a node.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+class RendezvousError(RuntimeError):
+    """Node 0 could not host the rendezvous store; the message says what to change."""
 
 
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
-    ip: str
+    ip: str  # the node's Ray address
     hostname: str
     pid: int
     gpu_ids: tuple[int, ...]
+    # interface name -> its IP addresses, as psutil.net_if_addrs() sees them on the node
+    interfaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the SOCKET_IFNAME_VARS the node's environment sets
+    socket_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,9 @@ class NodePoll:
     returns: dict[int, Any] = field(default_factory=dict)  # world rank -> return value
     # world rank -> seconds since the rank's heartbeat (absent before it started beating)
     beat_age_s: dict[int, float] = field(default_factory=dict)
+    # state "lost" only: how long the node had not answered when it was given up on
+    # (its host or its link is down); None when its actor was seen to die
+    silent_s: float | None = None
 
 
 class _Tail:
@@ -96,6 +110,7 @@ class NodeActor:
     def describe(self) -> NodeInfo:
         import socket
 
+        import psutil
         import ray
 
         return NodeInfo(
@@ -104,19 +119,39 @@ class NodeActor:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             gpu_ids=tuple(int(g) for g in ray.get_gpu_ids()),
+            interfaces={name: tuple(a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+                        for name, addrs in psutil.net_if_addrs().items()},
+            socket_env={k: os.environ[k] for k in SOCKET_IFNAME_VARS if os.environ.get(k)},
         )
 
-    def host_store(self, ip: str, timeout_s: float) -> int:
-        """Bind and hold the rendezvous TCPStore on a free port; return the port."""
+    def host_store(self, ip: str, timeout_s: float, ports: tuple[int, int] | None = None) -> int:
+        """Bind and hold the rendezvous TCPStore on a free port; return the port.
+
+        ``ports`` (low, high): the first port in the range that binds. Binding is the
+        test, so two jobs starting together cannot both pick a port; the bound store
+        then holds it. None: a port the system picks.
+        """
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
+        from torch.distributed import DistNetworkError, TCPStore
 
         self._store = None  # a new store for every attempt: no stale rank can join
-        self._store = TCPStore(
-            ip, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
+        for port in candidates:
+            try:
+                self._store = TCPStore(
+                    ip, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+                )
+                return self._store.port
+            except DistNetworkError as exc:
+                if port == 0 or "EADDRINUSE" not in str(exc):
+                    raise
+        low, high = ports
+        raise RendezvousError(
+            f"no free port for the rendezvous store on node 0 ({ip}): all {high - low + 1} ports of "
+            f"rendezvous.ports {low}-{high} are in use. Widen the range (--set rendezvous.ports=LOW-HIGH) "
+            "or end what holds them."
         )
-        return self._store.port
 
     def start(self, payloads: list[WorkerPayload], envs: list[dict[str, str]], attempt: int) -> None:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes

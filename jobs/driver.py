@@ -20,7 +20,7 @@ import psutil
 import ray
 
 from cluster.context import WorkerContext
-from cluster.group import NodeGroup, Placement, PlacementError, resolve_placement
+from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
 from cluster.node import RankFailure
 from cluster.runtime import WorkerPayload
 from cluster.worker import check_train_fn
@@ -173,7 +173,7 @@ class Driver:
             )
             self._say(f"raylaunch: run directory {self.run_dir.uri}")
             self._attempts(placement)
-        except (PlacementError, StorageError, CheckpointError, RunError) as exc:
+        except (PlacementError, RendezvousError, StorageError, CheckpointError, RunError) as exc:
             r.status, r.error = "failed", str(exc)
         except KeyboardInterrupt as exc:
             r.status, r.error = "stopped", str(exc) or "interrupted (Ctrl-C)"
@@ -196,14 +196,18 @@ class Driver:
     def _reserve(self, placement: Placement) -> NodeGroup:
         """Reserve one bundle and start one actor per node; check the storage is shared."""
         group = NodeGroup.create(
-            placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say
+            placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say,
+            socket_ifname=self.spec.rendezvous.socket_ifname,
         )
         self.group = group
         self._mark("reserved")
         self._result.nodes = [
-            {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname}
-            for i, info in enumerate(group.infos)
+            {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname,
+             "socket_ifname": socket.name}
+            for i, (info, socket) in enumerate(zip(group.infos, group.sockets))
         ]
+        for i, (info, socket) in enumerate(zip(group.infos, group.sockets)):
+            self._say(f"raylaunch: node {i} ({info.ip}, {info.hostname}): {socket.describe()}")
         self._check_shared_storage(group, self._token)
         return group
 
@@ -276,7 +280,7 @@ class Driver:
                 accelerate=dataclasses.asdict(spec.accelerate),
             )
 
-        contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s)
+        contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         self._mark("ranks_started")
         self.contexts = contexts
         a = _Attempt(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
@@ -286,7 +290,7 @@ class Driver:
         failures: list[RankFailure] = []
         lost: list[int] = []
         while True:
-            polls = group.poll()
+            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s)
             for node_rank, p in enumerate(polls):
                 self._forward(node_rank, p, a)
                 states[node_rank] = p.state
@@ -296,9 +300,12 @@ class Driver:
                     lost.append(node_rank)
                     info = group.infos[node_rank]
                     ranks = [c.world_rank for c in contexts if c.node_rank == node_rank]
+                    why = "was lost" if p.silent_s is None else (
+                        f"did not answer for {p.silent_s:.0f} s (timeouts.heartbeat_s is "
+                        f"{spec.timeouts.heartbeat_s:g}): its host or its network link is down; treated as lost")
                     failures.extend(
                         RankFailure(rank=r, exitcode=-9, message=f"node {node_rank} ({info.node_id[:12]}, "
-                                    f"{info.ip}) was lost", traceback="")
+                                    f"{info.ip}) {why}", traceback="")
                         for r in ranks
                     )
                 for rank, age in p.beat_age_s.items():
@@ -335,7 +342,7 @@ class Driver:
             grace = time.monotonic() + FAILURE_GRACE_S
             while time.monotonic() < grace and any(s == "running" for s in states):
                 time.sleep(self.poll_interval_s)
-                for node_rank, p in enumerate(group.poll()):
+                for node_rank, p in enumerate(group.poll(lost_after_s=spec.timeouts.heartbeat_s)):
                     if states[node_rank] != "running":
                         continue
                     self._forward(node_rank, p, a)

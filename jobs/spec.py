@@ -32,12 +32,14 @@ __all__ = [
     "DataLoaderSpec",
     "FailureSpec",
     "JobSpec",
+    "RendezvousSpec",
     "ScalingSpec",
     "SpecError",
     "TimeoutSpec",
     "apply_overrides",
     "load_spec",
     "load_spec_text",
+    "parse_port_range",
     "spec_from_dict",
     "spec_to_dict",
 ]
@@ -121,12 +123,47 @@ class TimeoutSpec:
     placement_s: float = _at_least(0, 120.0, " seconds", strict=True)
     # Every rank must join the process group within this time.
     rendezvous_s: float = _at_least(0, 300.0, " seconds", strict=True)
-    # A rank process that has not run for this long (stopped, frozen) is
+    # A rank process that has not run for this long (stopped, frozen), or a
+    # node that has not answered for this long (its host or link is down), is
     # treated as dead: every rank is stopped and the attempt restarts.
     heartbeat_s: float = _at_least(0, 60.0, " seconds", strict=True)
     # A collective that waits this long fails its rank (the process group's
     # timeout; NCCL's own default is 10 minutes).
     collective_s: float = _at_least(0, 600.0, " seconds", strict=True)
+
+
+@dataclass(frozen=True)
+class RendezvousSpec:
+    """Where the ranks meet: node 0's store port, and the interface the collectives use."""
+
+    # "any" (a port the system picks), one port, or "LOW-HIGH" for a firewall that allows
+    # only those: node 0 binds its store on the first free one.
+    ports: Union[int, str] = "any"
+    # "auto": the node's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME if its environment sets
+    # one, else the interface that carries the node's Ray address. Or a name, e.g. eth1.
+    socket_ifname: str = "auto"
+
+    @property
+    def port_range(self) -> tuple[int, int] | None:
+        """``(low, high)``, inclusive, or None for any port."""
+        return parse_port_range(self.ports)
+
+
+def parse_port_range(value: int | str) -> tuple[int, int] | None:
+    """``"29400-29499"`` -> ``(29400, 29499)``; ``29400`` -> ``(29400, 29400)``; ``"any"`` -> None.
+
+    Raises ``ValueError`` saying what is wrong.
+    """
+    if isinstance(value, str) and value.strip().lower() == "any":
+        return None
+    text = str(value).strip()
+    m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+    if not m:
+        raise ValueError(f"{value!r} is not a port range; write LOW-HIGH, e.g. 29400-29499, one port, or 'any'")
+    low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+    if not 1 <= low <= high <= 65535:
+        raise ValueError(f"{value!r} must have 1 <= LOW <= HIGH <= 65535, e.g. 29400-29499")
+    return low, high
 
 
 @dataclass(frozen=True)
@@ -142,6 +179,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     failure: FailureSpec = field(default_factory=FailureSpec)
     timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
+    rendezvous: RendezvousSpec = field(default_factory=RendezvousSpec)
 
     def with_overrides(self, overrides: list[str]) -> "JobSpec":
         """A new spec with ``path=value`` overrides applied and checked again."""
@@ -266,6 +304,12 @@ def _cross_checks(spec: JobSpec) -> list[str]:
         out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")
     if not spec.storage.strip():
         out.append("storage: must be a path or a URI such as s3://bucket/runs")
+    try:
+        parse_port_range(spec.rendezvous.ports)
+    except ValueError as exc:
+        out.append(f"rendezvous.ports: {exc}")
+    if not spec.rendezvous.socket_ifname.strip():
+        out.append("rendezvous.socket_ifname: must be 'auto' or an interface name such as eth1")
     return out
 
 

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from cluster.runtime import get_session
 
 ENV_KEYS = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-            "NODE_RANK", "OMP_NUM_THREADS", "ACCELERATE_USE_CPU"]
+            "NODE_RANK", "OMP_NUM_THREADS", "ACCELERATE_USE_CPU", "GLOO_SOCKET_IFNAME"]
 
 
 def probe(config: dict) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import ray
 from safetensors.torch import load_file
 
 from conftest import ROOT, cli_env
+from cluster.node import NodeActor, RendezvousError
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
 
@@ -62,6 +64,40 @@ def test_one_actor_per_node_and_ranks_by_node(ray_cluster, tmp_path):
     assert len({v["env"]["MASTER_PORT"] for v in ranks.values()}) == 1
     # When the run ends no worker process is left on any node.
     assert not [v["pid"] for v in ranks.values() if psutil.pid_exists(v["pid"])]
+
+
+def test_the_store_takes_the_first_free_port_of_the_range_and_ranks_use_the_ray_address_interface(
+        ray_cluster, tmp_path):
+    held = socket.socket()
+    held.bind(("0.0.0.0", 0))  # someone else's service on the first port of the range
+    held.listen()
+    first = held.getsockname()[1]
+    try:
+        result = run_spec(f"name: ports\ntrain_fn: fns:probe\nscaling: {{num_nodes: 2, workers_per_node: 1}}\n"
+                          f"rendezvous: {{ports: {first}-{first + 1}}}\nstorage: {tmp_path}\n")
+    finally:
+        held.close()
+    assert result.status == "succeeded", result.error
+    for seen in result.rank_results.values():
+        assert seen["env"]["MASTER_PORT"] == str(first + 1)
+        assert seen["env"]["MASTER_ADDR"] == result.nodes[0]["ip"]
+        assert seen["env"]["GLOO_SOCKET_IFNAME"] == result.nodes[0]["socket_ifname"]  # one machine: one interface
+    addrs = psutil.net_if_addrs()[result.nodes[0]["socket_ifname"]]
+    assert result.nodes[0]["ip"] in [a.address for a in addrs]
+
+
+def test_a_range_with_no_free_port_says_which_and_what_to_do():
+    held = socket.socket()
+    held.bind(("0.0.0.0", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    node = NodeActor(0)  # the plain class: no Ray needed to host a store
+    try:
+        with pytest.raises(RendezvousError, match=f"rendezvous.ports {port}-{port}"):
+            node.host_store("127.0.0.1", 5, (port, port))
+    finally:
+        held.close()
+        node.shutdown()
 
 
 def test_digits_trains_on_disjoint_shards_and_writes_the_run_directory(digits_run):

@@ -77,3 +77,26 @@ def test_spec_round_trips_through_overrides():
     spec = load_spec_text(MINIMAL)
     assert spec.with_overrides(["name=other"]).name == "other"
     assert spec.with_overrides([]) == spec
+
+
+def test_rendezvous_port_range_is_read_as_written():
+    spec = load_spec_text(MINIMAL + "rendezvous:\n  ports: 29400-29499\n")
+    assert spec.rendezvous.ports == "29400-29499" and spec.rendezvous.port_range == (29400, 29499)
+    assert load_spec_text(MINIMAL + "rendezvous: {ports: 29400}\n").rendezvous.port_range == (29400, 29400)
+    assert load_spec_text(MINIMAL).rendezvous.port_range is None  # "any": the system picks
+    assert load_spec_text(MINIMAL, ["rendezvous.ports=30000-30010"]).rendezvous.port_range == (30000, 30010)
+
+
+@pytest.mark.parametrize("value", ["29499-29400", "0-10", "29400-70000", "294OO", "29400:29499", "''"])
+def test_bad_port_ranges_name_the_key_and_the_format(value):
+    got = problems(MINIMAL + f"rendezvous: {{ports: {value}}}\n")
+    assert len(got) == 1 and got[0].startswith("rendezvous.ports: ")
+    assert "29400-29499" in got[0]  # the example of what to write
+
+
+def test_socket_interface_defaults_to_auto_and_takes_a_name():
+    assert load_spec_text(MINIMAL).rendezvous.socket_ifname == "auto"
+    assert load_spec_text(MINIMAL, ["rendezvous.socket_ifname=eth1"]).rendezvous.socket_ifname == "eth1"
+    assert problems(MINIMAL + "rendezvous: {socket_ifnam: eth1}\n") == [
+        "rendezvous.socket_ifnam: unknown key; did you mean 'socket_ifname'?"
+    ]
