@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import ray
 
 from cluster.context import WorkerContext
+from cluster.files import join_uri
 from cluster.group import NodeGroup, Placement, PlacementError, resolve_placement
 from cluster.node import RankFailure
 from cluster.runtime import WorkerPayload
@@ -102,6 +103,7 @@ class Driver:
         self._result = RunResult(status="failed", run_dir=self.run_dir.uri)
         self._token: str | None = None
         self._last_print = 0.0
+        self._store_errors: set[str] = set()
         self.group: NodeGroup | None = None  # the nodes of the current attempt
         self.contexts: list[WorkerContext] = []
 
@@ -152,9 +154,13 @@ class Driver:
                 self.group.shutdown()
                 self.group = None
             r.end_time = time.time()
-            r.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
-            self.run_dir.write_result(dataclasses.asdict(r))
-            self.run_dir.close()
+            try:
+                self.run_dir.clear_staging()  # no rank runs now: what a failed save left goes
+                r.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+                self.run_dir.write_result(dataclasses.asdict(r))
+                self.run_dir.close()
+            except OSError as exc:
+                self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
         return r
 
     def _reserve(self, placement: Placement) -> NodeGroup:
@@ -188,6 +194,8 @@ class Driver:
             if self.group is None:
                 self._reserve(placement)
             r.attempts += 1
+            # Every rank of the previous attempt is stopped: what it left half-saved goes.
+            self.run_dir.clear_staging()
             latest = self.run_dir.loadable_checkpoint(warn=self._say)
             if latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
@@ -320,7 +328,7 @@ class Driver:
             self._say(f"[node {node_rank} rank {rank}] {line}")
             by_rank[rank].append(line)
         for rank, lines in by_rank.items():
-            self.run_dir.append_log(rank, lines)
+            self._store(self.run_dir.append_log, rank, lines)
         self._events(p.events, node_of, attempt, joined, pending, staging, world)
 
     def _events(self, events, node_of, attempt, joined, pending, staging, world) -> None:
@@ -348,10 +356,20 @@ class Driver:
                 if len(pending[step]) == world:
                     del pending[step]
                     c = self.run_dir.commit_checkpoint(
-                        f"{staging}/checkpoint-{step:08d}", step, attempt, world, self.spec.checkpoint.keep
+                        join_uri(staging, f"checkpoint-{step:08d}"), step, attempt, world, self.spec.checkpoint.keep
                     )
                     self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
-        self.run_dir.append_metrics(records)
+        self._store(self.run_dir.append_metrics, records)
+
+    def _store(self, write, *args) -> None:
+        """Write metrics or logs; storage that fails (full, say) is reported, and the driver
+        keeps supervising the ranks, whose own errors say more."""
+        try:
+            write(*args)
+        except OSError as exc:
+            if str(exc) not in self._store_errors:
+                self._store_errors.add(str(exc))
+                self._say(f"raylaunch: could not write to the run directory {self.run_dir.uri}: {exc}")
 
     def _progress(self, record: dict) -> None:
         r = self._result
