@@ -249,10 +249,10 @@ class NodeActor:
 
     def read_file(self, uri: str) -> str | None:
         """The text of a file on storage as this node sees it, or None."""
-        from pyarrow import fs as pafs
+        from cluster.files import open_uri
 
         try:
-            fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
+            fs, path = open_uri(uri)
             with fs.open_input_stream(path) as f:
                 return f.read().decode()
         except (OSError, FileNotFoundError):

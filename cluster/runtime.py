@@ -19,21 +19,25 @@ Under the runner these reach the driver and the run directory. Outside it
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from accelerate.tracking import GeneralTracker
+from pyarrow import fs as pafs
 
 from cluster.context import WorkerContext
+from cluster.files import CheckpointError, check_manifest, is_local, join_uri, open_uri, split_query
 
-__all__ = ["RunnerTracker", "Session", "WorkerPayload", "get_session"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
 MANIFEST = "manifest.json"
 
@@ -103,6 +107,7 @@ class Session:
         self._cooperative = False  # the function calls preempted()
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
+        self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
 
     @property
     def under_runner(self) -> bool:
@@ -177,30 +182,59 @@ class Session:
         runner the checkpoint is written to staging and committed by the
         driver once every rank has reported its part; outside it, it is
         written to the local checkpoints folder.
+
+        On storage that is not a local path (an object store), training waits
+        only for the state to reach local disk: the upload runs in the
+        background and the rank reports its part when the upload is done. The
+        next ``save`` waits for the previous upload (one in flight at a time),
+        and the runner waits for the last one before the function counts as
+        finished. Storage that is full fails the save with ``CheckpointSaveError``.
         """
         if self.payload is None:
             target = self._local_dir / "checkpoints" / f"checkpoint-{step:08d}"
-            accelerator.save_state(str(target))
+            accelerator.save_state(str(target), safe_serialization=True)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 (self._local_dir / "checkpoints" / "latest").write_text(target.name)
             return str(target)
-        uri = f"{self.payload.staging_uri.rstrip('/')}/checkpoint-{step:08d}"
-        fs, path = _fs(uri)
-        if _is_local(fs):
-            accelerator.save_state(path)
-        else:
-            with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
-                accelerator.save_state(tmp)
-                _copy_up(tmp, uri)
-        # Everyone has finished writing before anyone reports: the driver
-        # commits on the last report and must see every rank's files.
-        accelerator.wait_for_everyone()
-        self._emit({"kind": "checkpoint", "step": step, "uri": uri})
+        uri = join_uri(self.payload.staging_uri, f"checkpoint-{step:08d}")
+        fs, path = open_uri(uri)
+        if is_local(fs):
+            _save_state(accelerator, path, step)
+            # Everyone has finished writing before anyone reports: the driver
+            # commits on the last report and must see every rank's files.
+            accelerator.wait_for_everyone()
+            self._emit({"kind": "checkpoint", "step": step, "uri": uri})
+            return uri
+        self.wait_for_upload()  # training that outruns uploads waits here, not later
+        local = tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
+        try:
+            _save_state(accelerator, local, step)
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
+        self._upload = _Upload(local, uri, step, on_done=lambda: self._emit(
+            {"kind": "checkpoint", "step": step, "uri": uri}))
         return uri
 
+    def wait_for_upload(self) -> None:
+        """Block until this rank's last checkpoint is uploaded; raise if the upload failed.
+
+        The runner calls it when the training function returns, so a run never
+        finishes before its last checkpoint is committed.
+        """
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.wait()
+
     def restore(self, accelerator: Any) -> int | None:
-        """Load the latest committed checkpoint into ``accelerator``; its step, or None."""
+        """Load the latest committed checkpoint into ``accelerator``; its step, or None.
+
+        Accelerate unpickles the RNG, sampler and registered states
+        (``weights_only=False``), so nothing is loaded unless it is this run's
+        committed checkpoint and every file matches its manifest's sha256, checked
+        here, on the bytes that are loaded; a mismatch raises ``CheckpointError``.
+        """
         if self.payload is None:
             latest = self._local_dir / "checkpoints" / "latest"
             if not latest.exists():
@@ -211,16 +245,21 @@ class Session:
         uri = self.payload.restore_uri
         if uri is None:
             return None
-        fs, path = _fs(uri)
+        fs, path = open_uri(uri)
+        run = open_uri(self.payload.staging_uri)[1].split("/.staging/")[0]
+        if not path.startswith(f"{run}/checkpoints/"):
+            raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
         with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-            step = int(json.loads(f.read())["step"])
-        if _is_local(fs):
+            manifest = json.loads(f.read())
+        if is_local(fs):
+            check_manifest(fs, path, manifest, path)
             accelerator.load_state(path)
         else:
             with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
                 _copy_down(uri, tmp)
+                check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
                 accelerator.load_state(tmp)
-        return step
+        return int(manifest["step"])
 
     # --- events --------------------------------------------------------------
 
@@ -247,28 +286,73 @@ def _jsonable(values: dict) -> dict:
     return out
 
 
-def _fs(uri: str):
-    from pyarrow import fs as pafs
-
-    return pafs.FileSystem.from_uri(uri)
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written or uploaded; the previous committed one is kept."""
 
 
-def _is_local(fs) -> bool:
-    from pyarrow import fs as pafs
+def _save_state(accelerator: Any, path: str, step: int) -> None:
+    """``save_state`` with model weights as safetensors; a full disk is said in plain words."""
+    try:
+        accelerator.save_state(path, safe_serialization=True)
+    except Exception as exc:
+        if not _out_of_space(exc, path):
+            raise
+        shutil.rmtree(path, ignore_errors=True)  # a part no commit will ever count
+        raise CheckpointSaveError(
+            f"no space left on the device holding {path}: the checkpoint of step {step} was not written "
+            f"({exc}). The previous committed checkpoint is kept; free space there, or set `storage` "
+            "(or the node's temporary folder, TMPDIR, for object storage) to a larger volume."
+        ) from exc
 
-    return isinstance(fs, pafs.LocalFileSystem)
+
+def _out_of_space(exc: BaseException, path: str) -> bool:
+    """ENOSPC anywhere in the chain, or (torch.save says only "unexpected pos") a full filesystem."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free < (1 << 20)
+    except OSError:
+        return False
 
 
-def _copy_up(local: str, uri: str) -> None:
-    from pyarrow import fs as pafs
+class _Upload:
+    """One rank's checkpoint part on its way from local disk to storage, in a thread."""
 
-    pafs.copy_files(local, uri, destination_filesystem=_fs(uri)[0])
+    def __init__(self, local: str, uri: str, step: int, on_done: Callable[[], None]) -> None:
+        self.local, self.uri, self.step = local, uri, step
+        self.error: BaseException | None = None
+        self._on_done = on_done
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-upload-{step}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            fs, path = open_uri(self.uri)
+            pafs.copy_files(self.local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+            self._on_done()
+        except BaseException as exc:  # handed to the training thread by wait()
+            self.error = exc
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise CheckpointSaveError(
+                f"uploading the checkpoint of step {self.step} to {split_query(self.uri)[0]} failed: {self.error}. "
+                "The previous committed checkpoint is kept."
+            ) from self.error
 
 
 def _copy_down(uri: str, local: str) -> None:
-    from pyarrow import fs as pafs
-
-    fs, path = _fs(uri)
+    fs, path = open_uri(uri)
     pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
 
 

@@ -110,6 +110,9 @@ def run_worker(payload: WorkerPayload) -> Any:
     session._emit({"kind": "joined", "world_size": dist.get_world_size()})
     signal.signal(signal.SIGTERM, session._on_sigterm)
     result = fn(dict(payload.config))
+    # The run is not over before its last checkpoint is: wait for its upload (and
+    # fail the rank if it failed) before reporting this rank as done.
+    session.wait_for_upload()
     session._emit({"kind": "resources", **peak_memory()})
     if session._stopped_for_preemption:
         session._emit({"kind": "preempted"})

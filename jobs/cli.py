@@ -117,7 +117,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f" ({info.message})" if info.message else ""))
     meta = info.metadata or {}
     if "raylaunch_storage" in meta:
-        print(f"run directory: {meta['raylaunch_storage']}/{meta.get('raylaunch_run', '')}")
+        from cluster.files import join_uri
+
+        print(f"run directory: {join_uri(meta['raylaunch_storage'], meta.get('raylaunch_run', ''))}")
     return 0
 
 

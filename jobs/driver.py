@@ -20,6 +20,7 @@ import psutil
 import ray
 
 from cluster.context import WorkerContext
+from cluster.files import join_uri
 from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
 from cluster.node import RankFailure
 from cluster.runtime import WorkerPayload
@@ -128,6 +129,7 @@ class Driver:
         self._token: str | None = None
         self._last_print = 0.0
         self._board: Board | None = None
+        self._store_errors: set[str] = set()
         self.group: NodeGroup | None = None  # the nodes of the current attempt
         self.contexts: list[WorkerContext] = []
 
@@ -183,9 +185,13 @@ class Driver:
                 self.group.shutdown()
                 self.group = None
             r.end_time = time.time()
-            self._board.close()
-            self._write_result()
-            self.run_dir.close()
+            try:
+                self.run_dir.clear_staging()  # no rank runs now: what a failed save left goes
+                self._board.close()
+                self._write_result()
+                self.run_dir.close()
+            except OSError as exc:
+                self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
         return r
 
     def _write_result(self) -> None:
@@ -229,6 +235,8 @@ class Driver:
             if self.group is None:
                 self._reserve(placement)
             r.attempts += 1
+            # Every rank of the previous attempt is stopped: what it left half-saved goes.
+            self.run_dir.clear_staging()
             latest = self.run_dir.loadable_checkpoint(warn=self._say)
             if latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
@@ -366,7 +374,7 @@ class Driver:
             self._say(f"[node {node_rank} rank {rank}] {line}")
             by_rank[rank].append(line)
         for rank, lines in by_rank.items():
-            self.run_dir.append_log(rank, lines)
+            self._store(self.run_dir.append_log, rank, lines)
         self._events(p.events, a)
 
     def _events(self, events: list[dict], a: _Attempt) -> None:
@@ -406,15 +414,26 @@ class Driver:
                 if len(a.parts[step]) == a.world:
                     del a.parts[step]
                     c = self.run_dir.commit_checkpoint(
-                        f"{a.staging}/checkpoint-{step:08d}", step, a.number, a.world, self.spec.checkpoint.keep
+                        join_uri(a.staging, f"checkpoint-{step:08d}"), step, a.number, a.world,
+                        self.spec.checkpoint.keep
                     )
                     self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
-        self.run_dir.append_metrics(records)
+        self._store(self.run_dir.append_metrics, records)
         self._board.add(records)
 
     def _mark(self, phase: str, at: float | None = None) -> None:
         """The first time the run got to ``phase`` (the first attempt's start-up, for `show` and the bench)."""
         self._result.timeline.setdefault(phase, at or time.time())
+
+    def _store(self, write, *args) -> None:
+        """Write metrics or logs; storage that fails (full, say) is reported, and the driver
+        keeps supervising the ranks, whose own errors say more."""
+        try:
+            write(*args)
+        except OSError as exc:
+            if str(exc) not in self._store_errors:
+                self._store_errors.add(str(exc))
+                self._say(f"raylaunch: could not write to the run directory {self.run_dir.uri}: {exc}")
 
     def _progress(self, record: dict) -> None:
         r = self._result

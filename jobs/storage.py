@@ -18,7 +18,6 @@ or an object-store URI (``s3://``, ``gs://``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -29,24 +28,26 @@ from typing import Any
 import yaml
 from pyarrow import fs as pafs
 
-__all__ = ["CheckpointError", "RunDir", "StorageError"]
+from cluster.files import CheckpointError, check_manifest, is_local, open_uri, sha256, split_query
+
+__all__ = ["CheckpointError", "CommittedCheckpoint", "RunDir", "StorageError"]
 
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
+# On an object store, metrics and logs are rewritten whole at most this often (and at
+# every commit and at the end): the most a crash of the driver can lose.
+OBJECT_FLUSH_S = 2.0
 
 
 class StorageError(RuntimeError):
     """The storage path cannot hold a run; the message says what to fix."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete or does not match its manifest."""
-
-
 @dataclass(frozen=True)
 class CommittedCheckpoint:
     step: int
-    uri: str
+    uri: str  # what a rank opens: on an object store, with the storage's query string
+    name: str  # checkpoint-<step>, as latest.json names it
 
 
 class RunDir:
@@ -57,23 +58,36 @@ class RunDir:
         if "://" not in storage:
             storage = os.path.abspath(storage)
         try:
-            self.fs, base = pafs.FileSystem.from_uri(storage)
+            self.fs, base = open_uri(storage)
         except Exception as exc:  # pyarrow raises ArrowInvalid and friends
             raise StorageError(f"storage {storage!r} is not a path or a URI pyarrow can open: {exc}") from None
         self.storage = storage
         self.name = name
         self.path = f"{base.rstrip('/')}/{name}"
-        self._local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._local = is_local(self.fs)
+        self._scheme = "" if self._local else storage.split("://", 1)[0]
+        # Filesystem options (endpoint_override=..., scheme=...) travel with every URI
+        # handed to node actors and ranks, so they open the same store.
+        self._query = split_query(storage)[1]
         self._streams: dict[str, Any] = {}
+        self._objects: dict[str, _ObjectLog] = {}
 
     # --- paths -----------------------------------------------------------------
 
     @property
     def uri(self) -> str:
-        return self.path if self._local else f"{self.storage.split('://')[0]}://{self.path}"
+        return self._uri(self.path)
 
     def _uri(self, path: str) -> str:
-        return path if self._local else f"{self.storage.split('://')[0]}://{path}"
+        return path if self._local else f"{self._scheme}://{path}{self._query}"
+
+    def _path(self, uri: str) -> str:
+        """The inverse of ``_uri``: the path inside ``self.fs``."""
+        return uri if self._local else split_query(uri)[0].split("://", 1)[1]
+
+    def _show(self, path: str) -> str:
+        """A path as messages show it: the URI without its query string."""
+        return path if self._local else f"{self._scheme}://{path}"
 
     @property
     def checkpoints_path(self) -> str:
@@ -100,11 +114,15 @@ class RunDir:
             self._write(f"{self.path}/.marker", token.encode())
         except OSError as exc:
             raise StorageError(
-                f"cannot write the run directory {self.uri}: {exc}. Set `storage` in the spec "
+                f"cannot write the run directory {self._show(self.path)}: {exc}. Set `storage` in the spec "
                 "(or --storage) to a folder every node can write, such as an NFS mount or s3://bucket/runs."
             ) from None
-        self.fs.delete_dir_contents(f"{self.path}/.staging", missing_dir_ok=True)
+        self.clear_staging()
         return token
+
+    def clear_staging(self) -> None:
+        """Delete what earlier attempts left in ``.staging/``; call it only while no rank runs."""
+        self.fs.delete_dir_contents(f"{self.path}/.staging", missing_dir_ok=True)
 
     def marker_uri(self) -> str:
         return self._uri(f"{self.path}/.marker")
@@ -120,24 +138,33 @@ class RunDir:
             self._append(f"logs/rank-{rank}.log", "".join(line + "\n" for line in lines))
 
     def _append(self, rel: str, text: str) -> None:
+        path = f"{self.path}/{rel}"
+        if not self._local:
+            log = self._objects.get(rel)
+            if log is None:
+                log = self._objects[rel] = _ObjectLog(self.fs, path)
+            log.append(text.encode())
+            return
         stream = self._streams.get(rel)
         if stream is None:
-            path = f"{self.path}/{rel}"
-            try:
-                stream = self.fs.open_append_stream(path)
-            except (NotImplementedError, OSError):
-                # Object stores cannot append: keep the stream open for the run.
-                stream = self.fs.open_output_stream(path)
-            self._streams[rel] = stream
+            stream = self._streams[rel] = self.fs.open_append_stream(path)
         stream.write(text.encode())
         stream.flush()
 
+    def flush(self) -> None:
+        """Write out what object-store logs hold in memory (POSIX appends are written at once)."""
+        for log in self._objects.values():
+            log.flush()
+
     def close(self) -> None:
+        self.flush()
         for s in self._streams.values():
             s.close()
         self._streams.clear()
+        self._objects.clear()
 
     def write_result(self, result: dict) -> None:
+        self.flush()
         self._write(f"{self.path}/result.json", json.dumps(result, indent=2).encode())
 
     def read_result(self) -> dict | None:
@@ -148,32 +175,52 @@ class RunDir:
     def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int) -> CommittedCheckpoint:
         """Check every rank's part, write the manifest last, move it in, then prune.
 
-        Raises ``CheckpointError`` if a rank's part is missing; the staging
-        folder is then left where no resume will ever load it.
+        Raises ``CheckpointError`` if a rank's part is missing, or if storage
+        fails while committing (full, say); the staging folder is then left
+        where no resume will ever load it, and ``latest.json`` is unchanged.
         """
-        _, staging = pafs.FileSystem.from_uri(staging_uri) if "://" in staging_uri else (None, staging_uri)
+        staging = self._path(staging_uri)
+        try:
+            return self._commit(staging, step, attempt, world_size, keep)
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
+                f"{exc}. The previous committed checkpoint is still the latest."
+            ) from exc
+
+    def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int) -> CommittedCheckpoint:
+        self.flush()  # the metrics up to this checkpoint are on storage before it counts
         files = {}
-        for info in self.fs.get_file_info(pafs.FileSelector(staging, recursive=True)):
+        for info in self.fs.get_file_info(pafs.FileSelector(staging, recursive=True, allow_not_found=True)):
             if info.type == pafs.FileType.File:
                 rel = info.path[len(staging.rstrip("/")) + 1 :]
-                files[rel] = {"size": info.size, "sha256": self._sha256(info.path)}
+                files[rel] = {"size": info.size, "sha256": sha256(self.fs, info.path)}
         missing = [r for r in range(world_size) if f"random_states_{r}.pkl" not in files]
         if missing:
             raise CheckpointError(
                 f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
                 "it was not committed"
             )
-        manifest = {"step": step, "attempt": attempt, "world_size": world_size,
-                    "created": time.time(), "files": files}
+        manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
+                               "created": time.time(), "files": files}, indent=1).encode()
         name = f"checkpoint-{step:08d}"
-        self._write(f"{staging}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         final = f"{self.checkpoints_path}/{name}"
         if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
             self.fs.delete_dir(final)  # an older commit of the same step, from a previous attempt
-        self.fs.move(staging, final)
+        if self._local:
+            # A folder rename is atomic: the checkpoint appears with its manifest.
+            self._write(f"{staging}/{MANIFEST}", manifest)
+            self.fs.move(staging, final)
+        else:
+            # Object stores cannot rename a folder: copy the files (server-side), then the
+            # manifest, whose presence is the commit (a folder without one is never listed).
+            for rel in files:
+                self.fs.copy_file(f"{staging}/{rel}", f"{final}/{rel}")
+            self._write(f"{final}/{MANIFEST}", manifest)
+            self.fs.delete_dir(staging)
         self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": name, "step": step}).encode())
         self._prune(keep)
-        return CommittedCheckpoint(step, self._uri(final))
+        return CommittedCheckpoint(step, self._uri(final), name)
 
     def committed_checkpoints(self) -> list[CommittedCheckpoint]:
         """Committed checkpoints (with a manifest), oldest first."""
@@ -183,35 +230,28 @@ class RunDir:
             if info.type == pafs.FileType.Directory and base.startswith("checkpoint-"):
                 manifest = self._read_json(f"{info.path}/{MANIFEST}")
                 if manifest is not None:
-                    out.append(CommittedCheckpoint(int(manifest["step"]), self._uri(info.path)))
+                    out.append(CommittedCheckpoint(int(manifest["step"]), self._uri(info.path), base))
         return sorted(out, key=lambda c: c.step)
 
     def latest_checkpoint(self) -> CommittedCheckpoint | None:
         pointer = self._read_json(f"{self.checkpoints_path}/{LATEST}")
         if pointer is None:
             return None
-        committed = {c.uri.rsplit("/", 1)[-1]: c for c in self.committed_checkpoints()}
+        committed = {c.name: c for c in self.committed_checkpoints()}
         if pointer["name"] not in committed:
             raise CheckpointError(
-                f"{self.checkpoints_path}/{LATEST} names {pointer['name']}, which is not a committed "
+                f"{self._show(self.checkpoints_path)}/{LATEST} names {pointer['name']}, which is not a committed "
                 "checkpoint in this run directory. Restore that folder, or start over with --fresh."
             )
         return committed[pointer["name"]]
 
     def verify(self, checkpoint: CommittedCheckpoint) -> None:
         """Check every file against the manifest; ``CheckpointError`` names the first that differs."""
-        path = checkpoint.uri.split("://", 1)[-1] if not self._local else checkpoint.uri
+        path = self._path(checkpoint.uri)
         manifest = self._read_json(f"{path}/{MANIFEST}")
         if manifest is None:
-            raise CheckpointError(f"{checkpoint.uri} has no {MANIFEST}")
-        for rel, meta in manifest["files"].items():
-            info = self.fs.get_file_info(f"{path}/{rel}")
-            if info.type == pafs.FileType.NotFound:
-                raise CheckpointError(f"{checkpoint.uri}/{rel} is missing (listed in its manifest)")
-            if info.size != meta["size"]:
-                raise CheckpointError(f"{checkpoint.uri}/{rel} has {info.size} bytes; its manifest says {meta['size']}")
-            if self._sha256(f"{path}/{rel}") != meta["sha256"]:
-                raise CheckpointError(f"{checkpoint.uri}/{rel} does not match the checksum in its manifest")
+            raise CheckpointError(f"{self._show(path)} has no {MANIFEST}")
+        check_manifest(self.fs, path, manifest, self._show(path))
 
     def loadable_checkpoint(self, warn=print) -> CommittedCheckpoint | None:
         """The latest committed checkpoint whose files match its manifest; older ones if it does not."""
@@ -223,16 +263,17 @@ class RunDir:
                 self.verify(c)
                 return c
             except CheckpointError as exc:
-                warn(f"raylaunch: not loading {c.uri}: {exc}; trying the previous committed checkpoint")
+                warn(f"raylaunch: not loading {self._show(self._path(c.uri))}: {exc}; "
+                     "trying the previous committed checkpoint")
         raise CheckpointError(
-            f"no committed checkpoint in {self.checkpoints_path} matches its manifest. Restore the files, "
-            "or start over with --fresh."
+            f"no committed checkpoint in {self._show(self.checkpoints_path)} matches its manifest. Restore the "
+            "files, or start over with --fresh."
         )
 
     def _prune(self, keep: int) -> None:
         committed = self.committed_checkpoints()
         for old in committed[: max(0, len(committed) - keep)]:
-            self.fs.delete_dir(old.uri.split("://")[-1] if not self._local else old.uri)
+            self.fs.delete_dir(self._path(old.uri))
 
     # --- reading a run back (raylaunch runs, show, plot) ------------------------------
 
@@ -271,7 +312,7 @@ class RunDir:
 
     def log_uris(self) -> list[str]:
         infos = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/logs", allow_not_found=True))
-        return sorted(self._uri(i.path) for i in infos if i.type == pafs.FileType.File)
+        return sorted(self._show(i.path) for i in infos if i.type == pafs.FileType.File)
 
     def local_path(self, rel: str) -> str | None:
         """A folder of the run as a local path, or None on object storage."""
@@ -287,11 +328,13 @@ class RunDir:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _path(self, uri: str) -> str:
-        return uri if self._local else uri.split("://", 1)[-1]
-
     def _write(self, path: str, data: bytes) -> None:
-        """Write to a temporary name, then rename: readers never see half a file."""
+        """Readers never see half a file: a temporary name and a rename on POSIX; on an
+        object store one PUT, which readers see whole or not at all."""
+        if not self._local:
+            with self.fs.open_output_stream(path) as f:
+                f.write(data)
+            return
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)
@@ -304,9 +347,36 @@ class RunDir:
         except FileNotFoundError:
             return None
 
-    def _sha256(self, path: str) -> str:
-        h = hashlib.sha256()
-        with self.fs.open_input_stream(path) as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return h.hexdigest()
+
+class _ObjectLog:
+    """A growing file (metrics, logs) on an object store, which cannot append.
+
+    An output stream kept open shows nothing until it is closed, so a crash of
+    the driver would lose the whole file. Instead the file is held in memory and
+    the whole object is rewritten, at most every ``OBJECT_FLUSH_S`` and on
+    ``flush``; each PUT replaces the object whole. A rerun of the same run starts
+    from what the object holds.
+    """
+
+    def __init__(self, fs: pafs.FileSystem, path: str) -> None:
+        self.fs, self.path = fs, path
+        try:
+            with fs.open_input_stream(path) as f:
+                self.data = bytearray(f.read())
+        except FileNotFoundError:
+            self.data = bytearray()
+        self.dirty = False
+        self.written_at = 0.0  # the first rows go out at once
+
+    def append(self, data: bytes) -> None:
+        self.data += data
+        self.dirty = True
+        if time.monotonic() - self.written_at >= OBJECT_FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.dirty:
+            with self.fs.open_output_stream(self.path) as f:
+                f.write(bytes(self.data))
+            self.dirty = False
+            self.written_at = time.monotonic()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from cluster.files import join_uri
 from cluster.local import UPLOAD_EXCLUDES
 from jobs.spec import JobSpec, SpecError, load_spec
 
@@ -153,14 +154,14 @@ def plan_submit(
         # Time for the driver to stop every rank and record "stopped" after SIGTERM.
         "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"},
     }
-    storage = spec.storage.rstrip("/")
+    storage = spec.storage
     return SubmitRequest(
         address=address,
         submission_id=submission_id,
         entrypoint=entrypoint,
         runtime_env=runtime_env,
         metadata={"raylaunch_run": spec.name, "raylaunch_storage": storage},
-        run_dir=f"{storage}/{spec.name}",
+        run_dir=join_uri(storage, spec.name),
         upload=upload,
         spec=spec,
     )

@@ -13,12 +13,22 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
 
+def dummy_aws_credentials() -> None:
+    """Credentials for the S3 server the object-storage tests start (moto), in this process's
+    environment: the raylets, and through them the node actors and ranks, inherit it. Real
+    nodes use their own credential chain (instance profile, environment)."""
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+        os.environ.setdefault(key, value)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A head and one more node, each a real raylet with 2 logical CPUs."""
     import ray
     from ray.cluster_utils import Cluster
 
+    dummy_aws_credentials()  # before the raylets start: they pass their environment on
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)
     pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])

@@ -66,13 +66,16 @@ def steady(config: dict) -> dict:
     x = torch.randn(256, 8)
     y = x @ torch.arange(8.0) + 1
     dl = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hidden = config.get("hidden")  # a bigger checkpoint: 10 x hidden parameters
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1)) if hidden \
+        else torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.01))
     model, opt, dl = accelerator.prepare(model, opt, dl)
     progress = _Progress()
     accelerator.register_for_checkpointing(progress)
     restored = session.restore(accelerator)
     total = config["steps"]
+    saves = []  # seconds each periodic session.save held training
     while progress.step < total:
         for xb, yb in dl:
             loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
@@ -83,7 +86,9 @@ def steady(config: dict) -> dict:
             accelerator.log({"loss": loss.item()}, step=progress.step)
             session.log({"rank_loss": loss.item()}, step=progress.step)
             if progress.step % config["every"] == 0:
+                began = time.perf_counter()
                 session.save(accelerator, progress.step)
+                saves.append(time.perf_counter() - began)
             if progress.step == config.get("fail_at") and attempt == 1 and accelerator.process_index == 1:
                 raise RuntimeError(f"injected failure at step {progress.step}")
             if config.get("cooperative") and session.preempted(accelerator):
@@ -92,4 +97,22 @@ def steady(config: dict) -> dict:
             time.sleep(config.get("step_s", 0.05))
             if progress.step >= total:
                 break
-    return {"restored_step": restored, "steps": progress.step}
+    return {"restored_step": restored, "steps": progress.step, "save_s": saves}
+
+
+def litter_then_fail(config: dict) -> dict:
+    """Attempt 1 leaves half a checkpoint in its staging folder (a crash mid-save) and fails;
+    later attempts report whether what it left is still there."""
+    from pathlib import Path
+
+    session = get_session()
+    Accelerator(**session.accelerator_kwargs())
+    staging = Path(session.payload.staging_uri)
+    attempt = session.payload.attempt
+    if attempt == 1:
+        part = staging / "checkpoint-00000005"
+        part.mkdir(parents=True, exist_ok=True)
+        (part / "model.safetensors").write_bytes(b"half a mod")
+        raise RuntimeError("crashed in the middle of a save")
+    earlier = staging.parent / f"attempt-{attempt - 1}"
+    return {"earlier_staging_left": earlier.exists() and any(earlier.iterdir())}

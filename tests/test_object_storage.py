@@ -1,0 +1,202 @@
+"""Runs on an object store: a real S3-compatible server (moto) on 127.0.0.1, reached over HTTP.
+
+The storage URI carries the endpoint (``?endpoint_override=...&scheme=http``), so the
+driver, the node actors and the ranks open the same bucket; the dummy credentials
+come from the environment every process inherits (see ``conftest.ray_cluster``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+from pyarrow import fs as pafs
+
+from cluster.files import join_uri, open_uri
+from conftest import dummy_aws_credentials
+from jobs.driver import Driver
+from jobs.spec import load_spec_text
+from jobs.storage import CheckpointError, RunDir
+
+BUCKET = "raylaunch-test"
+
+STEADY = """
+name: {name}
+train_fn: fns:steady
+config: {{steps: {steps}, every: 10, step_s: 0.02, pid_dir: {pid_dir}}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+failure: {{max_restarts: 0}}
+storage: "{storage}"
+"""
+
+
+class S3Server:
+    """moto's S3 app behind werkzeug on a free port; PUTs into ``.staging/`` can be made slow."""
+
+    def __init__(self) -> None:
+        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        self.slow_staging_s = 0.0
+        moto_app = DomainDispatcherApplication(create_backend_app)
+
+        def app(environ, start_response):
+            path = environ.get("PATH_INFO", "")
+            if (self.slow_staging_s and environ["REQUEST_METHOD"] == "PUT"
+                    and "/.staging/" in path and not path.endswith("/")):  # not a folder marker
+                time.sleep(self.slow_staging_s)  # a slow link to the store: each upload of data
+            return moto_app(environ, start_response)
+
+        class Quiet(MotoRequestHandler):
+            def log_request(self, *args, **kwargs) -> None:  # one line per request otherwise
+                pass
+
+        self._server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=Quiet)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="moto-s3")
+        self._thread.start()
+
+    def uri(self, prefix: str) -> str:
+        return f"s3://{BUCKET}/{prefix}?endpoint_override=127.0.0.1:{self.port}&scheme=http&region=us-east-1"
+
+    def fs(self) -> pafs.FileSystem:
+        return pafs.FileSystem.from_uri(self.uri(""))[0]
+
+    def read(self, key: str) -> bytes:
+        with self.fs().open_input_stream(f"{BUCKET}/{key}") as f:
+            return f.read()
+
+    def keys(self, prefix: str) -> list[str]:
+        infos = self.fs().get_file_info(pafs.FileSelector(f"{BUCKET}/{prefix}", recursive=True, allow_not_found=True))
+        return sorted(i.path[len(BUCKET) + 1:] for i in infos if i.type == pafs.FileType.File)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    dummy_aws_credentials()
+    server = S3Server()
+    try:
+        pafs.FileSystem.from_uri(server.uri("") + "&allow_bucket_creation=true")[0].create_dir(BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+def stage(s3: S3Server, run: RunDir, attempt: int, step: int, ranks: list[int]) -> str:
+    """What the ranks upload for one checkpoint."""
+    uri = join_uri(run.staging_uri(attempt), f"checkpoint-{step:08d}")
+    fs, path = open_uri(uri)
+    with fs.open_output_stream(f"{path}/model.safetensors") as f:
+        f.write(b"weights %d" % step)
+    for r in ranks:
+        with fs.open_output_stream(f"{path}/random_states_{r}.pkl") as f:
+            f.write(b"rng %d" % r)
+    return uri
+
+
+def test_commit_on_the_bucket_writes_manifest_then_latest_and_prunes(s3):
+    run = RunDir(s3.uri("unit"), "commit")
+    run.prepare({"name": "commit"})
+    assert "?endpoint_override=" in run.staging_uri(1)  # every URI handed out opens the same server
+    run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=1)
+    c = run.commit_checkpoint(stage(s3, run, 1, 10, [0, 1]), 10, 1, world_size=2, keep=1)
+    assert c.name == "checkpoint-00000010" and c.uri.endswith(f"?endpoint_override=127.0.0.1:{s3.port}&scheme=http&region=us-east-1")
+    manifest = json.loads(s3.read("unit/commit/checkpoints/checkpoint-00000010/manifest.json"))
+    assert sorted(manifest["files"]) == ["model.safetensors", "random_states_0.pkl", "random_states_1.pkl"]
+    assert manifest["files"]["model.safetensors"]["size"] == len(b"weights 10")
+    assert json.loads(s3.read("unit/commit/checkpoints/latest.json")) == {"name": "checkpoint-00000010", "step": 10}
+    # keep: 1 pruned step 5 after 10 was committed; staging is empty again
+    assert [k for k in s3.keys("unit/commit/checkpoints") if k.endswith("manifest.json")] == \
+        ["unit/commit/checkpoints/checkpoint-00000010/manifest.json"]
+    assert s3.keys("unit/commit/.staging") == []
+    assert run.loadable_checkpoint().step == 10
+
+
+def test_an_uncommitted_or_tampered_checkpoint_on_the_bucket_is_never_loaded(s3):
+    run = RunDir(s3.uri("unit"), "tamper")
+    run.prepare({"name": "tamper"})
+    run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=3)
+    with pytest.raises(CheckpointError, match=r"lacks the part of ranks \[1\]"):
+        run.commit_checkpoint(stage(s3, run, 1, 10, [0]), 10, 1, world_size=2, keep=3)
+    assert run.latest_checkpoint().step == 5
+    newest = run.commit_checkpoint(stage(s3, run, 2, 15, [0, 1]), 15, 2, world_size=2, keep=3)
+    with s3.fs().open_output_stream(f"{BUCKET}/unit/tamper/checkpoints/{newest.name}/random_states_1.pkl") as f:
+        f.write(b"rng 7")  # same size, other bytes
+    said = []
+    assert run.loadable_checkpoint(warn=said.append).step == 5
+    assert said and said[0].startswith(f"raylaunch: not loading s3://{BUCKET}/unit/tamper/checkpoints/checkpoint-00000015:")
+    assert "random_states_1.pkl does not match the checksum in its manifest" in said[0]
+
+
+def test_metrics_on_the_bucket_survive_a_driver_that_never_closes(s3):
+    """Object stores cannot append; what was flushed is in the object even if the driver dies."""
+    run = RunDir(s3.uri("unit"), "append")
+    run.prepare({"name": "append"})
+    run.append_metrics([{"step": 1}])  # the first rows go out at once
+    assert s3.read("unit/append/metrics.jsonl") == b'{"step": 1}\n'
+    run.append_metrics([{"step": 2}])
+    run.flush()  # what every commit and the end of a run do
+    # the driver dies here, without close(); a rerun of the same run keeps appending
+    rerun = RunDir(s3.uri("unit"), "append")
+    rerun.append_metrics([{"step": 3}])
+    rerun.close()
+    assert [json.loads(line)["step"] for line in s3.read("unit/append/metrics.jsonl").splitlines()] == [1, 2, 3]
+
+
+def run_steady(s3, tmp_path, name: str, steps: int, out: io.StringIO | None = None):
+    spec = load_spec_text(STEADY.format(name=name, steps=steps, pid_dir=tmp_path / "pids", storage=s3.uri("runs")))
+    return Driver(spec, can_grow=False, out=out).run()
+
+
+def test_a_multi_node_run_on_s3_commits_checkpoints_and_a_rerun_resumes(ray_cluster, s3, tmp_path):
+    first = run_steady(s3, tmp_path, "s3run", steps=30)
+    assert first.status == "succeeded", first.error
+    keys = s3.keys("runs/s3run")
+    assert {"runs/s3run/spec.yaml", "runs/s3run/metrics.jsonl", "runs/s3run/result.json",
+            "runs/s3run/checkpoints/latest.json"} <= set(keys)
+    assert json.loads(s3.read("runs/s3run/checkpoints/latest.json")) == {"name": "checkpoint-00000030", "step": 30}
+    manifest = json.loads(s3.read("runs/s3run/checkpoints/checkpoint-00000030/manifest.json"))
+    assert {"model.safetensors", "random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"])
+    assert not [k for k in keys if "/.staging/" in k]
+    result = json.loads(s3.read("runs/s3run/result.json"))
+    assert result["status"] == "succeeded" and result["last_step"] == 30
+    rows = [json.loads(line) for line in s3.read("runs/s3run/metrics.jsonl").splitlines()]
+    assert sorted({r["rank"] for r in rows}) == [0, 1]
+    assert [r["step"] for r in rows if r["rank"] == 0 and "loss" in r] == list(range(1, 31))
+
+    out = io.StringIO()
+    again = run_steady(s3, tmp_path, "s3run", steps=40, out=out)
+    assert again.status == "succeeded", again.error
+    assert f"resuming from s3://{BUCKET}/runs/s3run/checkpoints/checkpoint-00000030" in out.getvalue()
+    assert again.rank_results["0"]["restored_step"] == 30 and again.rank_results["0"]["steps"] == 40
+    assert json.loads(s3.read("runs/s3run/checkpoints/latest.json"))["step"] == 40
+    rows = [json.loads(line) for line in s3.read("runs/s3run/metrics.jsonl").splitlines()]
+    # the rerun appended to the first run's metrics: nothing lost, nothing twice
+    assert [r["step"] for r in rows if r["rank"] == 0 and "loss" in r] == list(range(1, 41))
+
+
+def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committed(ray_cluster, s3, tmp_path):
+    s3.slow_staging_s = 3.0  # every upload of data into .staging/ takes 3 s
+    try:
+        began = time.monotonic()
+        result = run_steady(s3, tmp_path, "slow", steps=20)
+        took = time.monotonic() - began
+    finally:
+        s3.slow_staging_s = 0.0
+    assert result.status == "succeeded", result.error
+    first_save, second_save = result.rank_results["0"]["save_s"]
+    # the first save returned once the state was on local disk, long before its upload ended
+    assert first_save < 1.5, result.rank_results
+    # the second save (10 steps later, about 0.3 s) waited for the first upload: one in flight, no pile-up
+    assert second_save > 1.0, result.rank_results
+    # and the run did not finish before its last checkpoint was uploaded and committed
+    assert json.loads(s3.read("runs/slow/checkpoints/latest.json")) == {"name": "checkpoint-00000020", "step": 20}
+    assert [c.rsplit("/", 1)[-1].split("?")[0] for c in result.checkpoints][-1] == "checkpoint-00000020"
+    assert took > 6.0, result.rank_results  # two uploads of at least 3 s each, one after the other
