@@ -68,7 +68,10 @@ def stop_processes_under(temp_dir: str, timeout_s: float = 15.0) -> int:
     """
     import psutil
 
-    ours = [p for p in psutil.process_iter(["cmdline"]) if str(temp_dir) in " ".join(p.info["cmdline"] or [])]
+    me = psutil.Process()
+    spare = {me.pid, *(p.pid for p in me.parents())}  # a caller whose own command line names the dir
+    ours = [p for p in psutil.process_iter(["cmdline"])
+            if p.pid not in spare and str(temp_dir) in " ".join(p.info["cmdline"] or [])]
     procs = {p.pid: p for p in ours}
     for p in ours:
         try:
