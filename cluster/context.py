@@ -8,10 +8,10 @@ process or talks to Ray, so it is tested on its own.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["SocketInterface", "WorkerContext", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
+__all__ = ["SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,25 @@ class WorkerContext:
     world_size: int
     local_world_size: int
     num_nodes: int
+
+
+@dataclass(frozen=True)
+class WorkerPayload:
+    """Everything one rank needs from the driver, passed as a pickled argument."""
+
+    context: WorkerContext
+    attempt: int
+    train_fn: str
+    config: dict
+    events_path: str  # node-local file the node actor tails
+    staging_uri: str  # where this attempt's checkpoints are written before commit
+    restore_uri: str | None  # the committed checkpoint to resume from, if any
+    backend: str
+    rendezvous_timeout_s: float
+    collective_timeout_s: float = 600.0
+    # The spec's ``accelerate`` section: mixed_precision,
+    # gradient_accumulation_steps, dataloader {even_batches, ...}.
+    accelerate: dict = field(default_factory=dict)
 
 
 def assign_ranks(workers_per_node: list[int]) -> list[WorkerContext]:

@@ -10,9 +10,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
+from cluster.context import SocketInterface, WorkerContext, WorkerPayload, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.node import NodeActor, NodeInfo, NodePoll, RendezvousError
-from cluster.runtime import WorkerPayload
 
 __all__ = ["NodeGroup", "Placement", "PlacementError", "RendezvousError", "resolve_placement"]
 

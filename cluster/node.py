@@ -19,8 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.runtime import WorkerPayload
-from cluster.worker import run_worker
+from cluster.context import WorkerPayload
 
 __all__ = ["NodeActor", "NodeInfo", "NodePoll", "RankFailure", "RendezvousError"]
 
@@ -275,6 +274,8 @@ def _failure(rank: int, f: Any) -> RankFailure:
 
 
 def _rank_main(payload: WorkerPayload) -> Any:
+    from cluster.worker import run_worker
+
     _die_with_parent()
     return run_worker(payload)
 

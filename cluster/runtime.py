@@ -27,38 +27,18 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
-from cluster.context import WorkerContext
+from cluster.context import WorkerContext, WorkerPayload
 from cluster.files import CheckpointError, check_manifest, is_local, join_uri, open_uri, split_query
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
 MANIFEST = "manifest.json"
-
-
-@dataclass(frozen=True)
-class WorkerPayload:
-    """Everything one rank needs from the driver, passed as a pickled argument."""
-
-    context: WorkerContext
-    attempt: int
-    train_fn: str
-    config: dict
-    events_path: str  # node-local file the node actor tails
-    staging_uri: str  # where this attempt's checkpoints are written before commit
-    restore_uri: str | None  # the committed checkpoint to resume from, if any
-    backend: str
-    rendezvous_timeout_s: float
-    collective_timeout_s: float = 600.0
-    # The spec's ``accelerate`` section: mixed_precision,
-    # gradient_accumulation_steps, dataloader {even_batches, ...}.
-    accelerate: dict = field(default_factory=dict)
 
 
 # Outside the runner, the same defaults as the spec's, so a function gives the

@@ -7,8 +7,12 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable
 
-from cluster import runtime
-from cluster.runtime import WorkerPayload
+from typing import TYPE_CHECKING
+
+from cluster.context import WorkerPayload
+
+if TYPE_CHECKING:
+    from cluster import runtime
 
 __all__ = ["check_train_fn", "resolve_train_fn", "run_worker"]
 
@@ -81,6 +85,8 @@ def resolve_train_fn(path: str) -> Callable[[dict], Any]:
 def run_worker(payload: WorkerPayload) -> Any:
     """Runs in each rank process started by the node actor."""
     import os
+
+    from cluster import runtime
     import signal
 
     import torch

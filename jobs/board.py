@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 
 from jobs.storage import RunDir
@@ -50,12 +51,24 @@ class Board:
 
     def start_attempt(self, resume_step: int | None) -> None:
         """A new event file; on resume, TensorBoard drops what the old files hold past ``resume_step``."""
-        from tensorboardX import SummaryWriter
+        # tensorboard's own writer: no torch import in the driver (tensorboardX's imports it).
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.close_writer()
         self._reset()
-        self._writer = SummaryWriter(self._local, purge_step=None if resume_step is None else resume_step + 1,
-                                     flush_secs=5)
+        self._writer = EventFileWriter(self._local, flush_secs=5)
+        if resume_step is not None:
+            # What torch's SummaryWriter(purge_step=...) writes: readers drop later steps of earlier files.
+            self._writer.add_event(Event(step=resume_step + 1, file_version="brain.Event:2"))
+            self._writer.add_event(Event(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._writer.add_event(Event(wall_time=time.time(), step=step,
+                                     summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
 
     def add(self, records: list[dict]) -> None:
         for r in records:
@@ -87,10 +100,10 @@ class Board:
                 by_rank = metrics[name]
                 if not final and any(self._rank_step[r] <= step for r in self._ranks_of[name]):
                     continue
-                self._writer.add_scalar(name, sum(by_rank.values()) / len(by_rank), step)
+                self._scalar(name, sum(by_rank.values()) / len(by_rank), step)
                 if name in PER_RANK:
                     for rank, v in by_rank.items():
-                        self._writer.add_scalar(f"rank_{rank}/{name}", v, step)
+                        self._scalar(f"rank_{rank}/{name}", v, step)
                 del metrics[name]
             if not metrics:
                 del self._pending[step]

@@ -19,11 +19,10 @@ from typing import Any, TextIO
 import psutil
 import ray
 
-from cluster.context import WorkerContext
+from cluster.context import WorkerContext, WorkerPayload
 from cluster.files import join_uri
 from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
 from cluster.node import RankFailure
-from cluster.runtime import WorkerPayload
 from cluster.worker import check_train_fn
 from jobs.board import Board
 from jobs.spec import JobSpec, spec_to_dict

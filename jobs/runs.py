@@ -169,6 +169,12 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
                      f"preemptions {result.get('preemptions', 0)})")
         lines.append(f"  started     {_when(result.get('start_time'))}, duration "
                      f"{_dur((result.get('end_time') or time.time()) - result['start_time']) if result.get('start_time') else '-'}")
+        timeline = result.get("timeline") or {}
+        if "process_start" in timeline and len(timeline) > 1:
+            t0 = timeline["process_start"]
+            lines.append("  start-up    " + ", ".join(f"{k.replace('_', ' ')} {v - t0:.1f} s" for k, v in
+                                                     sorted(timeline.items(), key=lambda kv: kv[1]) if k != "process_start")
+                         + " after the driver's process started")
         if result.get("error"):
             lines.append("  error       " + result["error"].replace("\n", "\n              "))
         if result.get("return_value") is not None:
