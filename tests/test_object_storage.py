@@ -200,3 +200,14 @@ def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committ
     assert json.loads(s3.read("runs/slow/checkpoints/latest.json")) == {"name": "checkpoint-00000020", "step": 20}
     assert [c.rsplit("/", 1)[-1].split("?")[0] for c in result.checkpoints][-1] == "checkpoint-00000020"
     assert took > 6.0, result.rank_results  # two uploads of at least 3 s each, one after the other
+    # and it can be looked at where it lies: runs, show, plot, TensorBoard files in the bucket
+    from jobs.runs import format_runs, format_show, plot
+
+    storage = s3.uri("runs")
+    row = next(line.split() for line in format_runs(storage).splitlines() if line.startswith("s3run "))
+    assert row[1:6] == ["succeeded", "2", "x", "1", "40"]
+    assert "checkpoints (2 committed):" in format_show(storage, "s3run")
+    png = tmp_path / "s3run.png"
+    (curve,) = plot(storage, ["s3run"], "loss", str(png))
+    assert png.stat().st_size > 10_000 and curve.steps == list(range(1, 41))
+    assert [k for k in s3.keys("runs/s3run/tensorboard") if "events.out.tfevents" in k]
