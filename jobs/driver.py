@@ -322,7 +322,6 @@ class Driver:
                             message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is "
                                     f"{spec.timeouts.heartbeat_s:g}): the process is stopped or frozen"))
             if failures:
-                first_count = len(failures)  # what failed on its own, before the grace period
                 break
             if all(s == "succeeded" for s in states):
                 if a.preempted:
@@ -360,7 +359,9 @@ class Driver:
                 self._forward(node_rank, p, a)
             error = group_failures(failures)
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
-            preempted = all(f.message == "killed by signal SIGTERM" for f in failures[:first_count])
+            # A rank ended by SIGTERM (a spot node's shutdown) is the cause; its peers' collective
+            # errors ("Connection reset by peer") are consequences and may be reported first.
+            preempted = any(f.message == "killed by signal SIGTERM" for f in failures)
             return _Outcome(False, error, lost, preempted and not lost)
         self._result.return_value = _jsonable(returns.get(0))
         self._result.rank_results = {str(k): _jsonable(v) for k, v in sorted(returns.items())}
