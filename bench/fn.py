@@ -1,13 +1,29 @@
 """The training function every launcher runs in the benchmark (Accelerate only, no Ray).
 
 A 2.1M-parameter MLP on synthetic data, where gradient communication matters.
-Rank 0 writes what it measured to ``config["result_path"]`` as JSON.
+One run measures everything a launcher is compared on:
+
+- the time of the first optimizer step (``first_step_at``);
+- steady step times, with metrics logged in alternating blocks of ``log_block``
+  steps (``accelerator.log`` + ``session.log`` every step) and not at all, so the
+  cost of metrics is a ratio within one run;
+- at each step of ``checkpoint_at``, ``session.save`` and Accelerate's plain
+  ``save_state`` to local disk, in alternating order (whichever goes first pays
+  first-write costs);
+- with ``pid_dir``: each rank records its pid and first step in
+  ``first_steps.jsonl``; with ``wait_for_kill``, after the last step every rank
+  waits there to be killed (the harness kills rank 1), and the restarted world
+  runs ``steps_after_restart`` steps: the recovery time is the kill to the
+  restarted world's first step.
+
+Rank 0 writes what it measured to ``config["result_path"]`` as JSON before any wait.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -18,51 +34,80 @@ from accelerate import Accelerator
 from cluster.runtime import get_session
 
 
+def _starts(pid_dir: str) -> list[dict]:
+    path = os.path.join(pid_dir, "first_steps.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def train(config: dict) -> dict:
     steps = int(config.get("steps", 60))
-    log_every = int(config.get("log_every", 1))
-    ckpt_at = set(config.get("checkpoint_at", []))
+    block = int(config.get("log_block", 10))
+    ckpt_at = list(config.get("checkpoint_at", []))
+    pid_dir = config.get("pid_dir")
     session = get_session()
     accelerator = Accelerator(**session.accelerator_kwargs())
     accelerator.init_trackers("bench", {})
+    rank = accelerator.process_index
+    restarted = bool(pid_dir) and any(s["rank"] == rank for s in _starts(pid_dir))
+    if restarted:
+        steps = int(config.get("steps_after_restart", 5))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     x, y = torch.randn(32, 512), torch.randn(32, 512)
-    times, first_step_at, saves, local_saves = [], None, [], []
+    logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
     for step in range(1, steps + 1):
+        log = block > 0 and (step // block) % 2 == 0
         began = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(x), y)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        if log_every and step % log_every == 0:
+        if log:
             accelerator.log({"loss": loss.item()}, step=step)
             session.log({"rank_loss": loss.item()}, step=step)
-        times.append(time.perf_counter() - began)
+        (logged if log else quiet).append((step, time.perf_counter() - began))
         if first_step_at is None:
             first_step_at = time.time()
-            if config.get("pid_dir"):  # the recovery figure: who started when
-                with open(os.path.join(config["pid_dir"], "first_steps.jsonl"), "a") as f:
-                    f.write(json.dumps({"rank": accelerator.process_index, "pid": os.getpid(),
-                                        "first_step_at": first_step_at}) + "\n")
+            if pid_dir:
+                with open(os.path.join(pid_dir, "first_steps.jsonl"), "a") as f:
+                    f.write(json.dumps({"rank": rank, "pid": os.getpid(), "first_step_at": first_step_at,
+                                        "restarted": restarted}) + "\n")
         if step in ckpt_at:
-            t = time.perf_counter()
-            session.save(accelerator, step)
-            saves.append(time.perf_counter() - t)
-            with tempfile.TemporaryDirectory() as tmp:
-                t = time.perf_counter()
-                accelerator.save_state(tmp)
+            session_first = ckpt_at.index(step) % 2 == 0
+            for which in (("session", "local") if session_first else ("local", "session")):
                 accelerator.wait_for_everyone()
-                local_saves.append(time.perf_counter() - t)
-    steady = sorted(times[len(times) // 3:])
-    result = {"first_step_at": first_step_at, "steady_step_s": steady[len(steady) // 2],
-              "world_size": accelerator.num_processes, "save_s": saves, "local_save_s": local_saves}
-    if accelerator.is_main_process and config.get("result_path"):
+                t = time.perf_counter()
+                if which == "session":
+                    session.save(accelerator, step)
+                    saves.append(time.perf_counter() - t)
+                else:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        accelerator.save_state(tmp)
+                        accelerator.wait_for_everyone()
+                        local_saves.append(time.perf_counter() - t)
+
+    def steady(times: list[tuple[int, float]]) -> float | None:
+        warm = [t for s, t in times if s > steps // 4]
+        return statistics.median(warm) if warm else None
+
+    result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet),
+              "steady_logged_s": steady(logged), "steady_quiet_s": steady(quiet),
+              "world_size": accelerator.num_processes, "save_s": saves, "local_save_s": local_saves,
+              "restarted": restarted}
+    if rank == 0 and config.get("result_path") and not restarted:
         with open(config["result_path"], "w") as f:
             json.dump(result, f)
+    if config.get("wait_for_kill") and not restarted:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # the harness kills rank 1; the launcher ends the rest
+            time.sleep(0.05)
+        raise RuntimeError("wait_for_kill: nobody killed rank 1 within 120 s")
     accelerator.end_training()
     return result
 

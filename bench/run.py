@@ -1,8 +1,15 @@
 """raylaunch against its peers, interleaved, on this machine: `make bench` (BENCH_FULL=1 for the full run).
 
 Each repetition runs every launcher once, in turn (A B C D A B C D ...), with the same
-training function (bench/fn.py), world size 2 on CPU with gloo. Every figure is reported as
-a median with min and max, and as a ratio to torchrun (the floor) from the same repetition.
+training function (bench/fn.py), world size 2 on CPU with gloo: torchrun (the floor), Ray
+Train's TorchTrainer, `raylaunch run` with an embedded cluster (cold) and `raylaunch run
+--address` on a running cluster (warm). One run of a launcher yields every figure it is
+compared on: time to the first step, steady step time, the cost of metrics (alternating
+blocks of steps with and without logging), the checkpoint stall (`session.save` against
+`save_state` to local disk, in alternating order) and, for Ray Train and raylaunch warm,
+the recovery from a SIGKILLed rank. Quick mode (the default): 1 repetition of 60 steps,
+under two minutes on 2 cores; BENCH_FULL=1: 3 repetitions of 240 steps. Every figure is a
+median with min and max, and a ratio to torchrun from the same repetition.
 Writes bench/results.json and bench/results.md.
 """
 
@@ -30,8 +37,8 @@ from cluster.local import stop_processes_under  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FULL = os.environ.get("BENCH_FULL") == "1"
-REPS = 5 if FULL else 2
-STEPS = 200 if FULL else 60
+REPS = 3 if FULL else 1
+STEPS = 240 if FULL else 60
 
 
 class PeakRSS:
@@ -65,59 +72,83 @@ class PeakRSS:
         self._thread.join()
 
 
-def run(cmd: list[str], env: dict, config: dict, tmp: Path) -> dict:
-    result_path = tmp / f"result-{secrets.token_hex(3)}.json"
-    config = {**config, "result_path": str(result_path)}
+def _expand(cmd: list[str], config: dict) -> list[str]:
     cmd = [c.replace("{config}", json.dumps(config)) for c in cmd]
-    cmd = [c for c in cmd]
     if "{set_config}" in cmd:
         i = cmd.index("{set_config}")
         cmd[i:i + 1] = [x for k, v in config.items() for x in ("--set", f"config.{k}={json.dumps(v)}")]
-    began = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = PeakRSS(proc.pid)
-    out, _ = proc.communicate(timeout=600)
-    peak.stop()
-    if proc.returncode != 0 or not result_path.exists():
-        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}):\n{out[-3000:]}")
-    r = json.loads(result_path.read_text())
-    r.update(first_step_s=r["first_step_at"] - began, total_s=time.time() - began,
-             peak_tree_mb=peak.tree / 2**20, peak_actor_mb=peak.actor / 2**20, peak_driver_mb=peak.driver / 2**20)
-    return r
+    return cmd
 
 
-def recovery(cmd: list[str], env: dict, config: dict, tmp: Path) -> float:
-    """Seconds from SIGKILL of rank 1 to the restarted world's first step on rank 0."""
+def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) -> dict:
+    """One run of one launcher: first step, steady steps, saves; with ``kill``, the recovery too.
+
+    With ``kill``, once both ranks finished their steps (and wait), rank 1 is
+    SIGKILLed; the launcher must restart the world, whose first step ends
+    the recovery time.
+    """
+    result_path = tmp / f"result-{secrets.token_hex(3)}.json"
     pid_dir = tmp / f"pids-{secrets.token_hex(3)}"
     pid_dir.mkdir()
-    config = {**config, "pid_dir": str(pid_dir)}
-    cmd = [c.replace("{config}", json.dumps(config)) for c in cmd]
-    if "{set_config}" in cmd:
-        i = cmd.index("{set_config}")
-        cmd[i:i + 1] = [x for k, v in config.items() for x in ("--set", f"config.{k}={json.dumps(v)}")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config = {**config, "result_path": str(result_path), "pid_dir": str(pid_dir), "wait_for_kill": kill}
     log = pid_dir / "first_steps.jsonl"
 
     def starts() -> list[dict]:
-        return [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
-    deadline = time.time() + 300
-    while time.time() < deadline and not {0, 1} <= {r["rank"] for r in starts()}:
-        time.sleep(0.05)
-    time.sleep(1.0)  # a few steady steps first
-    victim = next(r["pid"] for r in starts() if r["rank"] == 1)
-    killed_at = time.time()
-    os.kill(victim, 9)
-    while time.time() < deadline:
-        again = [r for r in starts() if r["rank"] == 0 and r["first_step_at"] > killed_at]
-        if again:
-            out, _ = proc.communicate(timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}) after the restart:\n{out[-3000:]}")
-            return again[0]["first_step_at"] - killed_at
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{cmd[:4]}: no restarted first step within 300 s")
+    began = time.time()
+    proc = subprocess.Popen(_expand(cmd, config), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    peak = PeakRSS(proc.pid)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    reader.start()
+    recovery_s = None
+    try:
+        if kill:
+            deadline = time.time() + 300
+            while time.time() < deadline and proc.poll() is None and not (
+                    result_path.exists() and {0, 1} <= {r["rank"] for r in starts()}):
+                time.sleep(0.05)
+            victim = next((r["pid"] for r in starts() if r["rank"] == 1), None)
+            if victim is None or proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:4]}: never reached the kill point:\n{''.join(out)[-3000:]}")
+            killed_at = time.time()
+            os.kill(victim, 9)
+            while time.time() < deadline and proc.poll() is None:
+                again = [r for r in starts() if r["rank"] == 0 and r["restarted"]]
+                if again:
+                    recovery_s = again[0]["first_step_at"] - killed_at
+                    break
+                time.sleep(0.05)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        peak.stop()
+        reader.join(5)
+    if proc.returncode != 0 or not result_path.exists() or (kill and recovery_s is None):
+        log_path = tmp / f"failed-{secrets.token_hex(3)}.log"
+        log_path.write_text("".join(out))
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}); its whole output: {log_path}\n"
+                           f"{''.join(out)[-3000:]}")
+    r = json.loads(result_path.read_text())
+    r.update(first_step_s=r["first_step_at"] - began, total_s=time.time() - began, recovery_s=recovery_s,
+             peak_tree_mb=peak.tree / 2**20, peak_actor_mb=peak.actor / 2**20, peak_driver_mb=peak.driver / 2**20)
+    timeline = _timeline(config, "".join(out))
+    if timeline:
+        r["timeline"] = {k: v - began for k, v in timeline.items()}
+    return r
+
+
+def _timeline(config: dict, out: str) -> dict:
+    """raylaunch's own start-up timeline (result.json), as absolute times."""
+    for line in out.splitlines():
+        if "run directory " in line and line.startswith("raylaunch: succeeded"):
+            path = Path(line.rsplit("run directory ", 1)[1].strip()) / "result.json"
+            if path.exists():
+                return json.loads(path.read_text()).get("timeline") or {}
+    return {}
 
 
 def free_port() -> int:
@@ -137,43 +168,31 @@ def main() -> int:
     subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={tmp}",
                     "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
     storage = str(tmp / "runs")
-    base = {"steps": STEPS, "log_every": 1, "storage": storage}
+    base = {"steps": STEPS, "log_block": 10, "storage": storage, "steps_after_restart": 5,
+            "checkpoint_at": [STEPS // 3, STEPS // 2, 2 * STEPS // 3, 5 * STEPS // 6]}
+    # Ray Train and raylaunch warm restart the whole world once after a rank dies. torchrun
+    # --max-restarts=1 is left out of that: on this machine (torch 2.13, gloo) its restarted
+    # world failed every time, connecting to the previous round's gloo address.
     launchers = {
-        "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "bench/fn.py", "{config}"],
-        "ray_train": [sys.executable, "bench/raytrain.py", "{config}"],
-        "raylaunch_cold": [str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
-                           "{set_config}"],
-        "raylaunch_warm": [str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
-                           "--address", f"127.0.0.1:{port}", "{set_config}"],
+        "torchrun": ([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "bench/fn.py", "{config}"],
+                     False),
+        "ray_train": ([sys.executable, "bench/raytrain.py", "{config}"], True),
+        "raylaunch_cold": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
+                            "--quiet", "{set_config}"], False),
+        "raylaunch_warm": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
+                            "--quiet", "--address", f"127.0.0.1:{port}", "--set", "failure.max_restarts=1",
+                            "{set_config}"], True),
     }
-    extra = {  # raylaunch only: the cost of metrics and of checkpoints
-        "raylaunch_warm_nolog": (launchers["raylaunch_warm"], {"log_every": 0}),
-        "raylaunch_warm_ckpt": (launchers["raylaunch_warm"], {"checkpoint_at": [STEPS // 3, STEPS // 2]}),
-    }
-    rows: dict[str, list[dict]] = {k: [] for k in [*launchers, *extra]}
+    rows: dict[str, list[dict]] = {k: [] for k in launchers}
     try:
         for rep in range(REPS):
-            for name, cmd in launchers.items():
-                rows[name].append(run(cmd, env, base, tmp))
-                print(f"rep {rep + 1}/{REPS} {name:22s} first step {rows[name][-1]['first_step_s']:6.2f} s  "
-                      f"steady {1000 * rows[name][-1]['steady_step_s']:6.1f} ms", flush=True)
-            for name, (cmd, cfg) in extra.items():
-                rows[name].append(run(cmd, env, {**base, **cfg}, tmp))
-                print(f"rep {rep + 1}/{REPS} {name:22s} steady {1000 * rows[name][-1]['steady_step_s']:6.1f} ms",
-                      flush=True)
-        # Recovery: one rank killed mid-run; both restart it once (raylaunch: failure.max_restarts=1,
-        # Ray Train: FailureConfig(max_failures=1)). Once per mode: each costs two start-ups.
-        rec_cfg = {**base, "steps": 4 * STEPS, "max_failures": 1}
-        recover_cmds = {
-            "ray_train": launchers["ray_train"],
-            "raylaunch_warm": [*launchers["raylaunch_warm"], "--set", "failure.max_restarts=1"],
-        }
-        for rep in range(REPS):
-            for name, cmd in recover_cmds.items():
-                cfg = {k: v for k, v in rec_cfg.items() if name == "ray_train" or k != "max_failures"}
-                rows.setdefault(f"recovery_{name}", []).append({"s": recovery(cmd, env, cfg, tmp)})
-                print(f"rep {rep + 1}/{REPS} recovery {name:15s} {rows[f'recovery_{name}'][-1]['s']:6.2f} s",
-                      flush=True)
+            for name, (cmd, kill) in launchers.items():
+                cfg = {**base, "max_failures": 1} if name == "ray_train" else base
+                r = run(cmd, env, cfg, tmp, kill=kill)
+                rows[name].append(r)
+                print(f"rep {rep + 1}/{REPS} {name:15s} first step {r['first_step_s']:6.2f} s  "
+                      f"steady {1000 * r['steady_step_s']:6.1f} ms"
+                      + (f"  recovery {r['recovery_s']:5.2f} s" if r["recovery_s"] is not None else ""), flush=True)
     finally:
         stop_processes_under(str(tmp))  # the warm cluster, by PID
     report(rows)
@@ -188,8 +207,7 @@ def summary(values: list[float]) -> dict:
 def report(rows: dict[str, list[dict]]) -> None:
     floor = rows["torchrun"]
     figures: dict[str, dict] = {}
-    for name in ["torchrun", "ray_train", "raylaunch_cold", "raylaunch_warm"]:
-        rs = rows[name]
+    for name, rs in rows.items():
         figures[name] = {
             "first_step_s": summary([r["first_step_s"] for r in rs]),
             "first_step_ratio": summary([r["first_step_s"] / f["first_step_s"] for r, f in zip(rs, floor)]),
@@ -197,18 +215,24 @@ def report(rows: dict[str, list[dict]]) -> None:
             "steady_ratio": summary([r["steady_step_s"] / f["steady_step_s"] for r, f in zip(rs, floor)]),
             "peak_tree_mb": summary([r["peak_tree_mb"] for r in rs]),
         }
-    warm, nolog, ckpt = rows["raylaunch_warm"], rows["raylaunch_warm_nolog"], rows["raylaunch_warm_ckpt"]
-    figures["metrics_every_step_ratio"] = summary([a["steady_step_s"] / b["steady_step_s"] for a, b in zip(warm, nolog)])
+        if rs[0]["recovery_s"] is not None:
+            figures[name]["recovery_s"] = summary([r["recovery_s"] for r in rs])
+    ours = rows["raylaunch_cold"] + rows["raylaunch_warm"]
+    figures["metrics_every_step_ratio"] = summary([r["steady_logged_s"] / r["steady_quiet_s"] for r in ours])
     figures["checkpoint_stall_ratio"] = summary(
-        [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ckpt])
-    figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ckpt])
-    figures["local_save_state_s"] = summary([statistics.median(r["local_save_s"]) for r in ckpt])
-    for name in ("ray_train", "raylaunch_warm"):
-        figures[f"recovery_{name}_s"] = summary([r["s"] for r in rows[f"recovery_{name}"]])
+        [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ours])
+    figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ours])
+    figures["local_save_state_s"] = summary([statistics.median(r["local_save_s"]) for r in ours])
     figures["recovery_ratio_to_ray_train"] = summary(
-        [a["s"] / b["s"] for a, b in zip(rows["recovery_raylaunch_warm"], rows["recovery_ray_train"])])
+        [a["recovery_s"] / b["recovery_s"] for a, b in zip(rows["raylaunch_warm"], rows["ray_train"])])
+    figures["cold_first_step_ratio_to_ray_train"] = summary(
+        [a["first_step_s"] / b["first_step_s"] for a, b in zip(rows["raylaunch_cold"], rows["ray_train"])])
+    warm = rows["raylaunch_warm"]
     figures["peak_actor_mb"] = summary([r["peak_actor_mb"] for r in warm])
     figures["peak_driver_mb"] = summary([r["peak_driver_mb"] for r in warm])
+    for name in ("raylaunch_cold", "raylaunch_warm"):
+        phases = rows[name][0].get("timeline", {})
+        figures[f"{name}_timeline_s"] = {k: summary([r["timeline"][k] for r in rows[name]]) for k in phases}
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, " \
               f"Python {platform.python_version()}"
     out = {"machine": machine, "mode": "full" if FULL else "quick", "reps": REPS, "steps": STEPS,
@@ -216,30 +240,38 @@ def report(rows: dict[str, list[dict]]) -> None:
     (ROOT / "bench" / "results.json").write_text(json.dumps(out, indent=2))
 
     def cell(s: dict, fmt: str) -> str:
+        if s["min"] == s["max"]:
+            return f"{s['median']:{fmt}}"
         return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
-    lines = [f"Machine: {machine}; {out['mode']} mode, {REPS} interleaved repetitions of {STEPS} steps, "
-             f"world size 2, CPU, gloo, 2.1M-parameter MLP; median (min-max).", "",
-             "| launcher | command -> first step | ratio to torchrun | steady step | ratio to torchrun | peak memory of the process tree |",
-             "|---|---|---|---|---|---|"]
-    for name in ["torchrun", "ray_train", "raylaunch_cold", "raylaunch_warm"]:
+    lines = [f"Machine: {machine}; {out['mode']} mode, {REPS} interleaved repetition(s) of {STEPS} steps, "
+             f"world size 2, CPU, gloo, 2.1M-parameter MLP; median (min-max) where there are several.", "",
+             "| launcher | command -> first step | ratio to torchrun | steady step | ratio to torchrun "
+             "| rank killed -> restarted world's first step | peak memory of the process tree |",
+             "|---|---|---|---|---|---|---|"]
+    for name in rows:
         f = figures[name]
+        rec = f"{cell(f['recovery_s'], '.1f')} s" if "recovery_s" in f else "-"
         lines.append(f"| {name} | {cell(f['first_step_s'], '.1f')} s | {cell(f['first_step_ratio'], '.2f')} | "
-                     f"{cell(f['steady_step_ms'], '.1f')} ms | {cell(f['steady_ratio'], '.3f')} | "
+                     f"{cell(f['steady_step_ms'], '.1f')} ms | {cell(f['steady_ratio'], '.3f')} | {rec} | "
                      f"{f['peak_tree_mb']['median']:.0f} MB |")
     lines += ["",
-              f"- metrics every step (`accelerator.log` + `session.log`) against never: "
-              f"{cell(figures['metrics_every_step_ratio'], '.3f')} x step time",
+              f"- raylaunch cold start against Ray Train's: {cell(figures['cold_first_step_ratio_to_ray_train'], '.2f')} x; "
+              f"recovery against Ray Train's: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
+              f"- metrics every step (`accelerator.log` + `session.log`) against none, alternating blocks of 10 steps "
+              f"within each raylaunch run: {cell(figures['metrics_every_step_ratio'], '.3f')} x step time",
               f"- checkpoint stall: `session.save` {cell(figures['checkpoint_save_s'], '.3f')} s against "
-              f"Accelerate's `save_state` to local disk {cell(figures['local_save_state_s'], '.3f')} s: "
-              f"{cell(figures['checkpoint_stall_ratio'], '.2f')} x",
-              f"- recovery, SIGKILL of rank 1 to the restarted world's first step: raylaunch "
-              f"{cell(figures['recovery_raylaunch_warm_s'], '.1f')} s, Ray Train (FailureConfig(max_failures=1)) "
-              f"{cell(figures['recovery_ray_train_s'], '.1f')} s: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
+              f"Accelerate's `save_state` to local disk {cell(figures['local_save_state_s'], '.3f')} s, "
+              f"in alternating order: {cell(figures['checkpoint_stall_ratio'], '.2f')} x",
               f"- raylaunch warm: peak RSS of a node actor {figures['peak_actor_mb']['median']:.0f} MB, "
-              f"of the driver {figures['peak_driver_mb']['median']:.0f} MB",
-              "- ray_train and raylaunch_warm's process trees do not include a warm cluster's own processes; "
-              "raylaunch_cold and ray_train include the Ray cluster they start."]
+              f"of the driver {figures['peak_driver_mb']['median']:.0f} MB"]
+    for name in ("raylaunch_cold", "raylaunch_warm"):
+        t = figures[f"{name}_timeline_s"]
+        if t:
+            lines.append(f"- {name} start-up, seconds from the command: "
+                         + ", ".join(f"{k} {v['median']:.1f}" for k, v in t.items() if k != "process_start"))
+    lines.append("- ray_train and raylaunch_warm's process trees do not include a warm cluster's own processes; "
+                 "raylaunch_cold and ray_train include the Ray cluster they start.")
     (ROOT / "bench" / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -28,7 +28,8 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
     if address is None:
         from ray.cluster_utils import Cluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node})
+        # No dashboard: nobody can reach an embedded cluster's, and it costs a second or two of start-up.
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
         try:
             for _ in range(local_nodes - 1):
                 cluster.add_node(num_cpus=cpus_per_node)

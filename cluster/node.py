@@ -297,6 +297,8 @@ def _start_forkserver() -> None:
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver.ensure_running()
+    # And what this actor needs itself (the store, start_processes), before it is asked.
+    import torch.distributed.elastic.multiprocessing  # noqa: F401
 
 
 def _die_with_parent() -> None:
