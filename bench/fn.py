@@ -59,7 +59,7 @@ def train(config: dict) -> dict:
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    x, y = torch.randn(32, 512), torch.randn(32, 512)
+    x, y = torch.randn(32, 512).to(accelerator.device), torch.randn(32, 512).to(accelerator.device)
     logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
     for step in range(1, steps + 1):
         log = block > 0 and (step // block) % 2 == 0

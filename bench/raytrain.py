@@ -14,10 +14,14 @@ from bench.fn import train  # noqa: E402
 if __name__ == "__main__":
     config = json.loads(sys.argv[1])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(num_cpus=2, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": root, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}})
+    world, use_gpu = config.get("world_size", 2), config.get("use_gpu", False)
+    env_vars = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    if not use_gpu:
+        env_vars["ACCELERATE_USE_CPU"] = "true"
+    ray.init(num_cpus=2 * world if use_gpu else 2, num_gpus=world if use_gpu else 0, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": env_vars})
     trainer = TorchTrainer(train, train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                           scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu),
                            run_config=RunConfig(storage_path=config["storage"], name="raytrain",
                                                 failure_config=FailureConfig(max_failures=config.get("max_failures", 0))))
     trainer.fit()

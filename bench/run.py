@@ -37,8 +37,20 @@ from cluster.local import stop_processes_under  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FULL = os.environ.get("BENCH_FULL") == "1"
-REPS = 3 if FULL else 1
-STEPS = 240 if FULL else 60
+# BENCH_GPU=1: the same comparison on this machine's GPUs, one rank each, NCCL (under five minutes).
+GPU = os.environ.get("BENCH_GPU") == "1"
+REPS = 3 if FULL else 2 if GPU else 1
+STEPS = 240 if FULL or GPU else 60
+
+
+def world_size() -> int:
+    if not GPU:
+        return 2
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        sys.exit("BENCH_GPU=1: this machine has no CUDA GPU that torch can use")
+    return torch.cuda.device_count()
 
 
 class PeakRSS:
@@ -91,6 +103,7 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) 
     pid_dir = tmp / f"pids-{secrets.token_hex(3)}"
     pid_dir.mkdir()
     config = {**config, "result_path": str(result_path), "pid_dir": str(pid_dir), "wait_for_kill": kill}
+    world = config["world_size"]
     log = pid_dir / "first_steps.jsonl"
 
     def starts() -> list[dict]:
@@ -108,9 +121,9 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) 
         if kill:
             deadline = time.time() + 300
             while time.time() < deadline and proc.poll() is None and not (
-                    result_path.exists() and {0, 1} <= {r["rank"] for r in starts()}):
+                    result_path.exists() and set(range(world)) <= {r["rank"] for r in starts()}):
                 time.sleep(0.05)
-            victim = next((r["pid"] for r in starts() if r["rank"] == 1), None)
+            victim = next((r["pid"] for r in starts() if r["rank"] == min(1, world - 1)), None)
             if victim is None or proc.poll() is not None:
                 raise RuntimeError(f"{cmd[:4]}: never reached the kill point:\n{''.join(out)[-3000:]}")
             killed_at = time.time()
@@ -160,28 +173,34 @@ def free_port() -> int:
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rlb-", dir="/tmp"))
     token = secrets.token_hex(16)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true",
+    world = world_size()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    if not GPU:
+        env["ACCELERATE_USE_CPU"] = "true"
     env.pop("RAY_ADDRESS", None)
     port = free_port()
     # The warm cluster: started once, before the repetitions (its start is not counted).
-    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={tmp}",
+    resources = [f"--num-cpus={2 * world}", f"--num-gpus={world}"] if GPU else ["--num-cpus=2"]
+    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", *resources, f"--temp-dir={tmp}",
                     "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
     storage = str(tmp / "runs")
     base = {"steps": STEPS, "log_block": 10, "storage": storage, "steps_after_restart": 5,
-            "checkpoint_at": [STEPS // 3, STEPS // 2, 2 * STEPS // 3, 5 * STEPS // 6]}
+            "checkpoint_at": [STEPS // 3, STEPS // 2, 2 * STEPS // 3, 5 * STEPS // 6],
+            "world_size": world, "use_gpu": GPU}
+    scaling = ["--set", f"scaling.workers_per_node={world}", "--set", f"scaling.use_gpu={str(GPU).lower()}"]
     # Ray Train and raylaunch warm restart the whole world once after a rank dies. torchrun
     # --max-restarts=1 is left out of that: on this machine (torch 2.13, gloo) its restarted
     # world failed every time, connecting to the previous round's gloo address.
     launchers = {
-        "torchrun": ([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "bench/fn.py", "{config}"],
-                     False),
+        "torchrun": ([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={world}", "bench/fn.py",
+                      "{config}"], False),
         "ray_train": ([sys.executable, "bench/raytrain.py", "{config}"], True),
         "raylaunch_cold": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
-                            "--quiet", "{set_config}"], False),
+                            "--quiet", *scaling, "{set_config}"], False),
         "raylaunch_warm": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
                             "--quiet", "--address", f"127.0.0.1:{port}", "--set", "failure.max_restarts=1",
-                            "{set_config}"], True),
+                            *scaling, "{set_config}"], True),
     }
     rows: dict[str, list[dict]] = {k: [] for k in launchers}
     try:
@@ -235,9 +254,13 @@ def report(rows: dict[str, list[dict]]) -> None:
         figures[f"{name}_timeline_s"] = {k: summary([r["timeline"][k] for r in rows[name]]) for k in phases}
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, " \
               f"Python {platform.python_version()}"
-    out = {"machine": machine, "mode": "full" if FULL else "quick", "reps": REPS, "steps": STEPS,
+    world = rows["torchrun"][0]["world_size"]
+    backend = f"{world} GPU(s), NCCL" if GPU else "CPU, gloo"
+    out = {"machine": machine, "mode": ("gpu " if GPU else "") + ("full" if FULL else "quick"), "reps": REPS,
+           "steps": STEPS, "world_size": world, "backend": backend,
            "date": time.strftime("%Y-%m-%d"), "figures": figures}
-    (ROOT / "bench" / "results.json").write_text(json.dumps(out, indent=2))
+    stem = "results-gpu" if GPU else "results"
+    (ROOT / "bench" / f"{stem}.json").write_text(json.dumps(out, indent=2))
 
     def cell(s: dict, fmt: str) -> str:
         if s["min"] == s["max"]:
@@ -245,7 +268,7 @@ def report(rows: dict[str, list[dict]]) -> None:
         return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
     lines = [f"Machine: {machine}; {out['mode']} mode, {REPS} interleaved repetition(s) of {STEPS} steps, "
-             f"world size 2, CPU, gloo, 2.1M-parameter MLP; median (min-max) where there are several.", "",
+             f"world size {world}, {backend}, 2.1M-parameter MLP; median (min-max) where there are several.", "",
              "| launcher | command -> first step | ratio to torchrun | steady step | ratio to torchrun "
              "| rank killed -> restarted world's first step | peak memory of the process tree |",
              "|---|---|---|---|---|---|---|"]
@@ -272,7 +295,7 @@ def report(rows: dict[str, list[dict]]) -> None:
                          + ", ".join(f"{k} {v['median']:.1f}" for k, v in t.items() if k != "process_start"))
     lines.append("- ray_train and raylaunch_warm's process trees do not include a warm cluster's own processes; "
                  "raylaunch_cold and ray_train include the Ray cluster they start.")
-    (ROOT / "bench" / "results.md").write_text("\n".join(lines) + "\n")
+    (ROOT / "bench" / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
