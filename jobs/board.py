@@ -20,13 +20,12 @@ import tempfile
 import time
 from collections import defaultdict
 
-from jobs.storage import RunDir
+from jobs.storage import RunDir, numeric_metrics
 
 __all__ = ["Board", "PER_RANK"]
 
 # Metrics also written per rank (``rank_<R>/<name>``): throughput and memory.
 PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb")
-_NOT_METRICS = ("step", "rank", "node", "attempt", "time")
 
 
 class Board:
@@ -76,9 +75,7 @@ class Board:
             if step is None:
                 continue
             step = int(step)
-            values = {k: float(v) for k, v in r.items()
-                      if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)
-                      and math.isfinite(v)}
+            values = {k: float(v) for k, v in numeric_metrics(r).items() if math.isfinite(v)}
             prev = self._last_seen.get(rank)
             if "time" in r and "peak_rss_mb" not in values and "peak_gpu_mb" not in values:
                 if prev is not None and step > prev[0] and r["time"] > prev[1]:

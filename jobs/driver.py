@@ -26,7 +26,7 @@ from cluster.node import RankFailure
 from cluster.worker import check_train_fn
 from jobs.board import Board
 from jobs.spec import JobSpec, spec_to_dict
-from jobs.storage import CheckpointError, RunDir, StorageError
+from jobs.storage import RECORD_KEYS, CheckpointError, RunDir, StorageError
 
 __all__ = ["Driver", "RunError", "RunResult", "group_failures"]
 
@@ -439,7 +439,7 @@ class Driver:
         r = self._result
         if record.get("step") is not None:
             r.last_step = max(r.last_step or 0, int(record["step"]))
-        values = {k: v for k, v in record.items() if k not in ("step", "rank", "node", "attempt", "time")}
+        values = {k: v for k, v in record.items() if k not in RECORD_KEYS}
         r.last_metrics.update(values)
         now = time.monotonic()
         # At most one progress line a second, but never drop an evaluation.

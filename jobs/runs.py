@@ -14,11 +14,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from jobs.storage import RunDir
+from jobs.storage import RunDir, numeric_metrics
 
 __all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "series", "summaries"]
-
-_NOT_METRICS = ("step", "rank", "node", "attempt", "time")
 
 
 class RunNotFound(LookupError):
@@ -74,8 +72,7 @@ def series(records: list[dict], metric: str, per_rank: bool = False, label: str 
 
 
 def metric_names(records: list[dict]) -> list[str]:
-    return sorted({k for r in records for k, v in r.items()
-                   if k not in _NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return sorted({k for r in records for k in numeric_metrics(r)})
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,16 @@ from pyarrow import fs as pafs
 
 from cluster.files import CheckpointError, check_manifest, is_local, open_uri, sha256, split_query
 
-__all__ = ["CheckpointError", "CommittedCheckpoint", "RunDir", "StorageError"]
+__all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
+
+# What every metrics.jsonl record carries besides its metrics.
+RECORD_KEYS = ("step", "rank", "node", "attempt", "time")
+
+
+def numeric_metrics(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record's metrics that are numbers (not its RECORD_KEYS, not booleans)."""
+    return {k: v for k, v in record.items()
+            if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
