@@ -55,16 +55,29 @@ def train(config: dict) -> dict:
     if restarted:
         steps = int(config.get("steps_after_restart", 5))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    if config.get("model") == "digits_bert":  # the transformers example's model, on a real batch
+        from train_fn.digits import DEFAULTS, build_model, load_data
+
+        model = build_model({**DEFAULTS, "dropout": 0.0})
+        images = load_data(None)[0]
+        x, y = images.tokens[:32].to(accelerator.device), images.labels[:32].to(accelerator.device)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                    torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+        x, y = torch.randn(32, 512).to(accelerator.device), torch.randn(32, 512).to(accelerator.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
-    x, y = torch.randn(32, 512).to(accelerator.device), torch.randn(32, 512).to(accelerator.device)
+
+    def compute_loss():
+        if config.get("model") == "digits_bert":
+            return model(input_ids=x, labels=y).loss
+        return torch.nn.functional.mse_loss(model(x), y)
+
     logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
     for step in range(1, steps + 1):
         log = block > 0 and (step // block) % 2 == 0
         began = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = compute_loss()
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()

@@ -8,7 +8,8 @@ compared on: time to the first step, steady step time, the cost of metrics (alte
 blocks of steps with and without logging), the checkpoint stall (`session.save` against
 `save_state` to local disk, in alternating order) and, for Ray Train and raylaunch warm,
 the recovery from a SIGKILLed rank. Quick mode (the default): 1 repetition of 60 steps,
-under two minutes on 2 cores; BENCH_FULL=1: 3 repetitions of 240 steps. Every figure is a
+under two minutes on 2 cores; BENCH_FULL=1: 3 repetitions of 240 steps, then the steady step of
+the transformers example's model (digits BERT) under each launcher. Every figure is a
 median with min and max, and a ratio to torchrun from the same repetition.
 Writes bench/results.json and bench/results.md.
 """
@@ -212,6 +213,14 @@ def main() -> int:
                 print(f"rep {rep + 1}/{REPS} {name:15s} first step {r['first_step_s']:6.2f} s  "
                       f"steady {1000 * r['steady_step_s']:6.1f} ms"
                       + (f"  recovery {r['recovery_s']:5.2f} s" if r["recovery_s"] is not None else ""), flush=True)
+        if FULL:  # the transformers example's model: steady steps only
+            bert = {**base, "model": "digits_bert", "steps": 120, "checkpoint_at": [], "log_block": 0}
+            for rep in range(REPS):
+                for name, (cmd, _) in launchers.items():
+                    r = run(cmd, env, bert, tmp)
+                    rows.setdefault(f"bert_{name}", []).append(r)
+                    print(f"rep {rep + 1}/{REPS} digits BERT {name:15s} steady {1000 * r['steady_step_s']:6.1f} ms",
+                          flush=True)
     finally:
         stop_processes_under(str(tmp))  # the warm cluster, by PID
     report(rows)
@@ -226,6 +235,13 @@ def summary(values: list[float]) -> dict:
 def report(rows: dict[str, list[dict]]) -> None:
     floor = rows["torchrun"]
     figures: dict[str, dict] = {}
+    bert = {k[len("bert_"):]: v for k, v in rows.items() if k.startswith("bert_")}
+    rows = {k: v for k, v in rows.items() if not k.startswith("bert_")}
+    for name, rs in bert.items():
+        figures[f"digits_bert_{name}"] = {
+            "steady_step_ms": summary([1000 * r["steady_step_s"] for r in rs]),
+            "steady_ratio": summary([r["steady_step_s"] / f["steady_step_s"] for r, f in zip(rs, bert["torchrun"])]),
+        }
     for name, rs in rows.items():
         figures[name] = {
             "first_step_s": summary([r["first_step_s"] for r in rs]),
@@ -293,6 +309,10 @@ def report(rows: dict[str, list[dict]]) -> None:
         if t:
             lines.append(f"- {name} start-up, seconds from the command: "
                          + ", ".join(f"{k} {v['median']:.1f}" for k, v in t.items() if k != "process_start"))
+    if bert:
+        lines.append("- the transformers example's model (digits BERT, 78k parameters), steady step: " + ", ".join(
+            f"{name} {cell(figures[f'digits_bert_{name}']['steady_step_ms'], '.1f')} ms "
+            f"({cell(figures[f'digits_bert_{name}']['steady_ratio'], '.3f')})" for name in bert))
     lines.append("- ray_train and raylaunch_warm's process trees do not include a warm cluster's own processes; "
                  "raylaunch_cold and ray_train include the Ray cluster they start.")
     (ROOT / "bench" / f"{stem}.md").write_text("\n".join(lines) + "\n")
