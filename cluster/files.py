@@ -18,7 +18,11 @@ import os
 
 from pyarrow import fs as pafs
 
-__all__ = ["CheckpointError", "check_manifest", "is_local", "join_uri", "open_uri", "sha256", "split_query"]
+__all__ = ["MANIFEST", "CheckpointError", "check_manifest", "is_local", "join_uri", "open_uri", "sha256", "split_query"]
+
+
+# Written last into a checkpoint: every file with its size and sha256; its presence is the commit.
+MANIFEST = "manifest.json"
 
 
 class CheckpointError(RuntimeError):

@@ -34,11 +34,9 @@ from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
 from cluster.context import WorkerContext, WorkerPayload
-from cluster.files import CheckpointError, check_manifest, is_local, join_uri, open_uri, split_query
+from cluster.files import MANIFEST, CheckpointError, check_manifest, is_local, join_uri, open_uri, split_query
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
-
-MANIFEST = "manifest.json"
 
 
 # Outside the runner, the same defaults as the spec's, so a function gives the

@@ -86,7 +86,7 @@ class _Outcome:
     ok: bool
     error: str | None = None
     lost_nodes: list[int] = field(default_factory=list)
-    preempted: bool = False  # every rank that failed first was ended by SIGTERM
+    preempted: bool = False  # a rank was ended by SIGTERM: the attempt was preempted, it did not fail
 
 
 def group_failures(failures: list[RankFailure]) -> str:
@@ -130,7 +130,6 @@ class Driver:
         self._board: Board | None = None
         self._store_errors: set[str] = set()
         self.group: NodeGroup | None = None  # the nodes of the current attempt
-        self.contexts: list[WorkerContext] = []
 
     def _say(self, text: str) -> None:
         print(text, file=self.out or sys.stdout, flush=True)
@@ -289,7 +288,6 @@ class Driver:
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         self._mark("ranks_started")
-        self.contexts = contexts
         a = _Attempt(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
         started = last_board = time.monotonic()
         states = ["running"] * len(group.actors)

@@ -112,13 +112,19 @@ def summaries(storage: str) -> list[Summary]:
         world = result.get("world_size")
         workers = world // nodes if world and nodes else spec.get("scaling", {}).get("workers_per_node")
         steps = max((int(r["step"]) for r in records if r.get("step") is not None), default=None)
-        start = result.get("start_time") or None
-        end = result.get("end_time") or None
-        status = result.get("status", "running")
-        duration = ((end if status != "running" and end else time.time()) - start) if start else None
-        out.append(Summary(name, status, nodes, workers if isinstance(workers, int) else None, steps,
-                           loss[0].values[-1] if loss else None, _best(records), duration, start))
+        out.append(Summary(name, result.get("status", "running"), nodes,
+                           workers if isinstance(workers, int) else None, steps,
+                           loss[0].values[-1] if loss else None, _best(records), _duration(result),
+                           result.get("start_time") or None))
     return sorted(out, key=lambda s: (s.started or 0, s.name))
+
+
+def _duration(result: dict) -> float | None:
+    """Seconds the run took, or has taken so far while it runs."""
+    start, end = result.get("start_time"), result.get("end_time")
+    if not start:
+        return None
+    return (end if end and result.get("status", "running") != "running" else time.time()) - start
 
 
 def _dur(seconds: float | None) -> str:
@@ -164,8 +170,7 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
         lines.append(f"  world       {result.get('num_nodes')} nodes, world size {result.get('world_size')}")
         lines.append(f"  attempts    {result.get('attempts')} (restarts {result.get('restarts')}, "
                      f"preemptions {result.get('preemptions', 0)})")
-        lines.append(f"  started     {_when(result.get('start_time'))}, duration "
-                     f"{_dur((result.get('end_time') or time.time()) - result['start_time']) if result.get('start_time') else '-'}")
+        lines.append(f"  started     {_when(result.get('start_time'))}, duration {_dur(_duration(result))}")
         timeline = result.get("timeline") or {}
         if "process_start" in timeline and len(timeline) > 1:
             t0 = timeline["process_start"]

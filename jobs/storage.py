@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from pyarrow import fs as pafs
 
-from cluster.files import CheckpointError, check_manifest, is_local, open_uri, sha256, split_query
+from cluster.files import MANIFEST, CheckpointError, check_manifest, is_local, open_uri, sha256, split_query
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -41,7 +41,6 @@ def numeric_metrics(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items()
             if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-MANIFEST = "manifest.json"
 LATEST = "latest.json"
 # On an object store, metrics and logs are rewritten whole at most this often (and at
 # every commit and at the end): the most a crash of the driver can lose.
