@@ -18,7 +18,10 @@ import os
 
 from pyarrow import fs as pafs
 
-__all__ = ["MANIFEST", "CheckpointError", "check_manifest", "is_local", "join_uri", "open_uri", "sha256", "split_query"]
+__all__ = [
+    "MANIFEST", "CheckpointError", "check_manifest", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
+    "split_query",
+]
 
 
 # Written last into a checkpoint: every file with its size and sha256; its presence is the commit.
@@ -60,6 +63,23 @@ def sha256(fs: pafs.FileSystem, path: str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def describe_files(fs: pafs.FileSystem, path: str, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """``{relative path: {"size", "sha256"}}`` for every file under ``path``.
+
+    ``known`` holds entries already computed elsewhere (a rank hashes its part on
+    its own disk before uploading it); one whose size matches is taken as is, so
+    a file on an object store is read back only when nobody reported it.
+    """
+    known = known or {}
+    out = {}
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)):
+        if info.type == pafs.FileType.File:
+            rel = info.path[len(path.rstrip("/")) + 1 :]
+            meta = known.get(rel)
+            out[rel] = meta if meta and meta["size"] == info.size else {"size": info.size, "sha256": sha256(fs, info.path)}
+    return out
 
 
 def check_manifest(fs: pafs.FileSystem, path: str, manifest: dict, label: str) -> None:

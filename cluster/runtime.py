@@ -34,7 +34,9 @@ from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
 from cluster.context import WorkerContext, WorkerPayload
-from cluster.files import MANIFEST, CheckpointError, check_manifest, is_local, join_uri, open_uri, split_query
+from cluster.files import (
+    MANIFEST, CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query,
+)
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
@@ -191,8 +193,8 @@ class Session:
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
-        self._upload = _Upload(local, uri, step, on_done=lambda: self._emit(
-            {"kind": "checkpoint", "step": step, "uri": uri}))
+        self._upload = _Upload(local, uri, step, on_done=lambda files: self._emit(
+            {"kind": "checkpoint", "step": step, "uri": uri, "files": files}))
         return uri
 
     def wait_for_upload(self) -> None:
@@ -303,7 +305,7 @@ def _out_of_space(exc: BaseException, path: str) -> bool:
 class _Upload:
     """One rank's checkpoint part on its way from local disk to storage, in a thread."""
 
-    def __init__(self, local: str, uri: str, step: int, on_done: Callable[[], None]) -> None:
+    def __init__(self, local: str, uri: str, step: int, on_done: Callable[[dict[str, dict]], None]) -> None:
         self.local, self.uri, self.step = local, uri, step
         self.error: BaseException | None = None
         self._on_done = on_done
@@ -312,9 +314,11 @@ class _Upload:
 
     def _run(self) -> None:
         try:
+            # Hashed here, on local disk, so the driver's commit reads nothing back from the store.
+            files = describe_files(pafs.LocalFileSystem(), self.local)
             fs, path = open_uri(self.uri)
             pafs.copy_files(self.local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-            self._on_done()
+            self._on_done(files)
         except BaseException as exc:  # handed to the training thread by wait()
             self.error = exc
         finally:

@@ -73,7 +73,8 @@ class _Attempt:
     arrived: set[int] = field(default_factory=set)  # ranks at the rendezvous
     joined: set[int] = field(default_factory=set)  # ranks in the process group
     preempted: set[int] = field(default_factory=set)  # ranks that checkpointed in a grace period and stopped
-    parts: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))  # step -> ranks whose part is saved
+    # step -> rank -> the files of its saved part it reported ({rel: {size, sha256}}; empty on a local path)
+    parts: dict[int, dict[int, dict]] = field(default_factory=lambda: defaultdict(dict))
     steps: dict[int, int] = field(default_factory=dict)  # rank -> the latest step it logged
 
     @property
@@ -408,12 +409,11 @@ class Driver:
                                 **{k: v for k, v in e.items() if k.startswith("peak_")}})
             elif kind == "checkpoint":
                 step = int(e["step"])
-                a.parts[step].add(rank)
+                a.parts[step][rank] = e.get("files") or {}
                 if len(a.parts[step]) == a.world:
-                    del a.parts[step]
                     c = self.run_dir.commit_checkpoint(
                         join_uri(a.staging, f"checkpoint-{step:08d}"), step, a.number, a.world,
-                        self.spec.checkpoint.keep
+                        self.spec.checkpoint.keep, reported=_agreed(a.parts.pop(step).values())
                     )
                     self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
         self._store(self.run_dir.append_metrics, records)
@@ -456,3 +456,16 @@ def _jsonable(value: Any) -> Any:
         return value
     except TypeError:
         return repr(value)
+
+
+def _agreed(reports) -> dict[str, dict]:
+    """The files the ranks reported for one checkpoint; a file two ranks reported
+    differently (both wrote it, with ``save_on_each_node``) is left out, so the commit
+    hashes what storage holds."""
+    out: dict[str, dict] = {}
+    clash: set[str] = set()
+    for files in reports:
+        for rel, meta in files.items():
+            if out.setdefault(rel, meta) != meta:
+                clash.add(rel)
+    return {rel: meta for rel, meta in out.items() if rel not in clash}

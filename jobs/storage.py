@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from pyarrow import fs as pafs
 
-from cluster.files import MANIFEST, CheckpointError, check_manifest, is_local, open_uri, sha256, split_query
+from cluster.files import MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -180,8 +180,12 @@ class RunDir:
 
     # --- checkpoints ---------------------------------------------------------------
 
-    def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int) -> CommittedCheckpoint:
+    def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int,
+                          reported: dict[str, dict] | None = None) -> CommittedCheckpoint:
         """Check every rank's part, write the manifest last, move it in, then prune.
+
+        ``reported``: sizes and sha256 the ranks computed on their own disks before
+        uploading; files whose size matches are not read back from storage.
 
         Raises ``CheckpointError`` if a rank's part is missing, or if storage
         fails while committing (full, say); the staging folder is then left
@@ -189,20 +193,17 @@ class RunDir:
         """
         staging = self._path(staging_uri)
         try:
-            return self._commit(staging, step, attempt, world_size, keep)
+            return self._commit(staging, step, attempt, world_size, keep, reported or {})
         except OSError as exc:
             raise CheckpointError(
                 f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
                 f"{exc}. The previous committed checkpoint is still the latest."
             ) from exc
 
-    def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int) -> CommittedCheckpoint:
+    def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int,
+                reported: dict[str, dict]) -> CommittedCheckpoint:
         self.flush()  # the metrics up to this checkpoint are on storage before it counts
-        files = {}
-        for info in self.fs.get_file_info(pafs.FileSelector(staging, recursive=True, allow_not_found=True)):
-            if info.type == pafs.FileType.File:
-                rel = info.path[len(staging.rstrip("/")) + 1 :]
-                files[rel] = {"size": info.size, "sha256": sha256(self.fs, info.path)}
+        files = describe_files(self.fs, staging, reported)
         missing = [r for r in range(world_size) if f"random_states_{r}.pkl" not in files]
         if missing:
             raise CheckpointError(

@@ -41,10 +41,13 @@ class S3Server:
         from werkzeug.serving import make_server
 
         self.slow_staging_s = 0.0
+        self.staging_reads = 0  # GETs of an object in .staging/ (listings are GETs of the bucket)
         moto_app = DomainDispatcherApplication(create_backend_app)
 
         def app(environ, start_response):
             path = environ.get("PATH_INFO", "")
+            if environ["REQUEST_METHOD"] == "GET" and "/.staging/" in path:
+                self.staging_reads += 1
             if (self.slow_staging_s and environ["REQUEST_METHOD"] == "PUT"
                     and "/.staging/" in path and not path.endswith("/")):  # not a folder marker
                 time.sleep(self.slow_staging_s)  # a slow link to the store: each upload of data
@@ -156,8 +159,11 @@ def run_steady(s3, tmp_path, name: str, steps: int, out: io.StringIO | None = No
 
 
 def test_a_multi_node_run_on_s3_commits_checkpoints_and_a_rerun_resumes(ray_cluster, s3, tmp_path):
+    s3.staging_reads = 0
     first = run_steady(s3, tmp_path, "s3run", steps=30)
     assert first.status == "succeeded", first.error
+    # The ranks hashed their parts on local disk: committing read nothing back from the bucket.
+    assert s3.staging_reads == 0
     keys = s3.keys("runs/s3run")
     assert {"runs/s3run/spec.yaml", "runs/s3run/metrics.jsonl", "runs/s3run/result.json",
             "runs/s3run/checkpoints/latest.json"} <= set(keys)

@@ -190,21 +190,24 @@ def test_same_result_under_accelerate_launch(digits_run, tmp_path):
     result, _ = digits_run
     script = tmp_path / "run_digits.py"
     script.write_text(
-        "import json, sys\n"
+        "import json, os\n"
         "from train_fn.digits import train\n"
         "r = train({'epochs': 3, 'batch_size': 16, 'dropout': 0.0, 'checkpoint_every': 45})\n"
-        "print('RESULT', json.dumps({'rank': r['rank'], 'world_size': r['world_size'], 'weights': r['weights']}))\n"
+        # a file per rank: two ranks printing to one pipe can interleave their lines
+        "with open(os.path.join(os.environ['RESULT_DIR'], f\"result-{r['rank']}.json\"), 'w') as f:\n"
+        "    json.dump({'rank': r['rank'], 'world_size': r['world_size'], 'weights': r['weights']}, f)\n"
     )
     env = cli_env()
-    env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", RAYLAUNCH_LOCAL_DIR=str(tmp_path / "local"))
+    env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", RAYLAUNCH_LOCAL_DIR=str(tmp_path / "local"),
+               RESULT_DIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
          "--main_process_port", "0", str(script)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
-    lines = [json.loads(l.split("RESULT ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result-*.json"))]
     assert sorted(r["rank"] for r in lines) == [0, 1] and {r["world_size"] for r in lines} == {2}
     assert {r["weights"] for r in lines} == {result.rank_results["0"]["weights"]}
     # outside the runner the checkpoints went to the local folder
