@@ -14,7 +14,8 @@ One run measures everything a launcher is compared on:
   ``first_steps.jsonl``; with ``wait_for_kill``, after the last step every rank
   waits there to be killed (the harness kills rank 1), and the restarted world
   runs ``steps_after_restart`` steps: the recovery time is the kill to the
-  restarted world's first step.
+  restarted world's first step; rank 0 marks its steady steps' start and end in
+  ``steady.jsonl`` (the harness measures the CPU every other process uses meanwhile).
 
 Rank 0 writes what it measured to ``config["result_path"]`` as JSON before any wait.
 """
@@ -40,6 +41,16 @@ def _starts(pid_dir: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _steady_marker(pid_dir: str | None):
+    """Rank 0 writes when its steady steps begin and end (``steady.jsonl``), so the
+    harness can measure what the other processes burn meanwhile."""
+    def mark(phase: str) -> None:
+        if pid_dir:
+            with open(os.path.join(pid_dir, "steady.jsonl"), "a") as f:
+                f.write(json.dumps({"phase": phase, "at": time.time()}) + "\n")
+    return mark
 
 
 def train(config: dict) -> dict:
@@ -74,7 +85,10 @@ def train(config: dict) -> dict:
         return torch.nn.functional.mse_loss(model(x), y)
 
     logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
+    mark = _steady_marker(pid_dir if rank == 0 and not restarted else None)
     for step in range(1, steps + 1):
+        if step == steps // 4 + 1:
+            mark("begin")
         log = block > 0 and (step // block) % 2 == 0
         began = time.perf_counter()
         loss = compute_loss()
@@ -104,6 +118,8 @@ def train(config: dict) -> dict:
                         accelerator.save_state(tmp)
                         accelerator.wait_for_everyone()
                         local_saves.append(time.perf_counter() - t)
+
+    mark("end")
 
     def steady(times: list[tuple[int, float]]) -> float | None:
         warm = [t for s, t in times if s > steps // 4]

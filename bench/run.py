@@ -85,6 +85,75 @@ class PeakRSS:
         self._thread.join()
 
 
+def _label(p: psutil.Process) -> str:
+    """A process as a person would name it: Ray's workers by their title, Python by its script."""
+    cmd = p.cmdline()
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split()[0]
+    if cmd and "python" in os.path.basename(cmd[0]):
+        args = [c for c in cmd[1:] if not c.startswith("-")]
+        return os.path.basename(args[0]) if args else p.name()
+    return os.path.basename(cmd[0]) if cmd else p.name()
+
+
+def _cpu_snapshot() -> dict[tuple[int, float], tuple[str, float]]:
+    out = {}
+    for p in psutil.process_iter():
+        try:
+            t = p.cpu_times()
+            out[(p.pid, p.create_time())] = (_label(p), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+class BackgroundCPU:
+    """CPU that processes other than the ranks (and this harness) use during rank 0's
+    steady steps, in cores (CPU seconds per second), by process label.
+
+    The ranks share the machine's cores with whatever the launcher keeps running
+    beside them (a driver, Ray's raylet and GCS, actors): on 2 cores that time
+    comes out of the steps.
+    """
+
+    def __init__(self, pid_dir: Path) -> None:
+        self.pid_dir, self.cores, self.by_label = pid_dir, None, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _phases(self) -> int:
+        path = self.pid_dir / "steady.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self._phases() < 1:
+            time.sleep(0.02)
+        if self._stop.is_set():
+            return
+        began, t0 = _cpu_snapshot(), time.monotonic()
+        while not self._stop.is_set() and self._phases() < 2:
+            time.sleep(0.02)
+        if self._stop.is_set():
+            return
+        ended, wall = _cpu_snapshot(), time.monotonic() - t0
+        ranks = {json.loads(line)["pid"] for line in (self.pid_dir / "first_steps.jsonl").read_text().splitlines()}
+        me = {os.getpid()}
+        by_label: dict[str, float] = {}
+        for key, (label, cpu) in ended.items():
+            if key[0] in ranks or key[0] in me or key not in began:
+                continue
+            used = cpu - began[key][1]
+            if used > 0:
+                by_label[label] = by_label.get(label, 0.0) + used / wall
+        self.cores = sum(by_label.values())
+        self.by_label = dict(sorted(by_label.items(), key=lambda kv: -kv[1]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _expand(cmd: list[str], config: dict) -> list[str]:
     cmd = [c.replace("{config}", json.dumps(config)) for c in cmd]
     if "{set_config}" in cmd:
@@ -114,6 +183,7 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) 
     proc = subprocess.Popen(_expand(cmd, config), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peak = PeakRSS(proc.pid)
+    background = BackgroundCPU(pid_dir)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
@@ -140,6 +210,7 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) 
         if proc.poll() is None:
             proc.kill()
         peak.stop()
+        background.stop()
         reader.join(5)
     if proc.returncode != 0 or not result_path.exists() or (kill and recovery_s is None):
         log_path = tmp / f"failed-{secrets.token_hex(3)}.log"
@@ -148,7 +219,8 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) 
                            f"{''.join(out)[-3000:]}")
     r = json.loads(result_path.read_text())
     r.update(first_step_s=r["first_step_at"] - began, total_s=time.time() - began, recovery_s=recovery_s,
-             peak_tree_mb=peak.tree / 2**20, peak_actor_mb=peak.actor / 2**20, peak_driver_mb=peak.driver / 2**20)
+             peak_tree_mb=peak.tree / 2**20, peak_actor_mb=peak.actor / 2**20, peak_driver_mb=peak.driver / 2**20,
+             background_cores=background.cores, background_by_label=background.by_label)
     timeline = _timeline(config, "".join(out))
     if timeline:
         r["timeline"] = {k: v - began for k, v in timeline.items()}
@@ -212,7 +284,9 @@ def main() -> int:
                 rows[name].append(r)
                 print(f"rep {rep + 1}/{REPS} {name:15s} first step {r['first_step_s']:6.2f} s  "
                       f"steady {1000 * r['steady_step_s']:6.1f} ms"
-                      + (f"  recovery {r['recovery_s']:5.2f} s" if r["recovery_s"] is not None else ""), flush=True)
+                      + (f"  recovery {r['recovery_s']:5.2f} s" if r["recovery_s"] is not None else "")
+                      + (f"  beside the ranks {r['background_cores']:.3f} cores" if r["background_cores"] is not None
+                         else ""), flush=True)
         if FULL:  # the transformers example's model: steady steps only
             bert = {**base, "model": "digits_bert", "steps": 120, "checkpoint_at": [], "log_block": 0}
             for rep in range(REPS):
@@ -252,6 +326,12 @@ def report(rows: dict[str, list[dict]]) -> None:
         }
         if rs[0]["recovery_s"] is not None:
             figures[name]["recovery_s"] = summary([r["recovery_s"] for r in rs])
+        background = [r for r in rs if r.get("background_cores") is not None]
+        if background:
+            figures[name]["background_cores"] = summary([r["background_cores"] for r in background])
+            labels = {k for r in background for k in r["background_by_label"]}
+            top = {k: statistics.median([r["background_by_label"].get(k, 0.0) for r in background]) for k in labels}
+            figures[name]["background_top"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:4])
     ours = rows["raylaunch_cold"] + rows["raylaunch_warm"]
     figures["metrics_every_step_ratio"] = summary([r["steady_logged_s"] / r["steady_quiet_s"] for r in ours])
     figures["checkpoint_stall_ratio"] = summary(
@@ -304,6 +384,12 @@ def report(rows: dict[str, list[dict]]) -> None:
               f"in alternating order: {cell(figures['checkpoint_stall_ratio'], '.2f')} x",
               f"- raylaunch warm: peak RSS of a node actor {figures['peak_actor_mb']['median']:.0f} MB, "
               f"of the driver {figures['peak_driver_mb']['median']:.0f} MB"]
+    if all("background_cores" in figures[name] for name in rows):
+        lines.append("- CPU used beside the ranks during their steady steps, in cores (the machine has "
+                     f"{os.cpu_count()}; the warm cluster idles through every launcher's runs): " + "; ".join(
+                         f"{name} {cell(figures[name]['background_cores'], '.3f')} ("
+                         + ", ".join(f"{k} {v:.3f}" for k, v in figures[name]["background_top"].items()) + ")"
+                         for name in rows))
     for name in ("raylaunch_cold", "raylaunch_warm"):
         t = figures[f"{name}_timeline_s"]
         if t:
