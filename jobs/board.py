@@ -8,19 +8,21 @@ step (or the attempt ends); per-rank throughput and peak memory go under
 happens. A resumed attempt opens a new event file with ``purge_step`` at the
 resumed step, so the curve shows the steps the final model saw, once.
 
-On object storage the event files are written to a local folder and copied
-into the run directory on every flush.
+On object storage the event files are written to a local folder; a flush
+copies into the run directory the files that grew, no more often than
+``rewrite_due`` allows (a long run's event file is not sent whole every 2 s).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import time
 from collections import defaultdict
 
-from jobs.storage import RunDir, numeric_metrics
+from jobs.storage import RunDir, numeric_metrics, rewrite_due
 
 __all__ = ["Board", "PER_RANK"]
 
@@ -39,6 +41,8 @@ class Board:
             self._tmp = tempfile.mkdtemp(prefix="raylaunch-tb-")
             self._local = self._tmp
         self._writer = None
+        self._sent: dict[str, int] = {}  # event file -> the size the run directory holds
+        self._sent_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -105,16 +109,27 @@ class Board:
             if not metrics:
                 del self._pending[step]
         self._writer.flush()
-        if self._tmp is not None:
-            self.run_dir.upload_dir(self._tmp, "tensorboard")
+        self._upload(final)
+
+    def _upload(self, final: bool) -> None:
+        """Object storage: copy the event files that grew since they were last sent."""
+        if self._tmp is None:
+            return
+        sizes = {name: os.path.getsize(os.path.join(self._tmp, name)) for name in os.listdir(self._tmp)}
+        grown = [name for name, size in sizes.items() if self._sent.get(name) != size]
+        if not grown or not (final or rewrite_due(sum(sizes[n] for n in grown), self._sent_at)):
+            return
+        for name in grown:
+            self.run_dir.upload_file(os.path.join(self._tmp, name), f"tensorboard/{name}")
+            self._sent[name] = sizes[name]
+        self._sent_at = time.monotonic()
 
     def close_writer(self) -> None:
         if self._writer is not None:
             self.flush(final=True)
             self._writer.close()
             self._writer = None
-            if self._tmp is not None:
-                self.run_dir.upload_dir(self._tmp, "tensorboard")
+            self._upload(final=True)
 
     def close(self) -> None:
         self.close_writer()

@@ -45,6 +45,15 @@ LATEST = "latest.json"
 # On an object store, metrics and logs are rewritten whole at most this often (and at
 # every commit and at the end): the most a crash of the driver can lose.
 OBJECT_FLUSH_S = 2.0
+# A growing object (metrics, logs, event files) is rewritten whole: at most this many bytes a
+# second on average, so a long run's 50 MB metrics.jsonl goes out every 50 s, not every 2 s.
+OBJECT_REWRITE_BYTES_PER_S = 1 << 20
+
+
+def rewrite_due(size: int, written_at: float) -> bool:
+    """Whether a growing object of ``size`` bytes, last written at ``written_at``
+    (``time.monotonic()``), is due to be written again."""
+    return time.monotonic() - written_at >= max(OBJECT_FLUSH_S, size / OBJECT_REWRITE_BYTES_PER_S)
 
 
 class StorageError(RuntimeError):
@@ -330,9 +339,9 @@ class RunDir:
         os.makedirs(f"{self.path}/{rel}", exist_ok=True)
         return f"{self.path}/{rel}"
 
-    def upload_dir(self, local_dir: str, rel: str) -> None:
-        """Copy a local folder's files over ``<run>/<rel>`` (object storage)."""
-        pafs.copy_files(local_dir, f"{self.path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
+    def upload_file(self, local_file: str, rel: str) -> None:
+        """Copy a local file over ``<run>/<rel>`` (object storage: one PUT, seen whole or not at all)."""
+        pafs.copy_files(local_file, f"{self.path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=self.fs)
 
     # --- helpers ---------------------------------------------------------------------
@@ -362,9 +371,9 @@ class _ObjectLog:
 
     An output stream kept open shows nothing until it is closed, so a crash of
     the driver would lose the whole file. Instead the file is held in memory and
-    the whole object is rewritten, at most every ``OBJECT_FLUSH_S`` and on
-    ``flush``; each PUT replaces the object whole. A rerun of the same run starts
-    from what the object holds.
+    the whole object is rewritten, at most every ``OBJECT_FLUSH_S`` (less often as
+    it grows: ``rewrite_due``) and on ``flush``; each PUT replaces the object
+    whole. A rerun of the same run starts from what the object holds.
     """
 
     def __init__(self, fs: pafs.FileSystem, path: str) -> None:
@@ -380,7 +389,7 @@ class _ObjectLog:
     def append(self, data: bytes) -> None:
         self.data += data
         self.dirty = True
-        if time.monotonic() - self.written_at >= OBJECT_FLUSH_S:
+        if rewrite_due(len(self.data), self.written_at):
             self.flush()
 
     def flush(self) -> None:

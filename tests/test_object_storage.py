@@ -19,6 +19,7 @@ from cluster.files import join_uri, open_uri
 from conftest import dummy_aws_credentials
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
+from jobs import storage
 from jobs.storage import CheckpointError, RunDir
 
 BUCKET = "raylaunch-test"
@@ -151,6 +152,23 @@ def test_metrics_on_the_bucket_survive_a_driver_that_never_closes(s3):
     rerun.append_metrics([{"step": 3}])
     rerun.close()
     assert [json.loads(line)["step"] for line in s3.read("unit/append/metrics.jsonl").splitlines()] == [1, 2, 3]
+
+
+def test_a_growing_metrics_file_on_the_bucket_is_rewritten_less_often_as_it_grows(s3, monkeypatch):
+    """Each rewrite sends the whole object: a long run's file must not go out every 2 s."""
+    monkeypatch.setattr(storage, "OBJECT_FLUSH_S", 0.2)  # 2 s in production
+    monkeypatch.setattr(storage, "OBJECT_REWRITE_BYTES_PER_S", 10_000)  # 1 MB/s in production
+    run = RunDir(s3.uri("unit"), "grow")
+    run.prepare({"name": "grow"})
+    rows = [{"step": i, "loss": 0.5, "note": "x" * 100} for i in range(1, 1001)]  # ~130 KB in all
+    run.append_metrics(rows[:500])  # the first rows go out at once
+    assert len(s3.read("unit/grow/metrics.jsonl").splitlines()) == 500
+    time.sleep(0.5)  # a small file would be due again now
+    run.append_metrics(rows[500:])  # 130 KB at 10 KB/s: not due for 13 s
+    assert len(s3.read("unit/grow/metrics.jsonl").splitlines()) == 500
+    run.flush()  # every commit and the end of the run write it all
+    assert [json.loads(line)["step"] for line in s3.read("unit/grow/metrics.jsonl").splitlines()] == \
+        list(range(1, 1001))
 
 
 def run_steady(s3, tmp_path, name: str, steps: int, out: io.StringIO | None = None):
