@@ -228,10 +228,10 @@ def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committ
     from jobs.runs import format_runs, format_show, plot
 
     storage = s3.uri("runs")
-    row = next(line.split() for line in format_runs(storage).splitlines() if line.startswith("s3run "))
-    assert row[1:6] == ["succeeded", "2", "x", "1", "40"]
-    assert "checkpoints (2 committed):" in format_show(storage, "s3run")
-    png = tmp_path / "s3run.png"
-    (curve,) = plot(storage, ["s3run"], "loss", str(png))
-    assert png.stat().st_size > 10_000 and curve.steps == list(range(1, 41))
-    assert [k for k in s3.keys("runs/s3run/tensorboard") if "events.out.tfevents" in k]
+    row = next(line.split() for line in format_runs(storage).splitlines() if line.startswith("slow "))
+    assert row[1:6] == ["succeeded", "2", "x", "1", "20"]
+    assert "checkpoints (2 committed):" in format_show(storage, "slow")
+    png = tmp_path / "slow.png"
+    (curve,) = plot(storage, ["slow"], "loss", str(png))
+    assert png.stat().st_size > 10_000 and curve.steps == list(range(1, 21))
+    assert [k for k in s3.keys("runs/slow/tensorboard") if "events.out.tfevents" in k]
