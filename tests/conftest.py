@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import sys
 from pathlib import Path
 
@@ -39,6 +41,29 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def free_ports(n: int, consecutive: bool = False) -> list[int]:
+    """``n`` ports that bind now, from 20000-31999: below the kernel's ephemeral range
+    (32768-60999), where the system would hand them to outgoing connections, and above
+    Ray's worker ports (10002-19999)."""
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return True
+            except OSError:
+                return False
+
+    for _ in range(500):
+        if consecutive:
+            first = random.randrange(20000, 32000 - n)
+            ports = list(range(first, first + n))
+        else:
+            ports = random.sample(range(20000, 32000), n)
+        if all(free(p) for p in ports):
+            return ports
+    raise RuntimeError(f"no {n} free ports in 20000-31999")
 
 
 def cli_env() -> dict:

@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,23 +16,11 @@ import psutil
 import pytest
 
 from cluster.local import stop_processes_under
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, free_ports
 from jobs.submit import JobsError, plan_upload
 
 SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", "--set", "config.epochs=1",
          "--set", "config.train_samples=256"]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (all held open together while chosen, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def free_port() -> int:

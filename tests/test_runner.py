@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, free_ports
 from cluster.node import NodeActor, RendezvousError
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
@@ -67,30 +66,12 @@ def test_one_actor_per_node_and_ranks_by_node(ray_cluster, tmp_path):
     assert not [v["pid"] for v in ranks.values() if psutil.pid_exists(v["pid"])]
 
 
-def hold_first_of_two_free_ports() -> tuple[socket.socket, int]:
-    """A listening socket on port P, where P+1 is free too.
-
-    Both lie below the kernel's ephemeral range (32768-60999) and above Ray's worker
-    ports (10002-19999): a port the system hands out for an outgoing connection could
-    otherwise take P+1 between this check and the store's bind.
-    """
-    for first in random.sample(range(20000, 32000, 2), 200):
-        held = socket.socket()
-        try:
-            held.bind(("0.0.0.0", first))
-            with socket.socket() as probe:
-                probe.bind(("0.0.0.0", first + 1))
-        except OSError:
-            held.close()
-            continue
-        held.listen()
-        return held, first
-    raise RuntimeError("no two consecutive free ports in 20000-32000")
-
-
 def test_the_store_takes_the_first_free_port_of_the_range_and_ranks_use_the_ray_address_interface(
         ray_cluster, tmp_path):
-    held, first = hold_first_of_two_free_ports()  # someone else's service on the first port of the range
+    first, _ = free_ports(2, consecutive=True)
+    held = socket.socket()
+    held.bind(("0.0.0.0", first))  # someone else's service on the first port of the range
+    held.listen()
     try:
         result = run_spec(f"name: ports\ntrain_fn: fns:probe\nscaling: {{num_nodes: 2, workers_per_node: 1}}\n"
                           f"rendezvous: {{ports: {first}-{first + 1}}}\nstorage: {tmp_path}\n")
