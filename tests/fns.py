@@ -56,8 +56,12 @@ def steady(config: dict) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     session = get_session()
-    accelerator = Accelerator(**session.accelerator_kwargs())
-    accelerator.init_trackers("steady", config)
+    if config.get("user_tensorboard"):  # the user's own tracker beside the runner's
+        accelerator = Accelerator(**session.accelerator_kwargs(
+            log_with=["tensorboard", session.tracker()], project_dir=config["user_tensorboard"]))
+    else:
+        accelerator = Accelerator(**session.accelerator_kwargs())
+    accelerator.init_trackers("steady", {k: v for k, v in config.items() if v is not None})
     pid_dir = Path(config["pid_dir"])
     pid_dir.mkdir(parents=True, exist_ok=True)
     attempt = session.payload.attempt if session.payload else 0

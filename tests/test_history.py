@@ -210,3 +210,23 @@ def test_progress_view_modes():
     # the first step at once, then the last one when the view closes
     assert [x.split(" loss")[0] for x in shown] == ["raylaunch: step 4/8 (50%)", "raylaunch: step 8/8 (100%)"]
     assert shown[-1].endswith("| attempt 2 restarts 0")
+
+
+def test_a_tracker_the_user_configures_keeps_working_beside_the_runners(ray_cluster, tmp_path):
+    """`log_with=["tensorboard", session.tracker()]`: Accelerate's TensorBoard tracker writes
+    the user's own event files, and the same `accelerator.log` calls reach the run directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    mine = tmp_path / "my-tensorboard"
+    spec = load_spec_text(STEADY.format(pids=tmp_path / "pids", storage=tmp_path / "runs"),
+                          ["name=own-tracker", "config.steps=12", "config.step_s=0.01", "config.fail_at=null",
+                           f"config.user_tensorboard={mine}"])
+    result = Driver(spec, can_grow=False).run()
+    assert result.status == "succeeded", result.error
+    assert len(list((mine / "steady").glob("events.out.tfevents.*"))) == 1  # rank 0's, under the run's name
+    board = EventAccumulator(str(mine / "steady"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("loss")] == list(range(1, 13))
+    ours = [r for r in rows(tmp_path / "runs", "own-tracker") if r["rank"] == 0 and "loss" in r]
+    assert [r["step"] for r in ours] == list(range(1, 13))
+    assert [e.value for e in board.Scalars("loss")] == pytest.approx([r["loss"] for r in ours])
