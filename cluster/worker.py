@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import sys
+import os
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -32,11 +32,7 @@ def check_train_fn(path: str) -> None:
     except ModuleNotFoundError:
         spec = None
     if spec is None:
-        raise ImportError(
-            f"train_fn {path!r}: no module named {module_name!r} (searched from "
-            f"{sys.path[0] or '.'}); check the spelling and that the module is in "
-            "the working directory or installed"
-        )
+        raise _no_module(path, module_name)
     if not spec.origin or not spec.origin.endswith(".py"):
         resolve_train_fn(path)  # no source to read: import it
         return
@@ -58,6 +54,14 @@ def check_train_fn(path: str) -> None:
         )
 
 
+def _no_module(path: str, module_name: str) -> ImportError:
+    return ImportError(
+        f"train_fn {path!r}: no module named {module_name!r} in the working directory "
+        f"({os.getcwd()}) or the installed packages; check the spelling, and run raylaunch from "
+        "the folder that holds the module (that folder is what every node gets)"
+    )
+
+
 def resolve_train_fn(path: str) -> Callable[[dict], Any]:
     """Import ``"module:function"``; errors say which part is missing and what to check."""
     module_name, _, fn_name = path.partition(":")
@@ -65,11 +69,7 @@ def resolve_train_fn(path: str) -> Callable[[dict], Any]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name == module_name or module_name.startswith(f"{exc.name}."):
-            raise ImportError(
-                f"train_fn {path!r}: no module named {module_name!r} (searched from "
-                f"{sys.path[0] or '.'}); check the spelling and that the module is in "
-                "the working directory or installed"
-            ) from None
+            raise _no_module(path, module_name) from None
         raise
     fn = getattr(module, fn_name, None)
     if fn is None or not callable(fn):

@@ -246,6 +246,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The working directory is the project: its modules are what every node gets (uploaded
+    # with the job, or on the embedded cluster's PYTHONPATH), so the driver finds them too,
+    # under the installed `raylaunch` script as under `python -m jobs.cli`.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = _parser().parse_args(argv)
     if getattr(args, "local_nodes", None) is not None and args.local_nodes < 1:
         print("raylaunch: --local-nodes must be at least 1", file=sys.stderr)

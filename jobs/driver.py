@@ -22,7 +22,7 @@ import ray
 from cluster.context import WorkerContext, WorkerPayload
 from cluster.files import join_uri
 from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
-from cluster.node import RankFailure
+from cluster.node import NodePoll, RankFailure
 from cluster.worker import check_train_fn
 from jobs.board import Board
 from jobs.spec import JobSpec, spec_to_dict
@@ -304,22 +304,7 @@ class Driver:
                 failures.extend(p.failures)
                 if p.state == "lost":
                     lost.append(node_rank)
-                    info = group.infos[node_rank]
-                    ranks = [c.world_rank for c in contexts if c.node_rank == node_rank]
-                    why = "was lost" if p.silent_s is None else (
-                        f"did not answer for {p.silent_s:.0f} s (timeouts.heartbeat_s is "
-                        f"{spec.timeouts.heartbeat_s:g}): its host or its network link is down; treated as lost")
-                    failures.extend(
-                        RankFailure(rank=r, exitcode=-9, message=f"node {node_rank} ({info.node_id[:12]}, "
-                                    f"{info.ip}) {why}", traceback="")
-                        for r in ranks
-                    )
-                for rank, age in p.beat_age_s.items():
-                    if age > spec.timeouts.heartbeat_s and not any(f.rank == rank for f in failures):
-                        failures.append(RankFailure(
-                            rank=rank, exitcode=-1, traceback="",
-                            message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is "
-                                    f"{spec.timeouts.heartbeat_s:g}): the process is stopped or frozen"))
+                failures.extend(self._silent(group, node_rank, p, a, known={f.rank for f in failures}))
             if failures:
                 break
             if all(s == "succeeded" for s in states):
@@ -418,6 +403,22 @@ class Driver:
                     self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
         self._store(self.run_dir.append_metrics, records)
         self._board.add(records)
+
+    def _silent(self, group: NodeGroup, node_rank: int, p: NodePoll, a: _Attempt, known: set[int]) -> list[RankFailure]:
+        """The ranks of a node that is lost, or that stopped beating, as failures (not those in ``known``)."""
+        heartbeat_s = self.spec.timeouts.heartbeat_s
+        if p.state == "lost":
+            info = group.infos[node_rank]
+            why = "was lost" if p.silent_s is None else (
+                f"did not answer for {p.silent_s:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
+                "its host or its network link is down; treated as lost")
+            return [RankFailure(rank=r, exitcode=-9, traceback="",
+                                message=f"node {node_rank} ({info.node_id[:12]}, {info.ip}) {why}")
+                    for r, n in sorted(a.node_of.items()) if n == node_rank]
+        return [RankFailure(rank=rank, exitcode=-1, traceback="",
+                            message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
+                                    "the process is stopped or frozen")
+                for rank, age in p.beat_age_s.items() if age > heartbeat_s and rank not in known]
 
     def _mark(self, phase: str, at: float | None = None) -> None:
         """The first time the run got to ``phase`` (the first attempt's start-up, for `show` and the bench)."""

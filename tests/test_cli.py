@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +47,35 @@ def test_train_fn_module_or_function_that_does_not_exist(tmp_path):
                      "--storage", str(tmp_path / "runs"))
     assert proc.returncode == 2
     assert "no module named 'train_fn.digitz'" in proc.stderr and "Fix `train_fn`" in proc.stderr
+    assert f"in the working directory ({ROOT}) or the installed packages" in proc.stderr
     proc = raylaunch("validate", write(tmp_path, "name: t\ntrain_fn: train_fn.digits:trian\n"))
     assert proc.returncode == 2
     assert "has no function 'trian'; it defines:" in proc.stderr and "train" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_installed_command_runs_a_module_of_the_folder_it_runs_in(tmp_path):
+    """`raylaunch` (the console script, not `python -m`) in a user's project folder: the
+    driver and every rank import the project's own module."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "mytrain.py").write_text(
+        "from accelerate import Accelerator\n"
+        "from cluster.runtime import get_session\n\n\n"
+        "def train(config):\n"
+        "    accelerator = Accelerator(**get_session().accelerator_kwargs())\n"
+        "    return {'rank': accelerator.process_index, 'world': accelerator.num_processes}\n"
+    )
+    (project / "job.yaml").write_text(
+        "name: mine\ntrain_fn: mytrain:train\nscaling: {num_nodes: 1, workers_per_node: 2}\n")
+    env = cli_env()
+    env["PYTHONPATH"] = ""  # nothing but what the command itself puts on the path
+    proc = subprocess.run([str(Path(sys.executable).parent / "raylaunch"), "run", "job.yaml", "--quiet",
+                           "--storage", str(tmp_path / "runs")],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "runs" / "mine" / "result.json").read_text())
+    assert result["rank_results"] == {"0": {"rank": 0, "world": 2}, "1": {"rank": 1, "world": 2}}
 
 
 def test_storage_that_cannot_be_written(tmp_path):
