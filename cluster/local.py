@@ -8,12 +8,18 @@ from typing import Iterator
 
 import ray
 
-__all__ = ["UPLOAD_EXCLUDES", "connect", "stop_processes_under"]
+__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "connect", "stop_processes_under"]
 
 # What a job's code upload never needs, besides what .gitignore and .rayignore name
 # (used here for `run --address` and by `raylaunch submit`).
 UPLOAD_EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache",
                    ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info"]
+
+# What an embedded cluster leaves out: nobody can reach its dashboard; no autoscaler
+# watches it; and the ranks' output reaches the run through the node actors, not Ray's
+# log monitor. Each is a Python process that would compete with the ranks for the cores
+# (the log monitor alone used about 1% of a core beside training, in the bench).
+EMBEDDED_NODE = {"include_dashboard": False, "no_monitor": True, "include_log_monitor": False}
 
 
 @contextlib.contextmanager
@@ -28,11 +34,10 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
     if address is None:
         from ray.cluster_utils import Cluster
 
-        # No dashboard: nobody can reach an embedded cluster's, and it costs a second or two of start-up.
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "include_dashboard": False})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, **EMBEDDED_NODE})
         try:
             for _ in range(local_nodes - 1):
-                cluster.add_node(num_cpus=cpus_per_node)
+                cluster.add_node(num_cpus=cpus_per_node, **EMBEDDED_NODE)
             pythonpath = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
             ray.init(
                 address=cluster.address,

@@ -30,9 +30,11 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from cluster.local import EMBEDDED_NODE
+
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, **EMBEDDED_NODE})
+    cluster.add_node(num_cpus=2, **EMBEDDED_NODE)
     pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
              log_to_driver=False, configure_logging=False)
