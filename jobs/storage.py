@@ -42,8 +42,9 @@ def numeric_metrics(record: dict) -> dict[str, float]:
             if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 LATEST = "latest.json"
-# On an object store, metrics and logs are rewritten whole at most this often (and at
-# every commit and at the end): the most a crash of the driver can lose.
+# On an object store, metrics and logs are rewritten whole at most this often, less often as
+# they grow (``rewrite_due``), and at every commit and at the end: what a crash of the driver
+# can lose.
 OBJECT_FLUSH_S = 2.0
 # A growing object (metrics, logs, event files) is rewritten whole: at most this many bytes a
 # second on average, so a long run's 50 MB metrics.jsonl goes out every 50 s, not every 2 s.
