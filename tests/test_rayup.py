@@ -156,7 +156,9 @@ def _remove_network() -> list[str]:
 def _ours(root: Path, pid_namespaces: set[str]) -> list[int]:
     """Processes this module started: inside the hosts' PID namespaces, or naming its folder."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:  # ended; only its parent's bookkeeping is left
+            continue
         try:
             ns = os.readlink(f"/proc/{p.pid}/ns/pid")
         except OSError:
@@ -166,16 +168,18 @@ def _ours(root: Path, pid_namespaces: set[str]) -> list[int]:
     return found
 
 
-def _ray_daemons(root: Path, pid_namespaces: set[str]) -> list[str]:
+def _described(pids: list[int]) -> list[str]:
     found = []
-    for pid in _ours(root, pid_namespaces):
+    for pid in pids:
         try:
-            cmd = " ".join(psutil.Process(pid).cmdline())
-        except psutil.Error:
-            continue
-        if "raylet" in cmd or "gcs_server" in cmd:
-            found.append(cmd[:120])
+            found.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:150]}")
+        except psutil.Error:  # ended meanwhile
+            pass
     return found
+
+
+def _ray_daemons(root: Path, pid_namespaces: set[str]) -> list[str]:
+    return [p for p in _described(_ours(root, pid_namespaces)) if "raylet" in p or "gcs_server" in p]
 
 
 def _wait_for_port(addr: str, port: int, timeout: float) -> None:
@@ -276,7 +280,7 @@ def cluster():
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
-        alive = _ours(root, pid_namespaces)
+        alive = _described(_ours(root, pid_namespaces))
         left = _remove_network()
         control = Path("/tmp") / f"ray_ssh_{hashlib.sha256(getuser().encode()).hexdigest()[:10]}" / \
             hashlib.sha256(CLUSTER.encode()).hexdigest()[:10]
