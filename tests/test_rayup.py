@@ -229,6 +229,8 @@ def cluster():
         shutil.copy(root / "key.pub", root / "authorized_keys")
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation folder
         Path("/tmp/ray").mkdir(exist_ok=True)  # the mount point of each host's own /tmp/ray
+        if f"{NET}.0/24" in ip("route").stdout:
+            pytest.fail(f"{NET}.0/24 is already routed on this machine (hosts an earlier run left behind?)")
         try:
             _make_network()
         except RuntimeError as exc:
@@ -259,18 +261,29 @@ def cluster():
             os.killpg(tunnel.pid, signal.SIGTERM)
             tunnel.wait(timeout=30)
     finally:
-        down_ok = True
+        problems = _tear_down(root, config, env, log, hosts, pid_namespaces)
+        assert not problems, "\n".join(problems)
+
+
+def _tear_down(root: Path, config: Path | None, env: dict, log, hosts: list[subprocess.Popen],
+               pid_namespaces: set[str]) -> list[str]:
+    """`ray down`, then the hosts, their processes, the network and the files, each step even when
+    an earlier one failed; what went wrong, for the fixture to report."""
+    problems = []
+    try:
         if config is not None:
-            down = subprocess.run([str(BIN / "ray"), "down", "-y", str(config)], env=env,
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=180)
-            down_ok = down.returncode == 0
-            # what `ray down` left running on the hosts, before their namespaces go: its `ray stop`
-            # signals every Ray process and waits 16 s; a busy GCS may take a little longer to end
-            deadline = time.monotonic() + 60
-            while (left_by_down := _ray_daemons(root, pid_namespaces)) and time.monotonic() < deadline:
+            down = subprocess.run([str(BIN / "ray"), "down", "-y", str(config)], env=env, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, text=True, timeout=180)
+            # What `ray down` left running on the hosts, before their namespaces go. It runs `ray stop`
+            # on the head only (with the local provider it never logs in to a worker); a worker's raylet
+            # gives up on the head's GCS and ends itself about a minute later.
+            deadline = time.monotonic() + 150
+            while (left := _ray_daemons(root, pid_namespaces)) and time.monotonic() < deadline:
                 time.sleep(1)
-        else:
-            left_by_down = []
+            if down.returncode != 0 or left:
+                log.seek(0)
+                problems.append(f"ray down exited {down.returncode} and left {left}: {log.read()[-3000:]}")
+    finally:
         for proc in hosts:
             proc.kill()
             proc.wait(timeout=30)
@@ -280,18 +293,16 @@ def cluster():
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
-        alive = _described(_ours(root, pid_namespaces))
-        left = _remove_network()
+        if alive := _described(_ours(root, pid_namespaces)):
+            problems.append(f"processes left behind: {alive}")
+        if left_links := _remove_network():
+            problems.append(f"namespaces or links left behind: {left_links}")
         control = Path("/tmp") / f"ray_ssh_{hashlib.sha256(getuser().encode()).hexdigest()[:10]}" / \
             hashlib.sha256(CLUSTER.encode()).hexdigest()[:10]
         shutil.rmtree(control, ignore_errors=True)
         log.close()
-        shutil.rmtree("/tmp/rayup-debug", ignore_errors=True)
-        shutil.copytree(root, "/tmp/rayup-debug", ignore=shutil.ignore_patterns("*.sock", "sockets"),
-                        symlinks=True, ignore_dangling_symlinks=True)
         shutil.rmtree(root, ignore_errors=True)
-        assert down_ok and not left_by_down, f"ray down left {left_by_down}"
-        assert not left and not alive, f"left behind: namespaces/links {left}, processes {alive}"
+    return problems
 
 
 def raylaunch(cluster, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
