@@ -374,8 +374,8 @@ class Driver:
         """Print and store one node's logs; handle its events."""
         by_rank: dict[int, list[str]] = defaultdict(list)
         for rank, _, line in p.logs:
-            line = self.secrets.mask(line)
-            print(f"[node {node_rank} rank {rank}] {line}", file=self.out or sys.stdout, flush=True)
+            line = self.secrets.mask(line)  # before it is stored too
+            self._say(f"[node {node_rank} rank {rank}] {line}")
             by_rank[rank].append(line)
         for rank, lines in by_rank.items():
             self._store(self.run_dir.append_log, rank, lines)
