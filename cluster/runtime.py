@@ -212,8 +212,9 @@ class Session:
 
         Accelerate unpickles the RNG, sampler and registered states
         (``weights_only=False``), so nothing is loaded unless it is this run's
-        committed checkpoint and every file matches its manifest's sha256, checked
-        here, on the bytes that are loaded; a mismatch raises ``CheckpointError``.
+        committed checkpoint and every file matches its manifest's sha256; a mismatch
+        raises ``CheckpointError``. From an object store the downloaded copy is checked
+        and loaded; on a shared path the check and the load are two reads of the files.
         """
         if self.payload is None:
             latest = self._local_dir / "checkpoints" / "latest"

@@ -6,6 +6,7 @@ import os
 import random
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,42 @@ def free_ports(n: int, consecutive: bool = False) -> list[int]:
     raise RuntimeError(f"no {n} free ports in 20000-31999")
 
 
+def wait_for(condition, timeout: float, what: str):
+    """``condition()``'s first truthy value, checked every 0.1 s; fails after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
     return env
+
+
+class LoadsRecorded:
+    """Stands in for an Accelerator in a rank's ``session.restore``: records the folder it was
+    asked to load and the bytes of every file in it at that moment."""
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, dict[str, bytes]]] = []
+
+    def load_state(self, path: str) -> None:
+        self.loaded.append((path, {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}))
+
+
+def rank_session(tmp_path: Path, run, restore_uri: str):
+    """A rank's session of attempt 2 of ``run`` (a ``RunDir``), in this process, as the worker
+    entry point would make it."""
+    from cluster.context import WorkerPayload, assign_ranks
+    from cluster.runtime import Session
+
+    payload = WorkerPayload(context=assign_ranks([1])[0], attempt=2, train_fn="fns:steady", config={},
+                            events_path=str(tmp_path / "events" / "rank-0.jsonl"),
+                            staging_uri=run.staging_uri(2), restore_uri=restore_uri, backend="gloo",
+                            rendezvous_timeout_s=10)
+    return Session(payload)

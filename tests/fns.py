@@ -23,6 +23,10 @@ def probe(config: dict) -> dict:
         "process_index": accelerator.process_index,
         "sum_of_ranks": total,
         "torch_threads": torch.get_num_threads(),
+        # the spec's accelerate section, as the Accelerator holds it
+        "mixed_precision": accelerator.mixed_precision,
+        "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        "even_batches": accelerator.even_batches,
         "pid": os.getpid(),
         "ppid": os.getppid(),
     }
@@ -105,21 +109,34 @@ def steady(config: dict) -> dict:
 
 
 def litter_then_fail(config: dict) -> dict:
-    """Attempt 1 leaves half a checkpoint in its staging folder (a crash mid-save) and fails;
-    later attempts report whether what it left is still there."""
+    """Attempt 1 leaves half a checkpoint where its session stages them (a crash mid-save),
+    notes that folder in ``config["note"]`` and fails; later attempts report whether what it
+    left is still there."""
     from pathlib import Path
 
     session = get_session()
-    Accelerator(**session.accelerator_kwargs())
-    staging = Path(session.payload.staging_uri)
-    attempt = session.payload.attempt
-    if attempt == 1:
-        part = staging / "checkpoint-00000005"
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    note = Path(config["note"])
+    if session.payload.attempt == 1:
+        part = Path(session.payload.staging_uri) / "checkpoint-00000005"
         part.mkdir(parents=True, exist_ok=True)
-        (part / "model.safetensors").write_bytes(b"half a mod")
+        (part / f"random_states_{accelerator.process_index}.pkl").write_bytes(b"half a pickle")
+        if accelerator.is_main_process:
+            note.write_text(str(part))
+        accelerator.wait_for_everyone()  # both halves are there before anyone fails
         raise RuntimeError("crashed in the middle of a save")
-    earlier = staging.parent / f"attempt-{attempt - 1}"
-    return {"earlier_staging_left": earlier.exists() and any(earlier.iterdir())}
+    left = Path(note.read_text())
+    return {"earlier_staging_left": left.exists()}
+
+
+def hang_in_collective(config: dict) -> None:
+    """Rank 1 never reaches the all-reduce rank 0 waits in (a hung collective)."""
+    import time
+
+    accelerator = Accelerator(**get_session().accelerator_kwargs())
+    if accelerator.process_index == 1:
+        time.sleep(600)
+    accelerator.reduce(torch.tensor([1.0]), "sum")
 
 
 def env_probe(config: dict) -> dict:

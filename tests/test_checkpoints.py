@@ -6,15 +6,18 @@ session in this process, as the worker entry point would.
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from cluster.context import assign_ranks
-from cluster.runtime import CheckpointError, Session, WorkerPayload
+from cluster.runtime import CheckpointError
+from conftest import LoadsRecorded, rank_session
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
 from jobs.storage import RunDir
@@ -67,23 +70,48 @@ storage: {small_disk}
 
 
 def test_the_next_attempt_clears_what_a_crash_left_in_staging(ray_cluster, tmp_path):
+    note = tmp_path / "litter-path"
     spec = load_spec_text(f"name: litter\ntrain_fn: fns:litter_then_fail\nscaling: {{num_nodes: 2}}\n"
-                          f"failure: {{max_restarts: 1}}\nstorage: {tmp_path}\n")
+                          f"config: {{note: {note}}}\nfailure: {{max_restarts: 1}}\nstorage: {tmp_path}\n")
     result = Driver(spec, can_grow=False).run()
     assert result.status == "succeeded" and result.attempts == 2, result.error
+    # what attempt 1 left, where its session told it to stage, inside this run's directory
+    litter = Path(note.read_text())
+    assert litter.is_relative_to(tmp_path / "litter") and "checkpoints" not in litter.parts
     assert result.rank_results["0"]["earlier_staging_left"] is False
     assert result.rank_results["1"]["earlier_staging_left"] is False
+    assert not litter.exists() and not any((tmp_path / "litter").rglob("random_states_*.pkl"))
     assert not (tmp_path / "litter" / "checkpoints" / "latest.json").exists()  # nothing was ever committed
 
 
-class _LoadsRecorded:
-    """Stands in for an Accelerator: records what it was asked to load."""
+def test_a_rerun_falls_back_from_an_altered_checkpoint_and_fails_on_a_missing_one(ray_cluster, tmp_path):
+    def run(steps: int):
+        spec = load_spec_text(f"name: fall\ntrain_fn: fns:steady\nscaling: {{num_nodes: 2}}\nstorage: {tmp_path}\n"
+                              f"config: {{steps: {steps}, every: 10, step_s: 0.02, pid_dir: {tmp_path / 'pids'}}}\n")
+        out = io.StringIO()
+        return Driver(spec, can_grow=False, out=out).run(), out.getvalue()
 
-    def __init__(self) -> None:
-        self.loaded: list[str] = []
-
-    def load_state(self, path: str) -> None:
-        self.loaded.append(path)
+    first, _ = run(20)
+    assert first.status == "succeeded", first.error
+    checkpoints = tmp_path / "fall" / "checkpoints"
+    weights = checkpoints / "checkpoint-00000020" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the latest checkpoint's weights flipped on storage
+    weights.write_bytes(bytes(data))
+    again, said = run(20)
+    assert again.status == "succeeded", again.error
+    altered = checkpoints / "checkpoint-00000020"
+    assert f"raylaunch: not loading {altered}: {altered}/model.safetensors does not match the checksum" in said
+    assert f"attempt 2: resuming from {checkpoints}/checkpoint-00000010 (step 10)" in said
+    assert again.rank_results["0"]["restored_step"] == 10 and again.rank_results["0"]["steps"] == 20
+    # a latest.json that names a checkpoint that is gone: an error, never a silent start from scratch
+    shutil.rmtree(checkpoints / "checkpoint-00000020")
+    third, _ = run(30)
+    assert third.status == "failed" and third.attempts == 3
+    assert "names checkpoint-00000020, which is not a committed checkpoint" in third.error
+    assert "--fresh" in third.error
+    rows = [json.loads(line) for line in (tmp_path / "fall" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["attempt"] for r in rows} == {1, 2}  # attempt 3 trained nothing
 
 
 def _committed(tmp_path: Path, name: str):
@@ -96,37 +124,77 @@ def _committed(tmp_path: Path, name: str):
     return run, run.commit_checkpoint(str(staged), 5, 1, world_size=1, keep=2)
 
 
-def _rank_session(tmp_path: Path, run: RunDir, restore_uri: str) -> Session:
-    payload = WorkerPayload(context=assign_ranks([1])[0], attempt=2, train_fn="fns:steady", config={},
-                            events_path=str(tmp_path / "events" / "rank-0.jsonl"),
-                            staging_uri=run.staging_uri(2), restore_uri=restore_uri, backend="gloo",
-                            rendezvous_timeout_s=10)
-    return Session(payload)
-
-
 def test_a_rank_loads_nothing_from_a_file_altered_after_the_driver_checked_it(tmp_path):
     run, c = _committed(tmp_path, "r")
     run.verify(c)  # what the driver checked before it started the attempt
-    accelerator = _LoadsRecorded()
-    assert _rank_session(tmp_path, run, c.uri).restore(accelerator) == 5
-    assert accelerator.loaded == [c.uri]
+    accelerator = LoadsRecorded()
+    assert rank_session(tmp_path, run, c.uri).restore(accelerator) == 5
+    assert [path for path, _ in accelerator.loaded] == [c.uri]
     (Path(c.uri) / "random_states_0.pkl").write_bytes(b"rng 9")  # a pickle swapped in afterwards
     with pytest.raises(CheckpointError, match=r"checkpoint-00000005/random_states_0.pkl does not match the checksum"):
-        _rank_session(tmp_path, run, c.uri).restore(accelerator)
-    assert accelerator.loaded == [c.uri]  # nothing unpickled from it
+        rank_session(tmp_path, run, c.uri).restore(accelerator)
+    assert len(accelerator.loaded) == 1  # nothing unpickled from it
 
 
 def test_a_rank_refuses_a_checkpoint_of_another_run(tmp_path):
     run, _ = _committed(tmp_path, "mine")
     _, theirs = _committed(tmp_path, "theirs")
     with pytest.raises(CheckpointError, match="is not a committed checkpoint of this run"):
-        _rank_session(tmp_path, run, theirs.uri).restore(_LoadsRecorded())
+        rank_session(tmp_path, run, theirs.uri).restore(LoadsRecorded())
 
 
-def test_every_torch_load_in_our_code_is_weights_only():
-    calls = []
+_BLOCKS = ("body", "orelse", "finalbody", "handlers")
+
+
+def _loading_calls(tree: ast.AST) -> list[tuple[ast.Call, list[ast.stmt], int, list[str]]]:
+    """Every call that unpickles or loads a checkpoint (``torch.load``, ``pickle.load(s)``,
+    Accelerate's ``load_state``), with the block it sits in, its index there and the
+    conditions of the ``if`` statements around it."""
+    found = []
+
+    def own_parts(stmt: ast.stmt) -> list[ast.AST]:
+        """``stmt`` without its nested blocks (their calls belong to them)."""
+        return [v for k, v in ast.iter_fields(stmt) if k not in _BLOCKS and isinstance(v, (ast.AST, list))]
+
+    def visit(block: list, conditions: list[str]) -> None:
+        for i, stmt in enumerate(block):
+            if isinstance(stmt, ast.ExceptHandler):
+                visit(stmt.body, conditions)
+                continue
+            for part in own_parts(stmt):
+                for node in (n for n in (part if isinstance(part, list) else [part]) if isinstance(n, ast.AST)):
+                    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+                        func = ast.unparse(call.func)
+                        if func in ("torch.load", "pickle.load", "pickle.loads") or func.endswith(".load_state"):
+                            found.append((call, block, i, conditions))
+            for name in _BLOCKS:
+                inner = conditions + [ast.unparse(stmt.test)] if isinstance(stmt, ast.If) and name == "body" \
+                    else conditions
+                visit(getattr(stmt, name, None) or [], inner)
+
+    visit(tree.body, [])
+    return found
+
+
+def test_every_load_of_a_checkpoint_under_the_runner_follows_its_checksum_check():
+    """Accelerate's ``load_state`` unpickles (``weights_only=False``): under the runner it may
+    only run right after ``check_manifest`` in the same block; a ``torch.load`` must be
+    ``weights_only=True`` and nothing calls pickle itself."""
+    loads = []
     for folder in ("cluster", "jobs", "train_fn", "bench"):
         for path in (ROOT / folder).rglob("*.py"):
-            for match in re.finditer(r"torch\.load\((.*)\)", path.read_text()):
-                calls.append((path.name, match.group(1)))
-    assert all("weights_only=True" in args for _, args in calls), calls
+            for call, block, i, tests in _loading_calls(ast.parse(path.read_text())):
+                where = f"{path.relative_to(ROOT)}:{call.lineno}"
+                func = ast.unparse(call.func)
+                loads.append(func)
+                if func.startswith("pickle."):
+                    raise AssertionError(f"{where}: {func} unpickles without a check")
+                if func.startswith("torch."):
+                    assert any(k.arg == "weights_only" and ast.unparse(k.value) == "True" for k in call.keywords), \
+                        f"{where}: torch.load without weights_only=True"
+                    continue
+                outside_runner = "self.payload is None" in tests
+                checked = i > 0 and "check_manifest(" in ast.unparse(block[i - 1])
+                assert outside_runner or checked, f"{where}: {func} without check_manifest just before it"
+    # the scan sees the loads there are: one outside the runner, one per kind of storage
+    assert loads.count("accelerator.load_state") == 3, loads

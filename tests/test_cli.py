@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,7 @@ def test_the_installed_command_runs_a_module_of_the_folder_it_runs_in(tmp_path):
         "from cluster.runtime import get_session\n\n\n"
         "def train(config):\n"
         "    accelerator = Accelerator(**get_session().accelerator_kwargs())\n"
+        "    get_session().log({'loss': 0.5}, step=1)\n"
         "    return {'rank': accelerator.process_index, 'world': accelerator.num_processes}\n"
     )
     (project / "job.yaml").write_text(
@@ -76,6 +78,9 @@ def test_the_installed_command_runs_a_module_of_the_folder_it_runs_in(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "runs" / "mine" / "result.json").read_text())
     assert result["rank_results"] == {"0": {"rank": 0, "world": 2}, "1": {"rank": 1, "world": 2}}
+    # --quiet: the step it logged shows no progress line; the outcome still prints
+    assert result["last_step"] == 1 and "raylaunch: step" not in proc.stdout
+    assert "raylaunch: succeeded after 1 attempt(s)" in proc.stdout
 
 
 def test_storage_that_cannot_be_written(tmp_path):
@@ -88,14 +93,24 @@ def test_storage_that_cannot_be_written(tmp_path):
 
 
 def test_more_nodes_than_the_cluster_can_ever_give(tmp_path):
+    """Also `--fresh`: a run of that name exists, and a new run directory is started beside it."""
+    earlier = tmp_path / "runs" / "digits"
+    earlier.mkdir(parents=True)
+    (earlier / "spec.yaml").write_text("name: digits\n")
+    (earlier / "result.json").write_text('{"status": "succeeded", "attempts": 1}')
     proc = raylaunch("run", "jobs/examples/digits.yaml", "--local-nodes", "1", "--set", "scaling.num_nodes=3",
-                     "--storage", str(tmp_path / "runs"))
+                     "--storage", str(tmp_path / "runs"), "--fresh")
     assert proc.returncode == 1
     assert "the job needs 3 nodes with {CPU: 1} each" in proc.stderr
     assert "only 1 of the cluster's 1 alive nodes can hold that" in proc.stderr
     assert "--set scaling.num_nodes=1" in proc.stderr
-    result = (tmp_path / "runs" / "digits" / "result.json").read_text()
-    assert '"status": "failed"' in result and '"attempts": 0' in result
+    fresh = re.search(r"raylaunch: --fresh: starting a new run directory (digits-\d{8}-\d{6}) \(the old one is kept\)",
+                      proc.stdout)
+    assert fresh, proc.stdout
+    result = json.loads((tmp_path / "runs" / fresh.group(1) / "result.json").read_text())
+    assert result["status"] == "failed" and result["attempts"] == 0
+    assert json.loads((earlier / "result.json").read_text()) == {"status": "succeeded", "attempts": 1}
+    assert (earlier / "spec.yaml").read_text() == "name: digits\n"
 
 
 def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
@@ -133,9 +148,16 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
     step = json.loads(latest.read_text())["step"]
     again = raylaunch("run", spec, "--local-nodes", "2", timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"resuming from {latest.parent}/checkpoint-{step:08d} (step {step})" in again.stdout
+    # the rerun is attempt 2 of the same run, and went on from the checkpoint to the last step
+    assert f"attempt 2: resuming from {latest.parent}/checkpoint-{step:08d} (step {step})" in again.stdout
     result = json.loads((tmp_path / "runs" / "lost-driver" / "result.json").read_text())
-    assert result["status"] == "succeeded" and result["rank_results"]["0"]["restored_step"] >= step
+    assert result["status"] == "succeeded" and result["attempts"] == 2 and result["restarts"] == 0
+    assert result["rank_results"]["0"]["restored_step"] == step and result["rank_results"]["0"]["steps"] == 80
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "lost-driver" / "metrics.jsonl").read_text().splitlines()]
+    for rank in (0, 1):
+        second = [r["step"] for r in rows if r["attempt"] == 2 and r["rank"] == rank and "rank_loss" in r]
+        assert second == list(range(step + 1, 81)), (rank, second)
+    assert {r["attempt"] for r in rows} == {1, 2}
 
 
 def test_an_exception_in_the_training_function_fails_the_run(tmp_path):

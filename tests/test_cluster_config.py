@@ -9,6 +9,7 @@ import fnmatch
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 import ray
 import yaml
@@ -32,8 +33,9 @@ def test_ray_validates_the_config_with_its_defaults_filled(path):
 def test_validation_is_not_a_rubber_stamp():
     broken = copy.deepcopy(load(ROOT / "cluster.yaml"))
     broken["available_node_types"]["gpu_worker"]["max_workers"] = "eight"
-    with pytest.raises(Exception):
+    with pytest.raises(jsonschema.ValidationError, match="'eight' is not of type 'integer'") as info:
         validate_config(prepare_config(broken))
+    assert list(info.value.path) == ["available_node_types", "gpu_worker", "max_workers"]
 
 
 def test_gpu_workers_scale_from_zero_and_the_head_never_trains():

@@ -3,8 +3,10 @@ the last committed checkpoint, within its restart budget, and leaves no process 
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -13,7 +15,9 @@ from pathlib import Path
 import psutil
 import ray
 
-from jobs.driver import Driver
+from cluster.node import RankFailure
+from conftest import wait_for
+from jobs.driver import Driver, group_failures
 from jobs.spec import load_spec_text
 
 STEADY = """
@@ -22,27 +26,17 @@ train_fn: fns:steady
 config: {{steps: {steps}, every: 10, step_s: 0.05, pid_dir: {pid_dir}}}
 scaling: {{num_nodes: 2, workers_per_node: 1}}
 failure: {{max_restarts: {restarts}}}
-timeouts: {{heartbeat_s: 3, placement_s: 60}}
+timeouts: {{heartbeat_s: 10, placement_s: 60}}
 storage: {storage}
 """
 
 
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def start(tmp_path: Path, name: str, steps: int = 60, restarts: int = 1, can_grow: bool = False,
-          overrides: list[str] | None = None):
+          overrides: list[str] | None = None, out: io.StringIO | None = None):
     """The steady job, run by a driver in a thread, so the test can inject faults meanwhile."""
     spec = load_spec_text(STEADY.format(name=name, steps=steps, restarts=restarts,
                                         pid_dir=tmp_path / "pids", storage=tmp_path / "runs"), overrides)
-    driver = Driver(spec, can_grow=can_grow)
+    driver = Driver(spec, can_grow=can_grow, out=out)
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
@@ -67,15 +61,24 @@ def rows(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(l) for l in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_resumed(tmp_path: Path, name: str, result, killed_after: int) -> None:
+def assert_resumed(tmp_path: Path, name: str, result, killed_after: int, steps: int = 60,
+                   restarts: int = 1, preemptions: int = 0) -> None:
+    """The second attempt went on from the checkpoint it restored: its first step is the one after
+    it, it ran to the last step, and the restart (or preemption) was counted as such."""
     assert result.status == "succeeded", result.error
-    assert result.attempts == 2 and result.restarts == 1
-    assert result.rank_results["0"]["restored_step"] >= killed_after
+    assert result.attempts == 2 and result.restarts == restarts and result.preemptions == preemptions
+    restored = result.rank_results["0"]["restored_step"]
+    assert restored is not None and restored >= killed_after
+    assert result.rank_results["0"]["steps"] == steps
     saved = json.loads((tmp_path / "runs" / name / "result.json").read_text())
-    assert saved["status"] == "succeeded" and saved["attempts"] == 2 and saved["restarts"] == 1
+    assert saved["status"] == "succeeded" and saved["attempts"] == 2
+    assert saved["restarts"] == restarts and saved["preemptions"] == preemptions
     # metrics.jsonl continues from the checkpoint's step with the new attempt number
-    second = [r["step"] for r in rows(tmp_path, name) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
-    assert second[0] == result.rank_results["0"]["restored_step"] + 1 and second[-1] == 60
+    for rank in (0, 1):
+        second = [r["step"] for r in rows(tmp_path, name) if r["attempt"] == 2 and r["rank"] == rank
+                  and "rank_loss" in r]
+        assert second == list(range(restored + 1, steps + 1)), (rank, second)
+    assert {r["attempt"] for r in rows(tmp_path, name)} == {1, 2}
 
 
 def test_a_killed_rank_restarts_the_world_from_the_last_checkpoint(ray_cluster, tmp_path, capsys):
@@ -92,15 +95,18 @@ def test_a_killed_rank_restarts_the_world_from_the_last_checkpoint(ray_cluster, 
     assert not psutil.pid_exists(rank_pid(tmp_path, 0, attempt=2))
 
 
-def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path):
+def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path, capsys):
     driver, thread, box = start(tmp_path, "sigstop")
     victim = rank_pid(tmp_path, 1)
     step = wait_for(lambda: committed(tmp_path, "sigstop"), 60, "a committed checkpoint")
     os.kill(victim, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    wait_for(lambda: rank_pid(tmp_path, 1, attempt=2), 60, "the restarted world")
-    assert time.monotonic() - stopped_at < 30  # heartbeat_s is 3: detected in seconds, not minutes
+    wait_for(lambda: rank_pid(tmp_path, 1, attempt=2), 90, "the restarted world")
     thread.join(180)
+    # the heartbeat (10 s here, not the default 60) ended the attempt, not a peer's collective error
+    failed = capsys.readouterr().err.split("raylaunch: attempt 1 failed:\n", 1)[1]
+    silent = re.match(r"\[rank 1\] no heartbeat for (\d+) s \(timeouts.heartbeat_s is 10\): "
+                      r"the process is stopped or frozen", failed)
+    assert silent and int(silent.group(1)) >= 10, failed
     assert_resumed(tmp_path, "sigstop", box["result"], step)
     assert not psutil.pid_exists(victim)
 
@@ -117,6 +123,41 @@ def test_a_deterministic_bug_fails_after_the_restart_budget(ray_cluster, tmp_pat
     assert result.error.count("[rank") == 1 and result.error.count("Traceback") == 1
 
 
+def test_distinct_errors_are_reported_once_each_with_their_ranks():
+    failures = [RankFailure(rank=2, exitcode=1, message="ValueError: bad shape", traceback="tb of 2"),
+                RankFailure(rank=0, exitcode=1, message="ValueError: bad shape", traceback="tb of 0"),
+                RankFailure(rank=1, exitcode=-9, message="killed by signal SIGKILL", traceback="")]
+    assert group_failures(failures) == "[ranks 0, 2] ValueError: bad shape\ntb of 2\n[rank 1] killed by signal SIGKILL"
+
+
+def test_a_hung_collective_fails_after_collective_s(ray_cluster, tmp_path):
+    spec = load_spec_text(f"name: hang\ntrain_fn: fns:hang_in_collective\nscaling: {{num_nodes: 2}}\n"
+                          f"timeouts: {{collective_s: 5}}\nstorage: {tmp_path}\n")
+    began = time.monotonic()
+    result = Driver(spec, can_grow=False).run()
+    took = time.monotonic() - began
+    assert result.status == "failed" and result.attempts == 1
+    # rank 0 waited in the all-reduce until the process group's timeout, not rank 1's 600 s sleep
+    assert result.error.startswith("[rank 0] ") and "Timed out" in result.error.splitlines()[0], result.error
+    assert took < 120, took
+
+
+def test_storage_that_a_node_reads_differently_is_refused_before_any_rank_starts(ray_cluster, tmp_path):
+    """A "shared" path that is local to each node: the nodes find another marker than the driver's."""
+    spec = load_spec_text(STEADY.format(name="unshared", steps=10, restarts=0, pid_dir=tmp_path / "pids",
+                                        storage=tmp_path / "runs"))
+    driver = Driver(spec, can_grow=False)
+    driver.preflight()  # the driver writes its marker
+    marker = tmp_path / "runs" / "unshared" / ".marker"
+    marker.write_text("what another machine's local folder holds")
+    result = driver.run()
+    assert result.status == "failed" and result.attempts == 0
+    assert result.error == (f"nodes [0, 1] cannot read {marker}, which the driver wrote: the storage path is not "
+                            "shared by every node. Use an NFS mount present on every node or an object store "
+                            "(s3://...).")
+    assert not (tmp_path / "pids").exists()  # no rank started
+
+
 def test_a_lost_node_moves_the_run_to_the_nodes_left(ray_cluster, tmp_path):
     ray_cluster.add_node(num_cpus=2)  # a spare: losing one node leaves two
     ray_cluster.wait_for_nodes()
@@ -124,10 +165,13 @@ def test_a_lost_node_moves_the_run_to_the_nodes_left(ray_cluster, tmp_path):
     rank_pid(tmp_path, 1)
     step = wait_for(lambda: committed(tmp_path, "lost"), 60, "a committed checkpoint")
     # lose a node that is not the head (the head also runs this test's driver)
-    used = {info.node_id for info in driver.group.infos}
+    used = [info.node_id for info in driver.group.infos]
     victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)
     lost_id = victim.node_id
+    orphan = rank_pid(tmp_path, used.index(lost_id))  # one worker per node: node rank = world rank
     ray_cluster.remove_node(victim)
+    # a rank whose actor died does not live on (it checks for its parent twice a second)
+    wait_for(lambda: not psutil.pid_exists(orphan), 10, "the lost node's rank to exit")
     thread.join(240)
     result = box["result"]
     assert_resumed(tmp_path, "lost", result, step)
@@ -152,9 +196,12 @@ def test_waiting_for_nodes_is_visible_and_bounded(ray_cluster, tmp_path, capsys)
 
 def test_a_node_that_arrives_while_waiting_is_used(ray_cluster, tmp_path):
     """The autoscaler's part, played by the test: a third node joins while the driver waits."""
+    out = io.StringIO()
     driver, thread, box = start(tmp_path, "grow", steps=20, restarts=0, can_grow=True,
-                                overrides=["scaling.num_nodes=3"])
-    time.sleep(3)
+                                overrides=["scaling.num_nodes=3"], out=out)
+    # the node comes only once the driver says it waits for it (after its first 10 s of waiting)
+    wait_for(lambda: "raylaunch: waiting for 3 nodes with {'CPU': 1.0}" in out.getvalue(), 60,
+             "the driver to say it waits")
     node = ray_cluster.add_node(num_cpus=2)
     try:
         thread.join(180)
@@ -183,12 +230,18 @@ def test_a_preempted_rank_restarts_without_using_the_restart_budget(ray_cluster,
     step = wait_for(lambda: committed(tmp_path, "preempt"), 60, "a committed checkpoint")
     os.kill(victim, signal.SIGTERM)  # what a spot node's shutdown sends its processes
     thread.join(180)
+    assert_resumed(tmp_path, "preempt", box["result"], step, restarts=0, preemptions=1)
+
+
+def test_preemptions_beyond_max_preemptions_fail_the_run(ray_cluster, tmp_path):
+    driver, thread, box = start(tmp_path, "cap", restarts=0, overrides=["failure.max_preemptions=1"])
+    os.kill(rank_pid(tmp_path, 1), signal.SIGTERM)  # the first preemption restarts the run
+    os.kill(rank_pid(tmp_path, 1, attempt=2), signal.SIGTERM)  # the second is one too many
+    thread.join(180)
     result = box["result"]
-    assert result.status == "succeeded", result.error
-    assert result.attempts == 2 and result.restarts == 0 and result.preemptions == 1
-    assert result.rank_results["0"]["restored_step"] >= step
-    saved = json.loads((tmp_path / "runs" / "preempt" / "result.json").read_text())
-    assert saved["preemptions"] == 1 and saved["restarts"] == 0
+    assert result.status == "failed" and result.attempts == 2
+    assert result.preemptions == 1 and result.restarts == 0
+    assert "killed by signal SIGTERM" in result.error
 
 
 def test_a_preempted_rank_checkpoints_within_the_grace_period(ray_cluster, tmp_path):
@@ -200,9 +253,8 @@ def test_a_preempted_rank_checkpoints_within_the_grace_period(ray_cluster, tmp_p
     os.kill(victim, signal.SIGTERM)
     thread.join(180)
     result = box["result"]
-    assert result.status == "succeeded", result.error
-    assert result.attempts == 2 and result.restarts == 0 and result.preemptions == 1
     # no periodic checkpoint was due (every 1000 steps): the one it resumed from was the notice's
-    restored = result.rank_results["0"]["restored_step"]
-    assert restored is not None and restored >= 15
+    assert_resumed(tmp_path, "grace", result, 15, steps=80, restarts=0, preemptions=1)
+    first = [r["step"] for r in rows(tmp_path, "grace") if r["attempt"] == 1 and r["rank"] == 0 and "rank_loss" in r]
+    assert first[-1] == result.rank_results["0"]["restored_step"]  # saved at the step it stopped
     assert not psutil.pid_exists(victim)

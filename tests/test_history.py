@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,8 +17,9 @@ import pytest
 from conftest import ROOT, cli_env
 from jobs.driver import Driver
 from jobs.progress import ProgressView
-from jobs.runs import format_runs
+from jobs.runs import format_runs, format_show, plot
 from jobs.spec import load_spec_text
+from jobs.storage import RunDir
 
 STEADY = """
 name: steady
@@ -29,9 +31,18 @@ storage: {storage}
 """
 
 
-def raylaunch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=cli_env(),
+def raylaunch(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env={**cli_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
+
+
+def pixels(png: Path, hex_color: str) -> int:
+    """How many pixels of ``png`` have (about) this colour."""
+    import matplotlib.image
+
+    rgb = (matplotlib.image.imread(png)[..., :3] * 255).round()
+    target = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(rgb - target).sum(axis=-1) < 30).sum())
 
 
 def rows(storage: Path, name: str) -> list[dict]:
@@ -50,12 +61,14 @@ def runs(ray_cluster, tmp_path_factory):
     done: dict = {}
     thread = threading.Thread(target=lambda: done.update(result=Driver(spec, can_grow=False, out=out).run()))
     thread.start()
-    while_running = ""
+    while_running: dict = {}
     deadline = time.monotonic() + 120
     while thread.is_alive() and time.monotonic() < deadline:
         table = format_runs(str(storage))
-        if "running" in table and (storage / "steady" / "metrics.jsonl").exists():
-            while_running = table
+        if "running" in table and any(r.get("step") for r in RunDir(str(storage), "steady").read_metrics()):
+            # runs, show and plot on the run while it trains
+            (curve,) = plot(str(storage), ["steady"], "loss", str(storage / "running.png"))
+            while_running = {"table": table, "show": format_show(str(storage), "steady"), "curve": curve}
             break
         time.sleep(0.2)
     thread.join(180)
@@ -72,7 +85,11 @@ def runs(ray_cluster, tmp_path_factory):
 
 def test_runs_lists_every_run_with_its_outcome(runs):
     storage = runs["storage"]
-    assert "steady" in runs["while_running"] and "running" in runs["while_running"]
+    running = runs["while_running"]
+    assert "steady" in running["table"] and "running" in running["table"]
+    assert "run steady: running" in running["show"]
+    assert running["curve"].steps and running["curve"].steps[-1] < 40  # the part trained so far
+    assert (storage / "running.png").stat().st_size > 10_000
     proc = raylaunch("runs", "--storage", str(storage), timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -121,16 +138,9 @@ def test_plot_writes_a_png_with_one_curve_per_run(runs, tmp_path):
                      timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {png} (loss: steady, digits)" in proc.stdout
-    image = matplotlib.image.imread(png)
-    assert image.shape[:2] == (500, 800)
-    rgb = (image[..., :3] * 255).round()
-
-    def pixels(hex_color: str) -> int:
-        target = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)])
-        return int((np.abs(rgb - target).sum(axis=-1) < 30).sum())
-
+    assert matplotlib.image.imread(png).shape[:2] == (500, 800)
     # matplotlib's first two line colours: one curve each (and the legend's swatches)
-    assert pixels("#1f77b4") > 200 and pixels("#ff7f0e") > 200
+    assert pixels(png, "#1f77b4") > 200 and pixels(png, "#ff7f0e") > 200
     # errors name what exists
     bad = raylaunch("plot", "steady", "--metric", "los", "--storage", str(storage), "-o", str(png), timeout=60)
     assert bad.returncode == 2 and "run 'steady' has no metric 'los'; it has:" in bad.stderr and "loss" in bad.stderr
@@ -138,16 +148,44 @@ def test_plot_writes_a_png_with_one_curve_per_run(runs, tmp_path):
     assert bad.returncode == 2 and "no run 'ghost'" in bad.stderr
 
 
+def test_plot_per_rank_and_storage_from_the_environment(runs, tmp_path):
+    """No --storage: RAYLAUNCH_STORAGE names it; --per-rank draws one curve per rank."""
+    env = {"RAYLAUNCH_STORAGE": str(runs["storage"])}
+    png = tmp_path / "ranks.png"
+    proc = raylaunch("plot", "steady", "--metric", "rank_loss", "--per-rank", "-o", str(png), timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {png} (rank_loss: steady rank 0, steady rank 1)" in proc.stdout
+    assert pixels(png, "#1f77b4") > 200 and pixels(png, "#ff7f0e") > 200
+    listed = raylaunch("runs", timeout=60, env=env)
+    assert listed.returncode == 0 and {"steady", "digits", "broken"} <= {l.split()[0] for l in listed.stdout.splitlines()}
+
+
+def test_the_best_evaluation_is_the_highest_or_for_losses_the_lowest(tmp_path):
+    for name, metric in (("acc", "eval_accuracy"), ("lossy", "eval_loss")):
+        run = RunDir(str(tmp_path), name)
+        run.prepare({"name": name})
+        run.append_metrics([{"step": s, "rank": 0, "attempt": 1, "time": 0.0, metric: v}
+                            for s, v in ((1, 0.5), (2, 0.25), (3, 0.75), (4, 0.4))])
+        run.close()
+    table = {line.split()[0]: line for line in format_runs(str(tmp_path)).splitlines()[1:]}
+    assert "eval_accuracy=0.75" in table["acc"] and "eval_loss=0.25" in table["lossy"]
+
+
 def test_restarts_are_marked_and_rerun_steps_counted_once(runs):
     from jobs.runs import series
-    from jobs.storage import RunDir
 
     records = RunDir(str(runs["storage"]), "steady").read_metrics()
     (loss,) = series(records, "loss")
     assert loss.steps == list(range(1, 41)) and loss.restarts == [21]  # resumed from the checkpoint of step 20
-    # steps 21-25 ran twice; the curve holds the second attempt's values
+    # steps 21-25 ran twice, on other batches; the curve holds the second attempt's values
+    first = {r["step"]: r["loss"] for r in records if r["attempt"] == 1 and "loss" in r}
     second = {r["step"]: r["loss"] for r in records if r["attempt"] == 2 and "loss" in r}
+    assert first[23] != pytest.approx(second[23])
     assert loss.values[loss.steps.index(23)] == pytest.approx(second[23])
+    (rank1,) = [c for c in series(records, "rank_loss", per_rank=True) if c.label == "rank 1"]
+    assert rank1.values[rank1.steps.index(23)] == pytest.approx(
+        next(r["rank_loss"] for r in records if r["attempt"] == 2 and r["rank"] == 1 and r.get("step") == 23
+             and "rank_loss" in r))
 
 
 def test_tensorboard_files_hold_the_metrics_memory_and_throughput(runs):
@@ -210,6 +248,24 @@ def test_progress_view_modes():
     # the first step at once, then the last one when the view closes
     assert [x.split(" loss")[0] for x in shown] == ["raylaunch: step 4/8 (50%)", "raylaunch: step 8/8 (100%)"]
     assert shown[-1].endswith("| attempt 2 restarts 0")
+
+
+def test_plain_progress_is_one_line_every_10_s_with_samples_per_s(monkeypatch):
+    from jobs import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    out = io.StringIO()
+    view = ProgressView.for_stream(out)  # not a terminal: plain lines
+    for step in range(1, 31):  # a step a second
+        now[0] = float(step)
+        print(f"raylaunch: step {step} loss=0.5 samples_per_s=640.5 total_steps=30", file=view)
+    view.close()
+    shown = out.getvalue().splitlines()
+    assert [line.split(" loss")[0] for line in shown] == [
+        "raylaunch: step 1/30 (3%)", "raylaunch: step 11/30 (37%)", "raylaunch: step 21/30 (70%)",
+        "raylaunch: step 30/30 (100%)"]  # every 10 s, and the last one when the run ends
+    assert all(" samples/s=640.5 | elapsed " in line for line in shown), shown
 
 
 def test_a_tracker_the_user_configures_keeps_working_beside_the_runners(ray_cluster, tmp_path):

@@ -6,17 +6,17 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from cluster.local import stop_processes_under
-from conftest import ROOT, cli_env, free_ports
+from conftest import ROOT, cli_env, free_ports, wait_for
 from jobs.submit import JobsError, plan_upload
 
 SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", "--set", "config.epochs=1",
@@ -52,10 +52,10 @@ def head(tmp_path_factory):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def cli(head, *args, token: bool = True, timeout: float = 240, extra_env: dict | None = None
-        ) -> subprocess.CompletedProcess:
-    env = {**cli_env(), **(extra_env or {})}
+def cli(head, *args, token: bool = True, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    extra, env = env or {}, cli_env()
     env.pop("RAY_ADDRESS", None)
+    env.update(extra)
     if token:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
     else:
@@ -97,48 +97,79 @@ def test_a_failing_job_exits_non_zero_with_the_error(head, tmp_path):
 
 
 def test_stop_records_stopped_and_leaves_no_rank_running(head, tmp_path):
+    """`submit --follow` exits 3 when the job is stopped; Ctrl-C on `logs --follow` detaches and
+    says how to reattach and stop, leaving the job running."""
     spec = ROOT / "tests" / "long.yaml"
     spec.write_text(f"name: long\ntrain_fn: tests.fns:steady\nscaling: {{num_nodes: 1, workers_per_node: 2}}\n"
                     f"config: {{steps: 100000, every: 20, step_s: 0.05, pid_dir: {tmp_path / 'pids'}}}\n"
                     f"storage: {tmp_path}\n")
+    submitted, detached = tmp_path / "submit.out", tmp_path / "logs.out"
+    clients: list[subprocess.Popen] = []
     try:
-        proc = cli(head, "submit", "tests/long.yaml", "--address", head["address"])
+        try:
+            following = cli_popen(head, submitted, "submit", "tests/long.yaml", "--address", head["address"],
+                                  "--follow")
+            clients.append(following)
+            job = wait_for(lambda: "submitted " in submitted.read_text()
+                           and submitted.read_text().split("submitted ", 1)[1].split()[0], 120, "the job id")
+        finally:
+            spec.unlink()
+        latest = tmp_path / "long" / "checkpoints" / "latest.json"
+        wait_for(latest.exists, 120, "a committed checkpoint")
+        pids = [int((tmp_path / "pids" / f"rank-{r}.pid").read_text().split()[1]) for r in (0, 1)]
+        logs = cli_popen(head, detached, "logs", job, "--follow", "--address", head["address"])
+        clients.append(logs)
+        wait_for(lambda: "raylaunch: step " in detached.read_text(), 120, "`logs --follow` to show progress")
+        logs.send_signal(signal.SIGINT)  # Ctrl-C
+        assert logs.wait(60) == 130
+        said = detached.read_text()
+        assert f"raylaunch: detached; {job} is still running." in said
+        assert f"follow again: raylaunch logs {job} --follow --address {head['address']}" in said
+        assert f"stop it:      raylaunch stop {job} --address {head['address']}" in said
+        assert f"{job}: RUNNING" in cli(head, "status", job, "--address", head["address"]).stdout
+        stop = cli(head, "stop", job, "--address", head["address"])
+        assert stop.returncode == 0 and f"stopping {job}" in stop.stdout
+        assert following.wait(120) == 3, submitted.read_text()[-3000:]  # the job's status: stopped
+        assert f"raylaunch: job {job} stopped" in submitted.read_text()
     finally:
-        spec.unlink()
-    assert proc.returncode == 0, proc.stderr
-    job = proc.stdout.split("submitted ", 1)[1].split()[0]
-    latest = tmp_path / "long" / "checkpoints" / "latest.json"
-    deadline = time.monotonic() + 120
-    while not latest.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert latest.exists()
-    pids = [int((tmp_path / "pids" / f"rank-{r}.pid").read_text().split()[1]) for r in (0, 1)]
-    stop = cli(head, "stop", job, "--address", head["address"])
-    assert stop.returncode == 0 and f"stopping {job}" in stop.stdout
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
     result_file = tmp_path / "long" / "result.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (result_file.exists() and "stopped" in result_file.read_text()):
-        time.sleep(0.2)
+    wait_for(lambda: result_file.exists() and "stopped" in result_file.read_text(), 60, "result.json: stopped")
     result = json.loads(result_file.read_text())
     assert result["status"] == "stopped" and "SIGTERM" in result["error"], result["error"]
     assert result["checkpoints"]  # the last committed checkpoint is intact
     assert json.loads(latest.read_text())["name"] in result["checkpoints"][-1]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.2)
-    assert not [p for p in pids if psutil.pid_exists(p)]
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "every rank to end")
+
+
+def cli_popen(head, out: Path, *args) -> subprocess.Popen:
+    """The CLI in the background, its output (stdout and stderr) into ``out``."""
+    env = cli_env()
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
+    env.pop("RAY_ADDRESS", None)
+    with open(out, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
 
 
 def job_ids(head) -> set[str]:
-    return {line.split()[0] for line in cli(head, "list", "--address", head["address"]).stdout.splitlines()}
+    listed = cli(head, "list", "--address", head["address"])
+    assert listed.returncode == 0, listed.stderr  # a broken `list` must not read as "nothing was sent"
+    return {line.split()[0] for line in listed.stdout.splitlines()}
 
 
 def test_dry_run_sends_nothing(head):
     before = job_ids(head)
-    proc = cli(head, "submit", "jobs/examples/digits.yaml", "--address", head["address"], "--dry-run",
-               "--set", "scaling.num_nodes=4")
-    assert proc.returncode == 0
-    assert "entrypoint:    python -m jobs.cli run jobs/examples/digits.yaml --set scaling.num_nodes=4" in proc.stdout
+    # no --address: RAY_ADDRESS names the cluster; an argument with spaces stays one argument
+    proc = cli(head, "submit", "jobs/examples/digits.yaml", "--dry-run", "--set", "scaling.num_nodes=4",
+               "--set", "config.note=two words", env={"RAY_ADDRESS": head["address"]})
+    assert proc.returncode == 0, proc.stderr
+    assert f"address:       {head['address']}" in proc.stdout
+    assert ("entrypoint:    python -m jobs.cli run jobs/examples/digits.yaml --set scaling.num_nodes=4 "
+            "--set 'config.note=two words'") in proc.stdout
     assert "nothing was sent" in proc.stdout
     assert job_ids(head) == before
 
@@ -170,8 +201,12 @@ def test_upload_leaves_out_what_does_not_belong_and_refuses_too_large(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x")
     (tmp_path / ".gitignore").write_text("data/ignored.bin\n")
+    assert plan_upload(tmp_path).files == 3  # train.py, data/kept.csv, .gitignore
+    (tmp_path / "data" / "private").mkdir()
+    (tmp_path / "data" / "private" / "secret.csv").write_text("x")
+    (tmp_path / ".rayignore").write_text("data/private/\n")
     plan = plan_upload(tmp_path)
-    assert plan.files == 3  # train.py, data/kept.csv, .gitignore
+    assert plan.files == 4  # and .rayignore itself; data/private/ is left out
     big = tmp_path / "data" / "weights.bin"
     big.write_bytes(os.urandom(plan.limit + 2**20))
     with pytest.raises(JobsError, match=r"over Ray's upload limit of 100.0 MiB\. Largest: data/ \(101\.0 MiB\)"):
@@ -198,10 +233,10 @@ def test_a_secret_reaches_the_ranks_of_a_submitted_job_and_nothing_shows_it(head
             "--set", "config={var: WANDB_PROJECT, secret: RAYLAUNCH_TEST_HF_TOKEN}",
             "--set", "env.vars.WANDB_PROJECT=raylaunch-demo", "--set", "env.secrets=[RAYLAUNCH_TEST_HF_TOKEN]",
             "--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2"]
-    dry = cli(head, *args, "--dry-run", extra_env=env)
+    dry = cli(head, *args, "--dry-run", env=env)
     assert dry.returncode == 0, dry.stderr
     assert "secrets RAYLAUNCH_TEST_HF_TOKEN (values from this shell" in dry.stdout and value not in dry.stdout
-    proc = cli(head, *args, "--follow", extra_env=env)
+    proc = cli(head, *args, "--follow", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "the secret is ***" in proc.stdout and value not in proc.stdout + proc.stderr
     result = json.loads((tmp_path / "env" / "result.json").read_text())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -221,11 +222,14 @@ def test_a_cut_link_is_a_lost_node_within_the_heartbeat_bound(hosts, tmp_path):
         out.close()
     text = (tmp_path / "out.txt").read_text()
     assert rc == 1, text[-3000:]
-    assert f"{H2}) did not answer for" in text and "its host or its network link is down; treated as lost" in text
+    silent = re.search(rf"{re.escape(H2)}\) did not answer for (\d+) s \(timeouts.heartbeat_s is {heartbeat}\): "
+                       "its host or its network link is down; treated as lost", text)
+    assert silent and heartbeat <= int(silent.group(1)) < heartbeat + 30, text[-3000:]  # the heartbeat's bound
     assert "attempt 1 failed; restarting from the last committed checkpoint (1 of 1 restarts)" in text
     # only one host is left, though Ray still lists the other until its health checks give up
     assert "gave up after 10 s (timeouts.placement_s)" in text and "unreachable" in text
-    # detected within the heartbeat bound, then the restart waited placement_s for a second node
-    assert took < heartbeat + 10 + 30, f"the run ended {took:.0f} s after the cut\n{text[-3000:]}"
+    # detected within the heartbeat bound (above), then the restart waited placement_s for a second
+    # node: the run ends in about 20 s; the bound leaves a loaded machine its margin
+    assert took < heartbeat + 10 + 75, f"the run ended {took:.0f} s after the cut\n{text[-3000:]}"
     result = json.loads((tmp_path / name / "result.json").read_text())
     assert result["status"] == "failed" and result["attempts"] == 1 and result["restarts"] == 1

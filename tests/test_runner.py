@@ -6,7 +6,9 @@ import json
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -14,9 +16,11 @@ import ray
 from safetensors.torch import load_file
 
 from conftest import ROOT, cli_env, free_ports
+from cluster.group import PlacementError, resolve_placement
 from cluster.node import NodeActor, RendezvousError
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
+from train_fn.digits import weights_digest
 
 DIGITS = """
 name: {name}
@@ -46,6 +50,8 @@ def digits_run(ray_cluster, tmp_path_factory):
 
 def test_one_actor_per_node_and_ranks_by_node(ray_cluster, tmp_path):
     result = run_spec(f"name: probe\ntrain_fn: fns:probe\nscaling: {{num_nodes: 2, workers_per_node: 2}}\n"
+                      "accelerate: {mixed_precision: bf16, gradient_accumulation_steps: 3, "
+                      "dataloader: {even_batches: false}}\n"
                       f"storage: {tmp_path}\n")
     assert result.status == "succeeded", result.error
     cluster_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -61,6 +67,9 @@ def test_one_actor_per_node_and_ranks_by_node(ray_cluster, tmp_path):
         assert seen["torch_threads"] == 1  # not the actor's 2 CPUs
         assert env["ACCELERATE_USE_CPU"] == "true"
         assert seen["sum_of_ranks"] == 6.0  # a real all-reduce over the four ranks
+        # the spec's accelerate section reached every rank's Accelerator
+        assert (seen["mixed_precision"], seen["gradient_accumulation_steps"], seen["even_batches"]) == \
+            ("bf16", 3, False)
     assert len({v["env"]["MASTER_PORT"] for v in ranks.values()}) == 1
     # When the run ends no worker process is left on any node.
     assert not [v["pid"] for v in ranks.values() if psutil.pid_exists(v["pid"])]
@@ -73,7 +82,8 @@ def test_the_store_takes_the_first_free_port_of_the_range_and_ranks_use_the_ray_
     held.bind(("0.0.0.0", first))  # someone else's service on the first port of the range
     held.listen()
     try:
-        result = run_spec(f"name: ports\ntrain_fn: fns:probe\nscaling: {{num_nodes: 2, workers_per_node: 1}}\n"
+        result = run_spec(f"name: ports\ntrain_fn: fns:probe\n"
+                          f"scaling: {{num_nodes: 2, workers_per_node: 1, cpus_per_worker: 2}}\n"
                           f"rendezvous: {{ports: {first}-{first + 1}}}\nstorage: {tmp_path}\n")
     finally:
         held.close()
@@ -82,6 +92,8 @@ def test_the_store_takes_the_first_free_port_of_the_range_and_ranks_use_the_ray_
         assert seen["env"]["MASTER_PORT"] == str(first + 1)
         assert seen["env"]["MASTER_ADDR"] == result.nodes[0]["ip"]
         assert seen["env"]["GLOO_SOCKET_IFNAME"] == result.nodes[0]["socket_ifname"]  # one machine: one interface
+        # cpus_per_worker bounds each rank's threads (1 in the test above: not a constant)
+        assert seen["env"]["OMP_NUM_THREADS"] == "2" and seen["torch_threads"] == 2
     addrs = psutil.net_if_addrs()[result.nodes[0]["socket_ifname"]]
     assert result.nodes[0]["ip"] in [a.address for a in addrs]
 
@@ -98,6 +110,29 @@ def test_a_range_with_no_free_port_says_which_and_what_to_do():
     finally:
         held.close()
         node.shutdown()
+
+
+def test_two_stores_starting_at_once_never_take_the_same_port():
+    """Two jobs' node 0 binding stores from the same range at the same moment."""
+    first, _ = free_ports(2, consecutive=True)
+    nodes = [NodeActor(0), NodeActor(0)]
+    with ThreadPoolExecutor(2) as pool:
+        ports = list(pool.map(lambda n: n.host_store("127.0.0.1", 5, (first, first + 1)), nodes))
+    try:
+        assert sorted(ports) == [first, first + 1]
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def test_workers_per_node_auto_is_every_slot_a_node_has(ray_cluster):
+    """On CPU nodes (the test cluster's have 2 CPUs each) a slot is cpus_per_worker CPUs."""
+    assert resolve_placement(2, "auto", "auto", 1).workers_per_node == 2
+    assert resolve_placement(2, "auto", "auto", 2).workers_per_node == 1
+    placement = resolve_placement(2, "auto", "auto", 1)
+    assert placement.use_gpu is False and placement.world_size == 4
+    with pytest.raises(PlacementError, match="scaling.workers_per_node is 'auto' but no 2 nodes each have a CPU slot"):
+        resolve_placement(2, "auto", "auto", 4)
 
 
 def test_digits_trains_on_disjoint_shards_and_writes_the_run_directory(digits_run):
@@ -118,6 +153,8 @@ def test_digits_trains_on_disjoint_shards_and_writes_the_run_directory(digits_ru
     assert {p.name for p in run.iterdir()} >= {"spec.yaml", "metrics.jsonl", "result.json", "checkpoints", "logs"}
     saved = json.loads((run / "result.json").read_text())
     assert saved["status"] == "succeeded" and saved["world_size"] == 2 and saved["last_step"] == 135
+    # spec.yaml is the resolved spec that ran: it loads back to the same spec
+    assert load_spec_text((run / "spec.yaml").read_text()) == load_spec_text(DIGITS.format(name="digits", storage=storage))
     rows = metrics(str(run))
     assert {r["rank"] for r in rows} == {0, 1}  # metrics from every rank, not only rank 0
     assert {(r["rank"], r["node"]) for r in rows} == {(0, 0), (1, 1)}
@@ -152,9 +189,9 @@ def test_resubmitting_restores_the_saved_weights(digits_run, ray_cluster):
     r0 = again.rank_results["0"]
     assert r0["restored_step"] == 135 and r0["steps"] == 135
     assert r0["restored_weights"] == result.rank_results["0"]["weights"]
-    # and the weights file itself holds them
+    # and the weights file itself holds them: every tensor the final model had, bit for bit
     weights = load_file(str(Path(storage, "digits", "checkpoints", "checkpoint-00000135", "model.safetensors")))
-    assert len(weights) > 10
+    assert weights_digest(SimpleNamespace(state_dict=lambda: weights)) == result.rank_results["0"]["weights"]
 
 
 def test_exception_in_train_fn_fails_with_grouped_traceback(ray_cluster, tmp_path):
@@ -191,8 +228,29 @@ def test_same_result_under_accelerate_launch(digits_run, tmp_path):
     lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result-*.json"))]
     assert sorted(r["rank"] for r in lines) == [0, 1] and {r["world_size"] for r in lines} == {2}
     assert {r["weights"] for r in lines} == {result.rank_results["0"]["weights"]}
-    # outside the runner the checkpoints went to the local folder
+    # outside the runner the checkpoints and every rank's metrics went to the local folder
     assert (tmp_path / "local" / "checkpoints" / "checkpoint-00000135" / "model.safetensors").exists()
+    for rank in (0, 1):
+        events = [json.loads(line) for line in (tmp_path / "local" / f"metrics-rank{rank}.jsonl").read_text().splitlines()]
+        steps = [e["step"] for e in events if e.get("kind") == "metrics" and "rank_loss" in e["values"]]
+        assert steps and steps[-1] == 135, (rank, steps[-5:])
+
+
+def test_plain_python_outside_the_runner_writes_the_local_folder(tmp_path):
+    """One process, no launcher (what `python -m train_fn.digits` does, on a smaller config)."""
+    env = cli_env()
+    env.update(OMP_NUM_THREADS="1", RAYLAUNCH_LOCAL_DIR=str(tmp_path / "local"))
+    code = ("from train_fn.digits import train\n"
+            "r = train({'epochs': 1, 'train_samples': 96, 'batch_size': 16, 'checkpoint_every': 3})\n"
+            "print('steps', r['steps'], 'world', r['world_size'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps 6 world 1" in proc.stdout
+    events = [json.loads(line) for line in (tmp_path / "local" / "metrics-rank0.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("kind") == "metrics" and "loss" in e["values"]] == list(range(1, 7))
+    assert (tmp_path / "local" / "checkpoints" / "latest").read_text() == "checkpoint-00000006"
+    assert (tmp_path / "local" / "checkpoints" / "checkpoint-00000006" / "model.safetensors").exists()
 
 
 def test_topology_does_not_change_the_result(digits_run, tmp_path):

@@ -1,0 +1,32 @@
+"""Which layer imports what: the driver side needs neither torch nor Accelerate, the training
+side nothing from Ray (README, "How it works" and "Writing a training function")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, cli_env
+
+
+def imported_after(statement: str, packages: list[str]) -> list[str]:
+    """The ``packages`` that a fresh interpreter has loaded once it ran ``statement``."""
+    probe = (f"import sys, json\n{statement}\n"
+             f"print(json.dumps(sorted(p for p in {packages!r} if p in sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_driver_and_the_cli_import_neither_torch_nor_accelerate():
+    # and checking a train_fn (as `run` and `validate` do first) does not import its module
+    assert imported_after("import jobs.cli, jobs.driver, jobs.submit, jobs.runs, jobs.progress, jobs.board\n"
+                          "from cluster.worker import check_train_fn\n"
+                          "check_train_fn('train_fn.digits:train')",
+                          ["torch", "accelerate", "transformers"]) == []
+
+
+def test_the_runtime_and_the_training_functions_import_nothing_from_ray():
+    assert imported_after("import cluster.runtime, train_fn.digits", ["ray"]) == []
