@@ -156,6 +156,17 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stacks(args: argparse.Namespace) -> int:
+    from jobs.hangs import job_stacks, live_stacks
+
+    address = args.address or None
+    if address and address.startswith(("http://", "https://")):
+        print(job_stacks(address, args.run, full=args.full))
+    else:
+        print(live_stacks(args.storage, args.run, address, full=args.full))
+    return 0
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     from jobs.runs import format_runs
 
@@ -231,6 +242,15 @@ def _parser() -> argparse.ArgumentParser:
     shp.add_argument("--storage", default=default_storage, help=storage_help)
     shp.add_argument("--per-rank", action="store_true", help="metrics per rank instead of the mean across ranks")
     shp.set_defaults(func=cmd_show)
+    stp = sub.add_parser("stacks", help="where every rank of a live run is: stacks grouped by rank, "
+                                        "without stopping it")
+    stp.add_argument("run", metavar="RUN", help="a run's name (started with `run`), or with --address http://... "
+                                               "the job id that submit printed")
+    stp.add_argument("--storage", default=default_storage, help=storage_help)
+    stp.add_argument("--address", help="a submitted job's dashboard (http://127.0.0.1:8265), or the Ray address of "
+                                       "the run's cluster when it differs from the one the run recorded")
+    stp.add_argument("--full", action="store_true", help="also every thread of every rank, frame by frame")
+    stp.set_defaults(func=cmd_stacks)
     pp = sub.add_parser("plot", help="a PNG of one metric by step for one or more runs")
     pp.add_argument("runs", nargs="+", metavar="RUN", help="run names (see `raylaunch runs`)")
     pp.add_argument("--metric", default="loss", help="the metric to plot (default: loss)")
@@ -267,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raylaunch: {exc}. Fix `train_fn` in the spec (module:function).", file=sys.stderr)
         return 2
     except Exception as exc:
+        from jobs.hangs import StacksError
         from jobs.runs import RunNotFound
         from jobs.storage import StorageError
         from jobs.submit import JobsError
@@ -277,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, StorageError):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, StacksError):
+            print(f"raylaunch: {exc}", file=sys.stderr)
+            return 1
         if isinstance(exc, JobsError):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 1

@@ -188,6 +188,16 @@ class RunDir:
     def read_result(self) -> dict | None:
         return self._read_json(f"{self.path}/result.json")
 
+    def write_stacks(self, attempt: int, text: str, flight_recorder: dict[int, bytes] | None = None) -> str:
+        """Write ``logs/stacks-<attempt>-<time>.txt`` (and each rank's NCCL Flight Recorder dump
+        beside it, ``logs/nccl-trace-<attempt>-<time>-rank<R>``); returns the stacks file as shown."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = f"{self.path}/logs/stacks-{attempt}-{stamp}.txt"
+        self._write(path, text.encode())
+        for rank, data in sorted((flight_recorder or {}).items()):
+            self._write(f"{self.path}/logs/nccl-trace-{attempt}-{stamp}-rank{rank}", data)
+        return self._show(path)
+
     # --- checkpoints ---------------------------------------------------------------
 
     def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int,

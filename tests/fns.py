@@ -120,3 +120,31 @@ def litter_then_fail(config: dict) -> dict:
         raise RuntimeError("crashed in the middle of a save")
     earlier = staging.parent / f"attempt-{attempt - 1}"
     return {"earlier_staging_left": earlier.exists() and any(earlier.iterdir())}
+
+
+class _SlowOnRank1:
+    """A dataset whose rank-1 copy blocks in ``__getitem__`` once ``block_at`` items were read."""
+
+    def __init__(self, rank: int, block_at: int) -> None:
+        self.rank, self.block_at, self.read = rank, block_at, 0
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int):
+        import time
+
+        self.read += 1
+        if self.rank == 1 and self.read > self.block_at:
+            time.sleep(3600)  # a stuck read: network storage, a deadlocked worker
+        return torch.ones(2)
+
+
+def hang_in_data(config: dict) -> dict:
+    """Rank 1 blocks in its data loading; rank 0 waits for it in an all_reduce."""
+    accelerator = Accelerator(**get_session().accelerator_kwargs())
+    data = _SlowOnRank1(accelerator.process_index, config.get("block_at", 3))
+    for i in range(len(data)):
+        batch = data[i]
+        accelerator.reduce(batch, "sum")
+    return {}
