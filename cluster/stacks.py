@@ -295,9 +295,9 @@ def describe(stack: ThreadStack) -> str:
     roots = _library_roots()
     top = frames[0]
     user = next((i for i, f in enumerate(frames) if _is_user(f, roots)), None)
-    if user is None:
-        return f"{top.function} ({top.where})"
-    if user == 0:
+    if user is None:  # not in the user's code: in the runner's (joining the group, say)?
+        user = next((i for i, f in enumerate(frames) if os.path.realpath(f.file).startswith(_RUNNER)), None)
+    if user is None or user == 0:
         return f"{top.function} ({top.where})"
     inner = frames[user - 1]
     return f"{top.function} ({frames[user].where} <- {_package(inner.file)} {inner.function})"

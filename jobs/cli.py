@@ -151,6 +151,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     address = _address(args)
     jobs = submit.client(address)
     for info in sorted(submit.call(jobs.list_jobs, address), key=lambda i: i.start_time or 0):
+        if "raylaunch_stacks_of" in (info.metadata or {}):
+            continue  # a `raylaunch stacks` helper
         name = (info.metadata or {}).get("raylaunch_run", "")
         print(f"{info.submission_id or info.job_id}\t{str(info.status).split('.')[-1]}\t{name}")
     return 0

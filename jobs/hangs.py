@@ -115,14 +115,14 @@ def job_stacks(address: str, job_id: str, full: bool = False, timeout_s: float =
     submit.call(jobs.submit_job, address, entrypoint=shlex.join(argv + (["--full"] if full else [])),
                 submission_id=helper, runtime_env=env, metadata={"raylaunch_stacks_of": job_id})
     deadline = time.monotonic() + timeout_s
-    while not jobs.get_job_status(helper).is_terminal():
+    while not (status := jobs.get_job_status(helper)).is_terminal():
         if time.monotonic() > deadline:
             jobs.stop_job(helper)
             raise StacksError(f"the helper job {helper} did not finish within {timeout_s:g} s")
         time.sleep(0.5)
-    logs = jobs.get_job_logs(helper)
-    try:
-        jobs.delete_job(helper)
-    except Exception:
-        pass
-    return logs.rstrip()
+    # The helper is not deleted: Ray keeps listing a deleted job's driver, without the metadata
+    # by which `raylaunch list` leaves helpers out.
+    logs = jobs.get_job_logs(helper).rstrip()
+    if str(status).split(".")[-1] != "SUCCEEDED":
+        raise StacksError(f"the helper job {helper} that reads the stacks on the cluster failed:\n{logs}")
+    return logs

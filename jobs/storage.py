@@ -8,7 +8,8 @@
       result.json    status, attempts, world size, last step and metrics, checkpoints, times, error
       checkpoints/   committed checkpoints only, each with manifest.json written last,
                      and latest.json naming the newest
-      logs/          rank-<R>.log, one per rank
+      logs/          rank-<R>.log, one per rank; stacks-<attempt>-<time>.txt, every rank's threads
+                     when a hang was detected (``jobs.hangs``)
       tensorboard/   TensorBoard event files the driver writes (``tensorboard --logdir <storage>``)
       .staging/      checkpoints being written; never loaded, cleared at the next start
 

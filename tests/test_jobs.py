@@ -112,14 +112,24 @@ def test_stop_records_stopped_and_leaves_no_rank_running(head, tmp_path):
         time.sleep(0.2)
     assert latest.exists()
     pids = [int((tmp_path / "pids" / f"rank-{r}.pid").read_text().split()[1]) for r in (0, 1)]
+    # where the live job's ranks are, from the laptop, through the dashboard alone
+    stacks = cli(head, "stacks", job, "--address", head["address"], timeout=150)
+    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+    assert "run long: attempt 1, 2 ranks" in stacks.stdout and "could not be read" not in stacks.stdout
+    assert not [j for j in job_ids(head) if "-stacks-" in j]  # the helper job that read them is not listed
     stop = cli(head, "stop", job, "--address", head["address"])
     assert stop.returncode == 0 and f"stopping {job}" in stop.stdout
     result_file = tmp_path / "long" / "result.json"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (result_file.exists() and "stopped" in result_file.read_text()):
+    # (the run directory's path holds the word "stopped" too: read the status itself)
+    while time.monotonic() < deadline and json.loads(result_file.read_text())["status"] != "stopped":
         time.sleep(0.2)
     result = json.loads(result_file.read_text())
     assert result["status"] == "stopped" and "SIGTERM" in result["error"], result["error"]
+    # a run is usually stopped because it looks stuck: where each rank was, before they stopped
+    assert "where each rank was (every thread: " in result["error"] and "[ranks 0, 1] in " in result["error"] \
+        or ("[rank 0] in " in result["error"] and "[rank 1] in " in result["error"]), result["error"]
+    assert len(list((tmp_path / "long" / "logs").glob("stacks-1-*.txt"))) == 1
     assert result["checkpoints"]  # the last committed checkpoint is intact
     assert json.loads(latest.read_text())["name"] in result["checkpoints"][-1]
     deadline = time.monotonic() + 30
