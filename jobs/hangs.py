@@ -75,11 +75,14 @@ def live_stacks(storage: str, name: str, address: str | None = None, full: bool 
         raise StacksError(f"run {name!r} is not running (status {result.get('status')}): it has no ranks to read; "
                           f"`raylaunch show {name}` shows how it ended")
     target = address or live["ray_address"]
+    unreachable = (f"cannot reach the Ray cluster of run {name!r} at {target}" + "{}: run this on a machine of "
+                   "that cluster, or give its address with --address; if the cluster is gone, the run's driver "
+                   "ended without recording it")
+    _check_reachable(target, unreachable)
     try:
         ray.init(address=target, namespace=live["namespace"], log_to_driver=False, configure_logging=False)
     except Exception as exc:
-        raise StacksError(f"cannot reach the Ray cluster of run {name!r} at {target}: {exc}. Run this on a machine "
-                          "of that cluster, or give its address with --address") from None
+        raise StacksError(unreachable.format(f" ({exc})")) from None
     try:
         actors = []
         for actor_name in live["node_actors"]:
@@ -87,12 +90,28 @@ def live_stacks(storage: str, name: str, address: str | None = None, full: bool 
                 actors.append(ray.get_actor(actor_name, namespace=live["namespace"]))
             except ValueError:  # gone: the attempt ended between reading result.json and now
                 actors.append(None)
+        if not any(actors):
+            raise StacksError(f"run {name!r} has no node actors on {target} any more: its attempt or its driver "
+                              "ended (a driver that was killed leaves status running in result.json)")
         ranks = live.get("ranks") or [[] for _ in actors]
         stacks, _ = collect_stacks(actors, ranks)
     finally:
         ray.shutdown()
     head = f"run {name}: attempt {result.get('attempts')}, {len(stacks)} ranks"
     return f"{head}\n{group_stacks(stacks)}" + (f"\n\n{format_full(stacks)}" if full else "")
+
+
+def _check_reachable(address: str, message: str, timeout_s: float = 5.0) -> None:
+    """Fail at once for a ``host:port`` nobody listens on: ``ray.init`` would wait minutes."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return  # auto, ray://...: Ray resolves and reports these itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise StacksError(message.format(f" ({exc.strerror or exc})")) from None
 
 
 def job_stacks(address: str, job_id: str, full: bool = False, timeout_s: float = 120.0) -> str:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, free_ports
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
 from test_faults import start, wait_for
@@ -54,3 +54,19 @@ def test_raylaunch_stacks_reads_a_live_run_which_then_succeeds(ray_cluster, tmp_
                           capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=60)
     assert done.returncode == 1
     assert "run 'live' is not running (status succeeded)" in done.stderr
+
+
+def test_raylaunch_stacks_of_a_run_whose_cluster_is_gone_says_so_at_once(tmp_path):
+    from jobs.storage import RunDir
+
+    run = RunDir(str(tmp_path), "orphan")
+    run.prepare({"name": "orphan"})
+    # what a driver killed with SIGKILL leaves: status running, the address of a cluster now gone
+    run.write_result({"status": "running", "attempts": 1, "live": {
+        "ray_address": f"127.0.0.1:{free_ports(1)[0]}", "namespace": "raylaunch", "node_actors": ["x-node0"]}})
+    began = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "stacks", "orphan", "--storage", str(tmp_path)],
+                         capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and time.monotonic() - began < 30
+    assert "raylaunch: cannot reach the Ray cluster of run 'orphan' at 127.0.0.1:" in out.stderr
+    assert "give its address with --address" in out.stderr
