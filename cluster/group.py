@@ -328,12 +328,18 @@ class NodeGroup:
             out.append(p)
         return out
 
+    @property
+    def ranks_by_node(self) -> list[list[int]]:
+        """The world ranks each node runs, in node order."""
+        p = self.placement
+        contexts = assign_ranks([p.workers_per_node] * p.num_nodes)
+        return [[c.world_rank for c in contexts if c.node_rank == i] for i in range(p.num_nodes)]
+
     def stacks(self, timeout_s: float = SAMPLE_TIMEOUT_S) -> tuple[list[RankStack], dict[int, bytes]]:
         """Every rank's stacks (and NCCL Flight Recorder dumps), all nodes at once, without
         stopping them; a lost node's ranks are named as unread."""
-        ranks = [[c.world_rank for c in self.contexts if c.node_rank == i] for i in range(len(self.actors))]
         actors = [None if i in self._lost else a for i, a in enumerate(self.actors)]
-        return collect_stacks(actors, ranks, timeout_s)
+        return collect_stacks(actors, self.ranks_by_node, timeout_s)
 
     def scratch_dirs(self) -> list[str]:
         return ray.get([a.scratch_dir.remote() for a in self.actors])

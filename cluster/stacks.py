@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "format_full", "group_stacks",
+__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks",
            "install_signal_dump", "sample_processes", "stack_dump_path", "stack_from_traceback"]
 
 # The signal a rank answers with its own stacks (faulthandler) where py-spy cannot read it.
@@ -286,17 +286,24 @@ def _package(file: str) -> str:
     return os.path.basename(file).removesuffix(".py")
 
 
+def _user_frame(frames: tuple[Frame, ...]) -> int | None:
+    """The index of the innermost frame of the user's code, else of the runner's (joining the
+    group, say); None when the stack holds neither."""
+    roots = _library_roots()
+    user = next((i for i, f in enumerate(frames) if _is_user(f, roots)), None)
+    if user is None:
+        user = next((i for i, f in enumerate(frames) if os.path.realpath(f.file).startswith(_RUNNER)), None)
+    return user
+
+
 def describe(stack: ThreadStack) -> str:
     """``all_reduce (train.py:57 <- accelerate Accelerator.backward)``: the innermost function,
     the innermost frame of the user's code, and the library call it was in."""
     frames = stack.frames
     if not frames:
         return "no Python frames"
-    roots = _library_roots()
     top = frames[0]
-    user = next((i for i, f in enumerate(frames) if _is_user(f, roots)), None)
-    if user is None:  # not in the user's code: in the runner's (joining the group, say)?
-        user = next((i for i, f in enumerate(frames) if os.path.realpath(f.file).startswith(_RUNNER)), None)
+    user = _user_frame(frames)
     if user is None or user == 0:
         return f"{top.function} ({top.where})"
     inner = frames[user - 1]
@@ -350,3 +357,42 @@ def format_full(stacks: list[RankStack]) -> str:
             out.extend(f"    {f.function} ({f.file}:{f.line})" for f in t.frames)
         out.append("")
     return "\n".join(out)
+
+
+# --- stragglers: several readings of a live run -------------------------------------------------
+
+def _waiting(stack: ThreadStack) -> bool:
+    """Whether a main thread waits for the other ranks: in a torch.distributed call, or in the
+    autograd engine, where DDP's gradient all-reduce runs (and waits) during backward."""
+    inner = stack.frames[:_user_frame(stack.frames)]  # what the user's code called, not what called it
+    return any("/torch/distributed/" in f.file.replace(os.sep, "/") or f.function.endswith("_engine_run_backward")
+               for f in inner)
+
+
+def find_stragglers(readings: list[list[RankStack]], ratio: float = 0.5, least: float = 0.3) -> str:
+    """From several readings of every rank: the ranks that seldom wait in a collective while the
+    others often do (at least ``least`` of the readings, and a straggler at most ``ratio`` times
+    as often as them). In synchronous training every rank waits for the slowest at each step,
+    so all ranks log the same step rate; the slow one is the one the others wait for.
+
+    Returns one line naming the stragglers, or saying there is none, with each rank's share.
+    """
+    waited: dict[int, int] = defaultdict(int)
+    read: dict[int, int] = defaultdict(int)
+    for reading in readings:
+        for s in reading:
+            if s.error is None and s.main is not None:
+                read[s.rank] += 1
+                waited[s.rank] += _waiting(s.main)
+    share = {r: waited[r] / read[r] for r in sorted(read)}
+    slow = []
+    for r in share:
+        others = sorted(share[o] for o in share if o != r)
+        typical = others[len(others) // 2] if others else 0.0
+        if typical >= least and share[r] <= ratio * typical:
+            slow.append(r)
+    shares = ", ".join(f"rank {r} {v:.0%}" for r, v in share.items())
+    seen = f"waited in a collective in {len(readings)} readings: {shares}"
+    if not slow:
+        return f"no straggler: {seen}"
+    return f"straggler: {_label(slow)}, which the others wait for ({seen})"

@@ -163,9 +163,9 @@ def cmd_stacks(args: argparse.Namespace) -> int:
 
     address = args.address or None
     if address and address.startswith(("http://", "https://")):
-        print(job_stacks(address, args.run, full=args.full))
+        print(job_stacks(address, args.run, full=args.full, samples=args.samples))
     else:
-        print(live_stacks(args.storage, args.run, address, full=args.full))
+        print(live_stacks(args.storage, args.run, address, full=args.full, samples=args.samples))
     return 0
 
 
@@ -252,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     stp.add_argument("--address", help="a submitted job's dashboard (http://127.0.0.1:8265), or the Ray address of "
                                        "the run's cluster when it differs from the one the run recorded")
     stp.add_argument("--full", action="store_true", help="also every thread of every rank, frame by frame")
+    stp.add_argument("--samples", type=int, default=1, metavar="N",
+                     help="read every rank N times, 0.5 s apart, and name a straggler: the rank the others wait for")
     stp.set_defaults(func=cmd_stacks)
     pp = sub.add_parser("plot", help="a PNG of one metric by step for one or more runs")
     pp.add_argument("runs", nargs="+", metavar="RUN", help="run names (see `raylaunch runs`)")

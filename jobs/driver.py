@@ -217,7 +217,7 @@ class Driver:
         self.group = group
         self._mark("reserved")
         self._result.live = {"ray_address": ray.get_runtime_context().gcs_address, "namespace": ACTOR_NAMESPACE,
-                             "node_actors": group.actor_names}
+                             "node_actors": group.actor_names, "ranks": group.ranks_by_node}
         self._result.nodes = [
             {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname,
              "socket_ifname": socket.name}
@@ -301,9 +301,6 @@ class Driver:
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         self._mark("ranks_started")
-        self._result.live["ranks"] = [[c.world_rank for c in contexts if c.node_rank == i]
-                                      for i in range(len(group.actors))]
-        self._write_result()
         a = _Attempt(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
         started = last_board = time.monotonic()
         states = ["running"] * len(group.actors)

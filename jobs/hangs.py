@@ -9,15 +9,18 @@ node, all nodes at once); nothing is read while a run goes well.
 from __future__ import annotations
 
 import textwrap
+import time
 from typing import Iterable
 
 from cluster.group import NodeGroup
 from cluster.node import RankFailure
-from cluster.stacks import format_full, group_stacks, stack_from_traceback
+from cluster.stacks import find_stragglers, format_full, group_stacks, stack_from_traceback
 from jobs.storage import RunDir
 
 __all__ = ["HEARTBEAT_LOST", "StacksError", "is_hang", "job_stacks", "live_stacks", "where_ranks_are"]
 
+# Between two readings of `raylaunch stacks --samples N`.
+SAMPLE_INTERVAL_S = 0.5
 # How the driver words a rank that stopped beating (it is a hang, not a crash).
 HEARTBEAT_LOST = "no heartbeat for"
 # What torch says when a collective outlives the process group's timeout: gloo, then NCCL's watchdog.
@@ -34,12 +37,15 @@ def where_ranks_are(group: NodeGroup, run_dir: RunDir, attempt: int, failures: I
     """Every rank's stack, grouped (``[ranks 0, 2] in all_reduce (...)``), after a line naming
     ``logs/stacks-<attempt>-<time>.txt``, which holds every thread of every rank. A rank that
     had already failed is shown where its exception was raised."""
-    stacks, flight = group.stacks()
+    try:
+        stacks, flight = group.stacks()
+    except Exception as exc:  # a diagnosis must never hide the failure it explains
+        return f"where each rank was: not read ({type(exc).__name__}: {exc})"
     by_rank = {s.rank: s for s in stacks}
     for f in failures:
         held = by_rank.get(f.rank)
         if (held is None or held.error is not None) and f.traceback:
-            node = held.node_rank if held else next((c.node_rank for c in group.contexts if c.world_rank == f.rank), 0)
+            node = held.node_rank if held else next(i for i, rs in enumerate(group.ranks_by_node) if f.rank in rs)
             by_rank[f.rank] = stack_from_traceback(f.rank, node, f.traceback) or held
     stacks = [s for s in (by_rank[r] for r in sorted(by_rank)) if s is not None]
     try:
@@ -55,8 +61,11 @@ class StacksError(RuntimeError):
     """The run's ranks cannot be read; the message says why and what to do."""
 
 
-def live_stacks(storage: str, name: str, address: str | None = None, full: bool = False) -> str:
+def live_stacks(storage: str, name: str, address: str | None = None, full: bool = False, samples: int = 1) -> str:
     """The grouped stacks of a running run, read through its node actors without stopping it.
+
+    ``samples`` > 1 reads every rank that many times, ``SAMPLE_INTERVAL_S`` apart, and names a
+    straggler: the rank the others wait for (``cluster.stacks.find_stragglers``).
 
     The run directory's ``result.json`` records, while the run runs, the Ray address of its
     cluster and the names of its node actors; ``address`` overrides that address (the same
@@ -94,11 +103,19 @@ def live_stacks(storage: str, name: str, address: str | None = None, full: bool 
             raise StacksError(f"run {name!r} has no node actors on {target} any more: its attempt or its driver "
                               "ended (a driver that was killed leaves status running in result.json)")
         ranks = live.get("ranks") or [[] for _ in actors]
-        stacks, _ = collect_stacks(actors, ranks)
+        readings = []
+        for i in range(max(1, samples)):
+            if i:
+                time.sleep(SAMPLE_INTERVAL_S)
+            readings.append(collect_stacks(actors, ranks)[0])
     finally:
         ray.shutdown()
+    stacks = readings[-1]
     head = f"run {name}: attempt {result.get('attempts')}, {len(stacks)} ranks"
-    return f"{head}\n{group_stacks(stacks)}" + (f"\n\n{format_full(stacks)}" if full else "")
+    out = f"{head}\n{group_stacks(stacks)}"
+    if samples > 1:
+        out += "\n" + find_stragglers(readings)
+    return out + (f"\n\n{format_full(stacks)}" if full else "")
 
 
 def _check_reachable(address: str, message: str, timeout_s: float = 5.0) -> None:
@@ -114,12 +131,11 @@ def _check_reachable(address: str, message: str, timeout_s: float = 5.0) -> None
         raise StacksError(message.format(f" ({exc.strerror or exc})")) from None
 
 
-def job_stacks(address: str, job_id: str, full: bool = False, timeout_s: float = 120.0) -> str:
+def job_stacks(address: str, job_id: str, full: bool = False, samples: int = 1, timeout_s: float = 120.0) -> str:
     """``live_stacks`` for a submitted job, from outside the cluster: a short helper job on the
     cluster (with the job's own uploaded code) reads the stacks and prints them."""
     import secrets
     import shlex
-    import time
 
     from jobs import submit
 
@@ -128,7 +144,8 @@ def job_stacks(address: str, job_id: str, full: bool = False, timeout_s: float =
     meta = info.metadata or {}
     if "raylaunch_run" not in meta:
         raise StacksError(f"job {job_id} was not submitted by raylaunch (its metadata names no run)")
-    argv = ["python", "-m", "jobs.cli", "stacks", meta["raylaunch_run"], "--storage", meta["raylaunch_storage"]]
+    argv = ["python", "-m", "jobs.cli", "stacks", meta["raylaunch_run"], "--storage", meta["raylaunch_storage"],
+            "--samples", str(samples)]
     helper = f"{job_id}-stacks-{secrets.token_hex(2)}"
     env = {k: v for k, v in (info.runtime_env or {}).items() if k in ("working_dir", "py_modules", "env_vars")}
     submit.call(jobs.submit_job, address, entrypoint=shlex.join(argv + (["--full"] if full else [])),

@@ -48,7 +48,8 @@ def steady(config: dict) -> dict:
     """A small regression that takes ``step_s`` a step and checkpoints every ``every`` steps.
 
     Each rank writes ``<pid_dir>/rank-<R>.pid`` (attempt, pid) when it starts, so tests can
-    kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1.
+    kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1; with
+    ``slow_rank``, that rank sleeps ``slow_s`` more before every step.
     """
     import time
     from pathlib import Path
@@ -82,6 +83,8 @@ def steady(config: dict) -> dict:
     saves = []  # seconds each periodic session.save held training
     while progress.step < total:
         for xb, yb in dl:
+            if accelerator.process_index == config.get("slow_rank"):
+                time.sleep(config["slow_s"])  # a straggler: slow data on one rank, every step
             loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
             accelerator.backward(loss)
             opt.step()

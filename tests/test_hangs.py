@@ -70,3 +70,18 @@ def test_raylaunch_stacks_of_a_run_whose_cluster_is_gone_says_so_at_once(tmp_pat
     assert out.returncode == 1 and time.monotonic() - began < 30
     assert "raylaunch: cannot reach the Ray cluster of run 'orphan' at 127.0.0.1:" in out.stderr
     assert "give its address with --address" in out.stderr
+
+
+def test_raylaunch_stacks_names_the_rank_the_others_wait_for(ray_cluster, tmp_path):
+    """In synchronous training all ranks log the same step rate; the straggler is the rank the
+    others wait for in their collectives."""
+    driver, thread, box = start(tmp_path, "straggle", steps=40, restarts=0,
+                                overrides=["config.slow_rank=1", "config.slow_s=0.3", "config.every=1000"])
+    wait_for(lambda: (tmp_path / "runs" / "straggle" / "metrics.jsonl").exists(), 60, "the first step")
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "stacks", "straggle", "--storage", str(tmp_path / "runs"),
+                          "--samples", "10"], capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "\nstraggler: rank 1, which the others wait for (waited in a collective in 10 readings: rank 0 " \
+        in out.stdout, out.stdout
+    thread.join(180)
+    assert box["result"].status == "succeeded", box["result"].error

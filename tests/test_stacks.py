@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from cluster import stacks
-from cluster.stacks import Frame, RankStack, ThreadStack, group_stacks, sample_processes, stack_from_traceback
+from cluster.stacks import Frame, RankStack, find_stragglers, ThreadStack, group_stacks, sample_processes, stack_from_traceback
 
 SITE = "/venv/lib/python3.11/site-packages"
 
@@ -29,10 +29,12 @@ IN_ALL_REDUCE = [("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py",
                  ("wrapper", f"{SITE}/torch/distributed/c10d_logger.py", 81),
                  ("Accelerator.backward", f"{SITE}/accelerate/accelerator.py", 2400),
                  ("train", "/proj/train.py", 57),
-                 ("run_worker", "/proj/cluster/worker.py", 120)]
+                 ("run_worker", "/proj/cluster/worker.py", 120),
+                 ("wrapper", f"{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", 367)]
 IN_DATA = [("__getitem__", "/proj/data.py", 12),
            ("fetch", f"{SITE}/torch/utils/data/_utils/fetch.py", 52),
-           ("train", "/proj/train.py", 50)]
+           ("train", "/proj/train.py", 50),
+           ("wrapper", f"{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", 367)]
 
 
 def test_ranks_with_the_same_stack_are_one_line_and_the_odd_one_is_named():
@@ -130,3 +132,16 @@ def test_without_py_spy_the_rank_answers_the_signal_with_its_own_stacks(sleeper,
         assert group_stacks([s]) == "[rank 0] could not be read (stopped (SIGSTOP)): py-spy is not installed"
     finally:
         os.kill(p.pid, signal.SIGCONT)
+
+
+def test_the_rank_the_others_wait_for_is_named_a_straggler():
+    waiting = [("_engine_run_backward", f"{SITE}/torch/autograd/graph.py", 829),
+               ("Accelerator.backward", f"{SITE}/accelerate/accelerator.py", 2400), ("train", "/proj/train.py", 57)]
+    readings = [[_rank(0, waiting), _rank(1, IN_DATA if i % 5 else waiting), _rank(2, IN_ALL_REDUCE if i % 4 else IN_DATA)]
+                for i in range(10)]
+    assert find_stragglers(readings) == ("straggler: rank 1, which the others wait for (waited in a collective "
+                                         "in 10 readings: rank 0 100%, rank 1 20%, rank 2 70%)")
+    # ranks that wait alike (or all compute) have no straggler
+    assert find_stragglers([[_rank(0, IN_ALL_REDUCE), _rank(1, IN_ALL_REDUCE)]] * 5) == \
+        "no straggler: waited in a collective in 5 readings: rank 0 100%, rank 1 100%"
+    assert find_stragglers([[_rank(0, IN_DATA), _rank(1, IN_DATA)]] * 5).startswith("no straggler: ")
