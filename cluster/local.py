@@ -13,7 +13,11 @@ __all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "connect", "stop_processes_under"
 # What a job's code upload never needs, besides what .gitignore and .rayignore name
 # (used here for `run --address` and by `raylaunch submit`).
 UPLOAD_EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache",
-                   ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info"]
+                   ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info",
+                   # secrets: environment files, private keys, cloud and registry credentials, Ray's token
+                   ".env", ".env.*", "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "*.pem", "*.key", "*.p12",
+                   ".aws", ".ssh", ".gnupg", ".netrc", ".pypirc", ".git-credentials", ".docker", ".kube",
+                   "gcloud", "application_default_credentials.json", "credentials.json", "auth_token"]
 
 # What an embedded cluster leaves out: nobody can reach its dashboard; no autoscaler
 # watches it; and the ranks' output reaches the run through the node actors, not Ray's
