@@ -11,6 +11,10 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+# Entries of NCCL's Flight Recorder ring buffer per rank on GPU nodes (each a few hundred
+# bytes, written only when a collective is enqueued: no measurable cost).
+FLIGHT_RECORDER_ENTRIES = 2000
+
 __all__ = ["SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
 
 
@@ -147,8 +151,11 @@ def rendezvous_env(
     use_gpu: bool,
     omp_threads: int,
     socket: SocketInterface | None = None,
+    flight_recorder: str | None = None,
 ) -> dict[str, str]:
     """The environment that makes an unchanged ``Accelerator()`` join the group.
+
+    ``flight_recorder``: on GPU nodes, the path prefix of NCCL Flight Recorder dumps.
 
     Node 0 already hosts the TCPStore at ``master_addr:master_port``, so every
     rank connects as a client (``TORCHELASTIC_USE_AGENT_STORE``): the port was
@@ -171,6 +178,11 @@ def rendezvous_env(
     if not use_gpu:
         # Without this, Accelerate on a GPU-less node silently trains alone.
         env["ACCELERATE_USE_CPU"] = "true"
+    elif flight_recorder:
+        # NCCL's Flight Recorder: the last collectives of each rank, kept in a small ring
+        # buffer and written to <flight_recorder><rank> when a collective times out.
+        env.update({"TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                    "TORCH_FR_DUMP_TEMP_FILE": flight_recorder})
     if socket is not None:
         env.update(socket.env)
     return env

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -12,8 +13,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.context import SocketInterface, WorkerContext, WorkerPayload, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.node import NodeActor, NodeInfo, NodePoll, RendezvousError
+from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
 
-__all__ = ["EnvSetupError", "JobEnv", "NodeGroup", "Placement", "PlacementError", "RendezvousError", "resolve_placement"]
+__all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "Placement", "PlacementError", "RendezvousError",
+           "collect_stacks", "resolve_placement"]
+
+
+# The Ray namespace of the named node actors.
+ACTOR_NAMESPACE = "raylaunch"
 
 
 class PlacementError(RuntimeError):
@@ -150,6 +157,37 @@ def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
     )
 
 
+def collect_stacks(actors: list, ranks: list[list[int]], timeout_s: float = SAMPLE_TIMEOUT_S
+                   ) -> tuple[list[RankStack], dict[int, bytes]]:
+    """Ask every node's actor (None: a node known lost) for its ranks' stacks at once; a node
+    that does not answer within ``timeout_s`` plus a margin has its ``ranks`` named as unread."""
+    refs: dict[int, Any] = {}
+    for i, a in enumerate(actors):
+        if a is not None:
+            try:
+                refs[i] = a.stacks.remote(timeout_s)
+            except Exception:  # the actor is already known dead
+                pass
+    # py-spy, then the signal fallback, each bounded by timeout_s; the margin is Ray's
+    ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=2 * timeout_s + 5)[0]) if refs else set()
+    stacks: list[RankStack] = []
+    dumps: dict[int, bytes] = {}
+    for i in range(len(actors)):
+        why = "its node was lost"
+        if i in refs and refs[i] in ready:
+            try:
+                got, flight = ray.get(refs[i])
+                stacks += got
+                dumps.update(flight)
+                continue
+            except ray.exceptions.RayActorError:
+                why = "its node's actor died"
+        elif i in refs:
+            why = f"its node's actor did not answer within {2 * timeout_s + 5:g} s"
+        stacks += [RankStack(r, i, how="", error=why) for r in ranks[i]]
+    return sorted(stacks, key=lambda s: s.rank), dumps
+
+
 class NodeGroup:
     """One placement group and one ``NodeActor`` per bundle, in node-rank order."""
 
@@ -161,6 +199,7 @@ class NodeGroup:
         self.infos = infos
         self.placement = placement
         self.contexts: list[WorkerContext] = []
+        self.actor_names: list[str] = []  # in ACTOR_NAMESPACE
         # The interface each node's ranks use for the collectives (see cluster.context).
         self.sockets: list[SocketInterface] = [
             choose_socket_interface(i.ip, i.interfaces, use_gpu=placement.use_gpu, configured=socket_ifname,
@@ -212,12 +251,15 @@ class NodeGroup:
                 f"({deadline - time.monotonic():.0f} s left of timeouts.placement_s)"
             )
         remote_cls = ray.remote(NodeActor)
+        # Named, so `raylaunch stacks` can reach them from another process on the cluster.
+        token = secrets.token_hex(4)
+        names = [f"raylaunch-{token}-node{i}" for i in range(placement.num_nodes)]
         actors = [
             remote_cls.options(
                 num_cpus=placement.bundle["CPU"],
                 num_gpus=placement.bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                name=None,
+                name=names[i], namespace=ACTOR_NAMESPACE,
                 runtime_env=(env or JobEnv()).actor_runtime_env(),
             ).remote(i)
             for i in range(placement.num_nodes)
@@ -237,6 +279,7 @@ class NodeGroup:
                                     f"before any rank started: {failed}") from None
             raise
         group = cls(pg, actors, infos, placement, socket_ifname)
+        group.actor_names = names
         group.env = env or JobEnv()
         return group
 
@@ -276,7 +319,8 @@ class NodeGroup:
             envs = [
                 {**self.env.rank_env(),
                  **rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads,
-                                  socket=self.sockets[node_rank])}
+                                  socket=self.sockets[node_rank],
+                                  flight_recorder=f"{scratch[node_rank]}/attempt-{attempt}/nccl-trace-rank")}
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
@@ -344,6 +388,19 @@ class NodeGroup:
                 p = NodePoll(state=self._states[i])
             out.append(p)
         return out
+
+    @property
+    def ranks_by_node(self) -> list[list[int]]:
+        """The world ranks each node runs, in node order."""
+        p = self.placement
+        contexts = assign_ranks([p.workers_per_node] * p.num_nodes)
+        return [[c.world_rank for c in contexts if c.node_rank == i] for i in range(p.num_nodes)]
+
+    def stacks(self, timeout_s: float = SAMPLE_TIMEOUT_S) -> tuple[list[RankStack], dict[int, bytes]]:
+        """Every rank's stacks (and NCCL Flight Recorder dumps), all nodes at once, without
+        stopping them; a lost node's ranks are named as unread."""
+        actors = [None if i in self._lost else a for i, a in enumerate(self.actors)]
+        return collect_stacks(actors, self.ranks_by_node, timeout_s)
 
     def scratch_dirs(self) -> list[str]:
         return ray.get([a.scratch_dir.remote() for a in self.actors])

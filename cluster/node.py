@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.context import WorkerPayload
+from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes, stack_dump_path
 
 __all__ = ["NodeActor", "NodeInfo", "NodePoll", "RankFailure", "RendezvousError"]
 
@@ -106,6 +107,8 @@ class NodeActor:
         self._tails: list[tuple[int, str, _Tail]] = []
         self._state = "idle"
         self._beats: dict[int, str] = {}
+        self._dumps: dict[int, str] = {}  # world rank -> the file its faulthandler writes to
+        self._flight: dict[int, str] = {}  # world rank -> its NCCL Flight Recorder dump
         # Ranks fork from a server that imported torch and Accelerate while the
         # driver was still reserving and checking storage: a rank starts in
         # milliseconds instead of importing torch itself, in every attempt.
@@ -177,6 +180,9 @@ class NodeActor:
             start_method="forkserver",
         )
         self._beats = {p.context.world_rank: p.events_path + ".beat" for p in payloads}
+        self._dumps = {p.context.world_rank: stack_dump_path(p.events_path) for p in payloads}
+        self._flight = {p.context.world_rank: env["TORCH_FR_DUMP_TEMP_FILE"] + str(p.context.world_rank)
+                        for p, env in zip(payloads, envs) if "TORCH_FR_DUMP_TEMP_FILE" in env}
         self._tails = []
         for i, rank in enumerate(self._ranks):
             self._tails.append((rank, "stdout", _Tail(self._pctx.stdouts[i])))
@@ -189,6 +195,17 @@ class NodeActor:
         if self._pctx is None:
             return {}
         return {self._ranks[i]: pid for i, pid in self._pctx.pids().items()}
+
+    def stacks(self, timeout_s: float = SAMPLE_TIMEOUT_S) -> tuple[list[RankStack], dict[int, bytes]]:
+        """Every local rank's stacks, read at once within about ``timeout_s``, without
+        stopping them; and the NCCL Flight Recorder dumps the ranks wrote (GPU nodes)."""
+        stacks = sample_processes(self.pids(), self.node_rank, self._dumps, timeout_s)
+        dumps = {}
+        for rank, path in self._flight.items():
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    dumps[rank] = f.read()
+        return stacks, dumps
 
     def poll(self) -> NodePoll:
         out = NodePoll(state=self._state)

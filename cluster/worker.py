@@ -10,6 +10,7 @@ from typing import Any, Callable
 from typing import TYPE_CHECKING
 
 from cluster.context import WorkerPayload
+from cluster.stacks import install_signal_dump, stack_dump_path
 
 if TYPE_CHECKING:
     from cluster import runtime
@@ -108,6 +109,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # holds, so the join has our bound instead of torch's 30 minutes.
     # Accelerate adopts an existing group unchanged.
     _start_heartbeat(payload.events_path + ".beat", session)
+    install_signal_dump(stack_dump_path(payload.events_path))  # where this rank is, when asked
     session._emit({"kind": "arrived"})  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,

@@ -157,8 +157,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     address = _address(args)
     jobs = submit.client(address)
     for info in sorted(submit.call(jobs.list_jobs, address), key=lambda i: i.start_time or 0):
+        if "raylaunch_stacks_of" in (info.metadata or {}):
+            continue  # a `raylaunch stacks` helper
         name = (info.metadata or {}).get("raylaunch_run", "")
         print(f"{info.submission_id or info.job_id}\t{str(info.status).split('.')[-1]}\t{name}")
+    return 0
+
+
+def cmd_stacks(args: argparse.Namespace) -> int:
+    from jobs.hangs import job_stacks, live_stacks
+
+    address = args.address or None
+    if address and address.startswith(("http://", "https://")):
+        print(job_stacks(address, args.run, full=args.full, samples=args.samples))
+    else:
+        print(live_stacks(args.storage, args.run, address, full=args.full, samples=args.samples))
     return 0
 
 
@@ -237,6 +250,17 @@ def _parser() -> argparse.ArgumentParser:
     shp.add_argument("--storage", default=default_storage, help=storage_help)
     shp.add_argument("--per-rank", action="store_true", help="metrics per rank instead of the mean across ranks")
     shp.set_defaults(func=cmd_show)
+    stp = sub.add_parser("stacks", help="where every rank of a live run is: stacks grouped by rank, "
+                                        "without stopping it")
+    stp.add_argument("run", metavar="RUN", help="a run's name (started with `run`), or with --address http://... "
+                                               "the job id that submit printed")
+    stp.add_argument("--storage", default=default_storage, help=storage_help)
+    stp.add_argument("--address", help="a submitted job's dashboard (http://127.0.0.1:8265), or the Ray address of "
+                                       "the run's cluster when it differs from the one the run recorded")
+    stp.add_argument("--full", action="store_true", help="also every thread of every rank, frame by frame")
+    stp.add_argument("--samples", type=int, default=1, metavar="N",
+                     help="read every rank N times, 0.5 s apart, and name a straggler: the rank the others wait for")
+    stp.set_defaults(func=cmd_stacks)
     pp = sub.add_parser("plot", help="a PNG of one metric by step for one or more runs")
     pp.add_argument("runs", nargs="+", metavar="RUN", help="run names (see `raylaunch runs`)")
     pp.add_argument("--metric", default="loss", help="the metric to plot (default: loss)")
@@ -273,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raylaunch: {exc}. Fix `train_fn` in the spec (module:function).", file=sys.stderr)
         return 2
     except Exception as exc:
+        from jobs.hangs import StacksError
         from jobs.runs import RunNotFound
         from jobs.storage import StorageError
         from jobs.submit import JobsError
@@ -283,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, StorageError):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, StacksError):
+            print(f"raylaunch: {exc}", file=sys.stderr)
+            return 1
         if isinstance(exc, JobsError):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 1

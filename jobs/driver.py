@@ -21,11 +21,12 @@ import ray
 
 from cluster.context import WorkerContext, WorkerPayload
 from cluster.files import join_uri
-from cluster.group import JobEnv, NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
+from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
 from cluster.node import NodePoll, RankFailure
 from cluster.worker import check_train_fn
 from jobs.board import Board
 from jobs.environment import Secrets, check_requirements
+from jobs.hangs import HEARTBEAT_LOST, is_hang, where_ranks_are
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import RECORD_KEYS, CheckpointError, RunDir, StorageError
 
@@ -62,6 +63,9 @@ class RunResult:
     # When the first attempt got where (Unix times): process_start, driver_ready (imports and
     # ray.init done), reserved, ranks_started, arrived, joined (last rank), first_step (rank 0).
     timeline: dict = field(default_factory=dict)
+    # While the run runs: how `raylaunch stacks` reaches its node actors (ray_address,
+    # namespace, node_actors: their names in node order, ranks: each node's world ranks).
+    live: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -184,7 +188,13 @@ class Driver:
         except KeyboardInterrupt as exc:
             r.status, r.error = "stopped", str(exc) or "interrupted (Ctrl-C)"
             self._say(f"raylaunch: {r.error}: stopping every rank")
+            if self.group is not None and self.group.contexts:
+                # A run is usually stopped because it looks stuck: say where it was.
+                where = where_ranks_are(self.group, self.run_dir, r.attempts)
+                r.error += "\n" + where
+                self._say(f"raylaunch: {where}")
         finally:
+            r.live = {}
             if self.group is not None:
                 self.group.shutdown()
                 self.group = None
@@ -225,6 +235,8 @@ class Driver:
         )
         self.group = group
         self._mark("reserved")
+        self._result.live = {"ray_address": ray.get_runtime_context().gcs_address, "namespace": ACTOR_NAMESPACE,
+                             "node_actors": group.actor_names, "ranks": group.ranks_by_node}
         self._result.nodes = [
             {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname,
              "socket_ifname": socket.name}
@@ -336,10 +348,11 @@ class Driver:
                 # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
                 missing = sorted(set(a.node_of) - a.arrived) or sorted(set(a.node_of) - a.joined)
                 nodes = sorted({a.node_of[m] for m in missing})
+                where = where_ranks_are(group, self.run_dir, attempt)
                 group.stop()
                 return _Outcome(False, (
                     f"ranks {missing} on nodes {nodes} did not join the process group within "
-                    f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained"
+                    f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained\n{where}"
                 ))
             if time.monotonic() - last_board > BOARD_FLUSH_S:
                 self._board.flush()
@@ -357,10 +370,12 @@ class Driver:
                     self._forward(node_rank, p, a)
                     states[node_rank] = p.state
                     failures.extend(p.failures)
+            # A hang: where was every rank? Read before they are stopped.
+            where = where_ranks_are(group, self.run_dir, attempt, failures) if is_hang(failures) else ""
             # Stop everyone else now: a rank blocked in a collective would wait forever.
             for node_rank, p in enumerate(group.stop()):
                 self._forward(node_rank, p, a)
-            error = self.secrets.mask(group_failures(failures))
+            error = self.secrets.mask(group_failures(failures) + (f"\n{where}" if where else ""))
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
             # A rank ended by SIGTERM (a spot node's shutdown) is the cause; its peers' collective
             # errors ("Connection reset by peer") are consequences and may be reported first.
@@ -436,7 +451,7 @@ class Driver:
                                 message=f"node {node_rank} ({info.node_id[:12]}, {info.ip}) {why}")
                     for r, n in sorted(a.node_of.items()) if n == node_rank]
         return [RankFailure(rank=rank, exitcode=-1, traceback="",
-                            message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
+                            message=f"{HEARTBEAT_LOST} {age:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
                                     "the process is stopped or frozen")
                 for rank, age in p.beat_age_s.items() if age > heartbeat_s and rank not in known]
 

@@ -8,7 +8,8 @@
       result.json    status, attempts, world size, last step and metrics, checkpoints, times, error
       checkpoints/   committed checkpoints only, each with manifest.json written last,
                      and latest.json naming the newest
-      logs/          rank-<R>.log, one per rank
+      logs/          rank-<R>.log, one per rank; stacks-<attempt>-<time>.txt, every rank's threads
+                     when a hang was detected (``jobs.hangs``)
       tensorboard/   TensorBoard event files the driver writes (``tensorboard --logdir <storage>``)
       .staging/      checkpoints being written; never loaded, cleared at the next start
 
@@ -187,6 +188,16 @@ class RunDir:
 
     def read_result(self) -> dict | None:
         return self._read_json(f"{self.path}/result.json")
+
+    def write_stacks(self, attempt: int, text: str, flight_recorder: dict[int, bytes] | None = None) -> str:
+        """Write ``logs/stacks-<attempt>-<time>.txt`` (and each rank's NCCL Flight Recorder dump
+        beside it, ``logs/nccl-trace-<attempt>-<time>-rank<R>``); returns the stacks file as shown."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = f"{self.path}/logs/stacks-{attempt}-{stamp}.txt"
+        self._write(path, text.encode())
+        for rank, data in sorted((flight_recorder or {}).items()):
+            self._write(f"{self.path}/logs/nccl-trace-{attempt}-{stamp}-rank{rank}", data)
+        return self._show(path)
 
     # --- checkpoints ---------------------------------------------------------------
 

@@ -52,7 +52,8 @@ def steady(config: dict) -> dict:
     """A small regression that takes ``step_s`` a step and checkpoints every ``every`` steps.
 
     Each rank writes ``<pid_dir>/rank-<R>.pid`` (attempt, pid) when it starts, so tests can
-    kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1.
+    kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1; with
+    ``slow_rank``, that rank sleeps ``slow_s`` more before every step.
     """
     import time
     from pathlib import Path
@@ -86,6 +87,8 @@ def steady(config: dict) -> dict:
     saves = []  # seconds each periodic session.save held training
     while progress.step < total:
         for xb, yb in dl:
+            if accelerator.process_index == config.get("slow_rank"):
+                time.sleep(config["slow_s"])  # a straggler: slow data on one rank, every step
             loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
             accelerator.backward(loss)
             opt.step()
@@ -137,6 +140,34 @@ def hang_in_collective(config: dict) -> None:
     if accelerator.process_index == 1:
         time.sleep(600)
     accelerator.reduce(torch.tensor([1.0]), "sum")
+
+
+class _SlowOnRank1:
+    """A dataset whose rank-1 copy blocks in ``__getitem__`` once ``block_at`` items were read."""
+
+    def __init__(self, rank: int, block_at: int) -> None:
+        self.rank, self.block_at, self.read = rank, block_at, 0
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int):
+        import time
+
+        self.read += 1
+        if self.rank == 1 and self.read > self.block_at:
+            time.sleep(3600)  # a stuck read: network storage, a deadlocked worker
+        return torch.ones(2)
+
+
+def hang_in_data(config: dict) -> dict:
+    """Rank 1 blocks in its data loading; rank 0 waits for it in an all_reduce."""
+    accelerator = Accelerator(**get_session().accelerator_kwargs())
+    data = _SlowOnRank1(accelerator.process_index, config.get("block_at", 3))
+    for i in range(len(data)):
+        batch = data[i]
+        accelerator.reduce(batch, "sum")
+    return {}
 
 
 def env_probe(config: dict) -> dict:

@@ -33,6 +33,15 @@ def test_env_makes_accelerate_join_as_a_client_of_node_zero_store():
     assert "ACCELERATE_USE_CPU" not in rendezvous_env(ctx, "h", 1, use_gpu=True, omp_threads=1)
 
 
+def test_nccl_flight_recorder_is_on_where_cuda_is_used_only():
+    ctx = assign_ranks([1, 1])[1]
+    gpu = rendezvous_env(ctx, "h", 1, use_gpu=True, omp_threads=1, flight_recorder="/tmp/n1/nccl-trace-rank")
+    assert gpu["TORCH_FR_DUMP_TEMP_FILE"] == "/tmp/n1/nccl-trace-rank" and gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(gpu["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    cpu = rendezvous_env(ctx, "h", 1, use_gpu=False, omp_threads=1, flight_recorder="/tmp/n1/nccl-trace-rank")
+    assert not [k for k in cpu if k.startswith(("TORCH_NCCL", "TORCH_FR"))]
+
+
 # A host like the issue's: loopback, Docker's bridge, a public and a private interface.
 Addr = namedtuple("Addr", "family address netmask broadcast ptp")  # psutil's snicaddr
 TABLE = {

@@ -109,6 +109,11 @@ def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path, caps
     assert silent and int(silent.group(1)) >= 10, failed
     assert_resumed(tmp_path, "sigstop", box["result"], step)
     assert not psutil.pid_exists(victim)
+    # where the ranks were when it was noticed: the stopped one is named as such
+    err = capsys.readouterr().err
+    assert "[rank 1] no heartbeat for " in err and "where each rank was (every thread: " in err
+    assert [l for l in err.splitlines() if l.startswith("  [rank 1] ") and "stopped (SIGSTOP)" in l], err
+    assert len(list((tmp_path / "runs" / "sigstop" / "logs").glob("stacks-1-*.txt"))) == 1
 
 
 def test_a_deterministic_bug_fails_after_the_restart_budget(ray_cluster, tmp_path):
@@ -219,8 +224,12 @@ def test_a_rank_that_never_joins_fails_the_attempt_naming_it(ray_cluster, tmp_pa
     result = Driver(spec, can_grow=False).run()
     assert time.monotonic() - began < 60
     assert result.status == "failed" and result.attempts == 1
-    assert result.error == ("ranks [1] on nodes [1] did not join the process group within 20 s "
-                            "(timeouts.rendezvous_s); no rank trained")
+    assert result.error.startswith("ranks [1] on nodes [1] did not join the process group within 20 s "
+                                   "(timeouts.rendezvous_s); no rank trained\nwhere each rank was (every thread: ")
+    # rank 1 is still importing the training module; rank 0 waits in the rendezvous
+    assert "  [rank 1] in <module> (never_joins.py:7)" in result.error.splitlines()
+    assert [l for l in result.error.splitlines() if l.startswith("  [rank 0] in ") and "(worker.py:" in l]
+    assert len(list((tmp_path / "nojoin" / "logs").glob("stacks-1-*.txt"))) == 1
     assert not list((tmp_path / "nojoin").glob("metrics.jsonl"))
 
 

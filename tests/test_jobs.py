@@ -127,6 +127,11 @@ def test_stop_records_stopped_and_leaves_no_rank_running(head, tmp_path):
         assert f"follow again: raylaunch logs {job} --follow --address {head['address']}" in said
         assert f"stop it:      raylaunch stop {job} --address {head['address']}" in said
         assert f"{job}: RUNNING" in cli(head, "status", job, "--address", head["address"]).stdout
+        # where the live job's ranks are, from the laptop, through the dashboard alone
+        stacks = cli(head, "stacks", job, "--address", head["address"], timeout=150)
+        assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+        assert "run long: attempt 1, 2 ranks" in stacks.stdout and "could not be read" not in stacks.stdout
+        assert not [j for j in job_ids(head) if "-stacks-" in j]  # the helper job that read them is not listed
         stop = cli(head, "stop", job, "--address", head["address"])
         assert stop.returncode == 0 and f"stopping {job}" in stop.stdout
         assert following.wait(120) == 3, submitted.read_text()[-3000:]  # the job's status: stopped
@@ -137,9 +142,15 @@ def test_stop_records_stopped_and_leaves_no_rank_running(head, tmp_path):
                 client.kill()
                 client.wait()
     result_file = tmp_path / "long" / "result.json"
-    wait_for(lambda: result_file.exists() and "stopped" in result_file.read_text(), 60, "result.json: stopped")
+    # (the run directory's path holds the word "stopped" too: read the status itself)
+    wait_for(lambda: result_file.exists() and json.loads(result_file.read_text())["status"] == "stopped", 60,
+             "result.json: stopped")
     result = json.loads(result_file.read_text())
     assert result["status"] == "stopped" and "SIGTERM" in result["error"], result["error"]
+    # a run is usually stopped because it looks stuck: where each rank was, before they stopped
+    assert "where each rank was (every thread: " in result["error"] and "[ranks 0, 1] in " in result["error"] \
+        or ("[rank 0] in " in result["error"] and "[rank 1] in " in result["error"]), result["error"]
+    assert len(list((tmp_path / "long" / "logs").glob("stacks-1-*.txt"))) == 1
     assert result["checkpoints"]  # the last committed checkpoint is intact
     assert json.loads(latest.read_text())["name"] in result["checkpoints"][-1]
     wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "every rank to end")

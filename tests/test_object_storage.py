@@ -191,6 +191,16 @@ def test_metrics_on_the_bucket_survive_a_driver_that_never_closes(s3):
     assert [json.loads(line)["step"] for line in s3.read("unit/append/metrics.jsonl").splitlines()] == [1, 2, 3]
 
 
+def test_stacks_of_a_hang_land_in_the_runs_logs_on_the_bucket(s3):
+    run = RunDir(s3.uri("unit"), "stacks")
+    run.prepare({"name": "stacks"})
+    shown = run.write_stacks(2, "rank 0 (node 0, pid 7, read by py-spy)\n", {1: b"nccl trace"})
+    keys = s3.keys("unit/stacks/logs")
+    assert len(keys) == 2 and keys[0].startswith("unit/stacks/logs/nccl-trace-2-") and keys[0].endswith("-rank1")
+    assert keys[1].startswith("unit/stacks/logs/stacks-2-") and shown == f"s3://{BUCKET}/{keys[1]}"
+    assert s3.read(keys[1]).startswith(b"rank 0 (node 0") and s3.read(keys[0]) == b"nccl trace"
+
+
 def test_a_growing_metrics_file_on_the_bucket_is_rewritten_less_often_as_it_grows(s3, monkeypatch):
     """Each rewrite sends the whole object: a long run's file must not go out every 2 s."""
     monkeypatch.setattr(storage, "OBJECT_FLUSH_S", 0.2)  # 2 s in production
