@@ -74,12 +74,18 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
             # stand in for them on the nodes; then the project, whose modules the ranks import.
             runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
-            ray.init(
-                address=cluster.address,
-                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            # ray.init puts the driver's current folder first on every worker's sys.path,
+            # ahead of PYTHONPATH: connect from the runner's folder so the order above holds.
+            os.chdir(runner)
+            try:
+                ray.init(
+                    address=cluster.address,
+                    runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            finally:
+                os.chdir(cwd)
             yield False
         finally:
             ray.shutdown()

@@ -282,6 +282,8 @@ def _failure(rank: int, f: Any) -> RankFailure:
 def _rank_main(payload: WorkerPayload) -> Any:
     from cluster.worker import run_worker
 
+    if os.environ.pop(_SAFE_PATH_MARK, None):  # ours, not the user's: their subprocesses get the usual path
+        os.environ.pop("PYTHONSAFEPATH", None)
     _die_with_parent()
     return run_worker(payload)
 
@@ -291,12 +293,25 @@ def _rank_main(payload: WorkerPayload) -> Any:
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worker", "cluster.runtime"]
 
 
+_SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
+
+
 def _start_forkserver() -> None:
     import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    forkserver.ensure_running()
+    # The server is `python -c ...`, which puts its working folder (the project's) first on
+    # sys.path: a project's own cluster/ folder would stand in for the runner's. PYTHONSAFEPATH
+    # (Python 3.11+) leaves it out; the project stays reachable through PYTHONPATH.
+    if "PYTHONSAFEPATH" not in os.environ:
+        os.environ.update({"PYTHONSAFEPATH": "1", _SAFE_PATH_MARK: "1"})
+    try:
+        forkserver.ensure_running()
+    finally:
+        if os.environ.get(_SAFE_PATH_MARK):
+            os.environ.pop("PYTHONSAFEPATH", None)
+            os.environ.pop(_SAFE_PATH_MARK, None)
     # And what this actor needs itself (the store, start_processes), before it is asked.
     import torch.distributed.elastic.multiprocessing  # noqa: F401
 

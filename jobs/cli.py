@@ -251,14 +251,16 @@ _USER_CODE_VERBS = {"run", "submit", "validate"}
 
 def _set_path(command: str) -> None:
     """The working directory on ``sys.path`` only for the verbs that import the user's code,
-    after the runner's own packages are loaded, so a project's own ``cluster/``, ``jobs/`` or
-    ``train_fn/`` folder, or a stray ``pyarrow.py``, cannot stand in for them."""
+    after the runner's own packages (and the storage layer's pyarrow) are loaded, so a project's
+    own ``cluster/``, ``jobs/`` or ``train_fn/`` folder cannot stand in for them, and a stray
+    ``pyarrow.py`` cannot reach ``runs``/``show``/``plot`` at all."""
     cwd = os.getcwd()
     sys.path[:] = [p for p in sys.path if p not in ("", cwd)]
-    import cluster  # noqa: F401  (the runner's own, pinned before the folder joins the path)
-    import train_fn  # noqa: F401
-
     if command in _USER_CODE_VERBS:
+        import cluster  # noqa: F401  (pinned before the folder joins the path)
+        import jobs.storage  # noqa: F401
+        import train_fn  # noqa: F401
+
         # The project's modules are what every node gets (uploaded with the job, or on the
         # embedded cluster's PYTHONPATH), so the driver finds them too.
         sys.path.insert(0, cwd)
