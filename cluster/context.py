@@ -11,7 +11,11 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
+__all__ = ["RECORD_KEYS", "SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
+
+# What every metrics.jsonl row carries besides its metrics: a rank's metric of one of these
+# names is stored apart (``logged_<name>``), never over the row's own value.
+RECORD_KEYS = ("step", "rank", "node", "attempt", "time")
 
 
 @dataclass(frozen=True)

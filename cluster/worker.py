@@ -169,7 +169,55 @@ def run_worker(payload: WorkerPayload) -> Any:
     if dist.is_initialized():
         dist.destroy_process_group()
     session._emit({"kind": "finished"})
-    return result
+    return _storable_return(result, payload.context.world_rank)
+
+
+# A return value lands in result.json; past this it is cut (a model or a dataset returned by mistake).
+MAX_RETURN_CHARS = 1_000_000
+
+
+def _storable_return(value: Any, rank: int) -> Any:
+    """The return value as JSON data: what is not (an object, a lock, a cycle) is kept as its
+    repr, and said on the rank's log, instead of failing the rank's exit with no exception."""
+    import json
+    import sys
+
+    notes: list[str] = []
+    out = _plain(value, set(), notes, 0)
+    text = json.dumps(out)
+    if len(text) > MAX_RETURN_CHARS:
+        notes.append(f"the whole value is {len(text):,} characters as JSON, over {MAX_RETURN_CHARS:,}: "
+                     "kept as its first characters")
+        out = {"truncated": text[:MAX_RETURN_CHARS]}
+    if notes:
+        print(f"raylaunch: rank {rank}'s return value is not all JSON data; stored with "
+              + "; ".join(notes[:5]) + (f" (and {len(notes) - 5} more)" if len(notes) > 5 else ""),
+              file=sys.stderr, flush=True)
+    return out
+
+
+def _plain(value: Any, seen: frozenset[int] | set[int], notes: list[str], depth: int) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy or torch scalar
+        return _plain(value.item(), seen, notes, depth)
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in seen:
+            notes.append("a reference to itself (a cycle) as '<cycle>'")
+            return "<cycle>"
+        if depth >= 32:
+            notes.append("nesting deeper than 32 levels as '<too deep>'")
+            return "<too deep>"
+        seen = seen | {id(value)}
+        if isinstance(value, dict):
+            return {str(k): _plain(v, seen, notes, depth + 1) for k, v in value.items()}
+        return [_plain(v, seen, notes, depth + 1) for v in value]
+    notes.append(f"a {type(value).__name__} as its repr")
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails is the user's bug; the rank's result is not
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 1000 else text[:997] + "..."
 
 
 def _start_heartbeat(path: str, session: runtime.Session, every_s: float = 0.5, resources_every_s: float = 5.0) -> None:

@@ -179,6 +179,14 @@ class Driver:
         except KeyboardInterrupt as exc:
             r.status, r.error = "stopped", str(exc) or "interrupted (Ctrl-C)"
             self._say(f"raylaunch: {r.error}: stopping every rank")
+        except Exception as exc:  # the runner's own failure: the run still ends recorded, never "running"
+            import traceback
+
+            r.status = "failed"
+            r.error = f"the driver failed: {type(exc).__name__}: {str(exc)[:2000]}"
+            print(f"raylaunch: {r.error}; every rank is stopped, what was committed stays. The driver's "
+                  f"traceback (a bug in raylaunch, please report it):\n{traceback.format_exc()}",
+                  file=sys.stderr)
         finally:
             if self.group is not None:
                 self.group.shutdown()
@@ -195,7 +203,10 @@ class Driver:
 
     def _write_result(self) -> None:
         """``result.json`` as the run stands: written when each attempt starts, and at the end."""
-        self._result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+        try:
+            self._result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+        except OSError as exc:  # the outcome is still recorded, with the checkpoints last seen
+            self._say(f"raylaunch: could not list the committed checkpoints: {exc}")
         self.run_dir.write_result(dataclasses.asdict(self._result))
 
     def _reserve(self, placement: Placement) -> NodeGroup:

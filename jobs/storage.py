@@ -28,18 +28,18 @@ from typing import Any
 import yaml
 from pyarrow import fs as pafs
 
+from cluster.context import RECORD_KEYS
 from cluster.files import MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
-# What every metrics.jsonl record carries besides its metrics.
-RECORD_KEYS = ("step", "rank", "node", "attempt", "time")
 
 
 def numeric_metrics(record: dict) -> dict[str, float]:
     """A metrics.jsonl record's metrics that are numbers (not its RECORD_KEYS, not booleans)."""
     return {k: v for k, v in record.items()
-            if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (isinstance(v, float) or abs(v) < 2**1000)}  # an int float() cannot hold is no curve
 
 LATEST = "latest.json"
 # On an object store, metrics and logs are rewritten whole at most this often, less often as
@@ -183,7 +183,7 @@ class RunDir:
 
     def write_result(self, result: dict) -> None:
         self.flush()
-        self._write(f"{self.path}/result.json", json.dumps(result, indent=2).encode())
+        self._write(f"{self.path}/result.json", json.dumps(result, indent=2, default=str).encode())
 
     def read_result(self) -> dict | None:
         return self._read_json(f"{self.path}/result.json")
