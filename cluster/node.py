@@ -11,10 +11,12 @@ node 0 itself, which would bring back the bind-close-publish port race.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -186,14 +188,26 @@ class NodeActor:
         self._store = None  # a new store for every attempt: no stale rank can join
         candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
         for port in candidates:
+            # Bound here, on the node's own address (the one the ranks use), and handed to the
+            # store: TCPStore would listen on every interface of the machine.
+            sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
             try:
-                self._store = TCPStore(
-                    ip, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-                )
-                return self._store.port
-            except DistNetworkError as exc:
-                if port == 0 or "EADDRINUSE" not in str(exc):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((ip, port))
+                sock.listen(512)
+            except OSError as exc:
+                sock.close()
+                if port == 0 or exc.errno != errno.EADDRINUSE:
                     raise
+                continue
+            try:
+                self._store = TCPStore(ip, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+            except DistNetworkError:
+                sock.close()
+                raise
+            sock.detach()  # the store owns the descriptor now, and closes it with itself
+            return self._store.port
         low, high = ports
         raise RendezvousError(
             f"no free port for the rendezvous store on node 0 ({ip}): all {high - low + 1} ports of "
@@ -298,6 +312,7 @@ class NodeActor:
 
     def shutdown(self) -> None:
         self.stop()
+        self._store = None
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def read_file(self, uri: str) -> str | None:

@@ -42,6 +42,7 @@ __all__ = [
     "load_spec",
     "load_spec_text",
     "parse_port_range",
+    "run_name_problem",
     "spec_from_dict",
     "spec_to_dict",
     "storage_credentials",
@@ -357,6 +358,18 @@ def spec_to_dict(spec: JobSpec) -> dict:
     return dataclasses.asdict(spec)
 
 
+def run_name_problem(name: str) -> str | None:
+    """What is wrong with a run name (it names a folder under the storage), or None.
+
+    >>> run_name_problem("../etc")
+    "'../etc' must start with a letter or digit, then letters, digits, '.', '_' or '-', at most 200 (it names the run directory)"
+    """
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", name):
+        return None
+    return (f"{_short(name)} must start with a letter or digit, then letters, digits, '.', '_' or '-', "
+            "at most 200 (it names the run directory)")
+
+
 def _cross_checks(spec: JobSpec) -> list[str]:
     out = []
     module, sep, fn = spec.train_fn.partition(":")
@@ -371,11 +384,9 @@ def _cross_checks(spec: JobSpec) -> list[str]:
             f"train_fn: {_short(spec.train_fn)} must be an absolute module path and a function name, "
             "e.g. mypkg.train:main (no leading '.', no file path)"
         )
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name) or len(spec.name) > 200:
-        out.append(
-            f"name: {_short(spec.name)} must be letters, digits, '.', '_' or '-', at most 200 "
-            "(it names the run directory)"
-        )
+    wrong = run_name_problem(spec.name)
+    if wrong:
+        out.append(f"name: {wrong}")
     s = spec.scaling
     if s.use_gpu is False and spec.accelerate.mixed_precision == "fp16":
         out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")

@@ -72,7 +72,7 @@ def test_credentials_in_a_storage_uri_are_refused_and_never_echoed(tmp_path):
 def test_name_and_storage_are_literal_strings(tmp_path):
     root = project(tmp_path)
     proc = raylaunch(root, "validate", "job.yaml", "--name", "exp #3")
-    assert_refused(proc, "name: 'exp #3' must be letters, digits")  # never silently 'exp'
+    assert_refused(proc, "name: 'exp #3' must start with a letter or digit, then letters, digits")  # never 'exp'
     proc = raylaunch(root, "validate", "job.yaml", "--name", "2024", "--storage", str(tmp_path / "a #b"))
     assert proc.returncode == 0, proc.stderr
     assert "ok (2024: 1 nodes x 1 workers" in proc.stdout and f"storage {tmp_path}/a #b" in proc.stdout
@@ -151,3 +151,17 @@ def test_a_project_with_its_own_jobs_cluster_train_fn_folders_and_a_stray_pyarro
         proc = raylaunch(root, *verb)
         assert proc.returncode == 0 and "shadowed" not in proc.stderr, (verb, proc.stderr[-2000:])
     assert "mine" in raylaunch(root, "runs", "--storage", str(runs)).stdout
+
+
+def test_show_and_plot_apply_the_run_name_rules(tmp_path):
+    """A run directory outside the storage (with a spec.yaml, so it would read) is never reached."""
+    outside = tmp_path / "elsewhere" / "secret-run"
+    outside.mkdir(parents=True)
+    (outside / "spec.yaml").write_text("name: secret-run\ntrain_fn: m:f\n")
+    (outside / "result.json").write_text('{"status": "succeeded"}')
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    for verb in (["show", "../elsewhere/secret-run"], ["plot", "../elsewhere/secret-run", "-o", str(tmp_path / "p.png")]):
+        proc = raylaunch(tmp_path, *verb, "--storage", str(storage))
+        assert_refused(proc, "run name '../elsewhere/secret-run' must start with a letter or digit")
+        assert "succeeded" not in proc.stdout
