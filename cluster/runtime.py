@@ -248,8 +248,11 @@ class Session:
         run = open_uri(self.payload.staging_uri)[1].split("/.staging/")[0]
         if not path.startswith(f"{run}/checkpoints/"):
             raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
-        with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-            manifest = json.loads(f.read())
+        try:
+            with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{uri}/{MANIFEST} cannot be read: {str(exc)[:200]}") from None
         if is_local(fs):
             check_manifest(fs, path, manifest, path)
             accelerator.load_state(path)

@@ -28,6 +28,8 @@ from typing import Any, Literal, Mapping, Union
 
 import yaml
 
+from cluster.files import storage_credentials
+
 __all__ = [
     "AccelerateSpec",
     "CheckpointSpec",
@@ -45,7 +47,6 @@ __all__ = [
     "run_name_problem",
     "spec_from_dict",
     "spec_to_dict",
-    "storage_credentials",
 ]
 
 
@@ -404,30 +405,6 @@ def _cross_checks(spec: JobSpec) -> list[str]:
     if not spec.rendezvous.socket_ifname.strip():
         out.append("rendezvous.socket_ifname: must be 'auto' or an interface name such as eth1")
     return out
-
-
-# Query keys of a storage URI that carry a secret (pyarrow's S3 and GCS options, and
-# what a user might try): refused, so the secret never lands in spec.yaml or a log.
-_SECRET_QUERY = re.compile(r"(secret|password|passwd|token|credential|signature|access_?key|private)", re.I)
-
-
-def storage_credentials(storage: str) -> str:
-    """What in a storage URI is a credential (``"user:password@"``, ``"the query key 'secret_key'"``), or ''."""
-    from urllib.parse import parse_qsl, urlsplit
-
-    if "://" not in storage:
-        return ""
-    try:
-        parts = urlsplit(storage)
-        netloc = parts.netloc
-    except ValueError:
-        return ""
-    found = []
-    if "@" in netloc:
-        found.append("a user:password@ part before the bucket")
-    keys = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if _SECRET_QUERY.search(k)})
-    found += [f"the query key {k!r}" for k in keys[:5]]
-    return ", ".join(found)
 
 
 # --- the generic checker ---------------------------------------------------

@@ -4,6 +4,7 @@ no traceback of the runner's own, no secret echoed, nothing created on storage."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,10 +16,11 @@ SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 RAYLAUNCH = str(Path(sys.executable).parent / "raylaunch")
 
 
-def raylaunch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def raylaunch(cwd: Path, *args: str, timeout: float = 120, umask: int | None = None) -> subprocess.CompletedProcess:
     env = cli_env()
     env["PYTHONPATH"] = ""  # what a user has: the installed command and the project folder
-    return subprocess.run([RAYLAUNCH, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([RAYLAUNCH, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
 
 
 def project(tmp_path: Path, spec: str = "", files: dict[str, str] | None = None) -> Path:
@@ -61,6 +63,11 @@ def test_credentials_in_a_storage_uri_are_refused_and_never_echoed(tmp_path):
             proc = raylaunch(root, *verb, flag, storage)
             assert_refused(proc, f"storage: the URI holds credentials ({what})", "own credential chain")
             assert SECRET not in proc.stdout + proc.stderr, verb
+    # runs, show and plot take --storage without a spec: refused the same way
+    for verb in (["runs"], ["show", "mine"], ["plot", "mine"]):
+        proc = raylaunch(root, *verb, "--storage", f"s3://AKIAEXAMPLE:{SECRET}@bucket/runs")
+        assert_refused(proc, "the storage URI holds credentials (a user:password@ part before the bucket)")
+        assert SECRET not in proc.stdout + proc.stderr, verb
     # in the spec file itself, too
     (root / "job.yaml").write_text(f"name: mine\ntrain_fn: mytrain:train\nstorage: s3://k:{SECRET}@b/runs\n")
     proc = raylaunch(root, "run", "job.yaml")
@@ -142,9 +149,12 @@ def test_a_project_with_its_own_jobs_cluster_train_fn_folders_and_a_stray_pyarro
     files = {f"{name}/__init__.py": boom.format(name) for name in ("jobs", "cluster", "train_fn")}
     root = project(tmp_path, files=files)
     runs = tmp_path / "runs"
-    proc = raylaunch(root, "run", "job.yaml", "--quiet", "--storage", str(runs), timeout=240)
+    proc = raylaunch(root, "run", "job.yaml", "--quiet", "--storage", str(runs), timeout=240, umask=0o077)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads((runs / "mine" / "result.json").read_text())["rank_results"] == {"0": {"world": 1}}
+    # what the runner wrote follows the user's umask (077: nothing for group or others)
+    written = [p for p in (runs / "mine").rglob("*")]
+    assert written and not [p for p in written if p.stat().st_mode & 0o077], "group/other bits under umask 077"
     (root / "pyarrow.py").write_text(boom.format("pyarrow"))
     for verb in (["runs", "--storage", str(runs)], ["show", "mine", "--storage", str(runs)],
                  ["plot", "mine", "-o", str(tmp_path / "p.png"), "--storage", str(runs)]):
