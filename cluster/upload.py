@@ -29,14 +29,15 @@ SECRET_PATTERNS = [
     ".env", ".env.*",                                     # dotenv files
     "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519",         # SSH private keys
     "*.pem", "*.key", "*.p12", "*.pfx",                   # TLS and other private keys
-    ".ssh", ".aws", ".gnupg", ".azure", ".config/gcloud", ".kube",          # folders of keys
-    ".netrc", ".pypirc", ".git-credentials", ".docker/config.json",
+    ".aws", ".ssh", ".gnupg", ".azure", "gcloud", ".kube", ".docker",  # folders of credentials
+    ".netrc", ".pypirc", ".git-credentials",
     "application_default_credentials.json", "credentials.json", "service-account*.json",
     "auth_token", ".ray",                                 # Ray's token file (~/.ray/auth_token)
 ]
 
 # Everything a job's code upload leaves out, besides what .gitignore and .rayignore name.
-# The one list: cluster.yaml's and cluster.onprem.yaml's rsync_exclude follow it.
+# The one list: `.rsync-filter` (what `ray up` copies with cluster.yaml and cluster.onprem.yaml)
+# holds the same lines, and a test keeps the two equal.
 UPLOAD_EXCLUDES = [
     ".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache",
     ".ruff_cache", "raylaunch-local", "runs", "*.egg-info",
