@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
@@ -13,11 +13,40 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.context import SocketInterface, WorkerContext, WorkerPayload, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.node import NodeActor, NodeInfo, NodePoll, RendezvousError
 
-__all__ = ["NodeGroup", "Placement", "PlacementError", "RendezvousError", "resolve_placement"]
+__all__ = ["EnvSetupError", "JobEnv", "NodeGroup", "Placement", "PlacementError", "RendezvousError", "resolve_placement"]
 
 
 class PlacementError(RuntimeError):
     """The cluster cannot give the nodes the job asks for; the message has the numbers."""
+
+
+class EnvSetupError(PlacementError):
+    """A node could not set up the job's environment (``env.pip``); the message names the node."""
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What every rank's environment gets beyond the runner's own variables.
+
+    ``vars`` also reach the node actors (and so the choice of ``NCCL_SOCKET_IFNAME``) through
+    Ray's runtime environment, with ``pip``; ``secrets`` travel only as arguments of each
+    node's ``start`` call, into the ranks' environments.
+    """
+
+    vars: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    pip: list[str] = field(default_factory=list)
+
+    def actor_runtime_env(self) -> dict | None:
+        out: dict[str, Any] = {}
+        if self.vars:
+            out["env_vars"] = dict(self.vars)
+        if self.pip:
+            out["pip"] = {"packages": list(self.pip), "pip_check": False}
+        return out or None
+
+    def rank_env(self) -> dict[str, str]:
+        return {**self.vars, **self.secrets}
 
 
 @dataclass(frozen=True)
@@ -81,6 +110,25 @@ def resolve_placement(
     return Placement(num_nodes, int(workers_per_node), bool(use_gpu), cpus_per_worker)
 
 
+def _env_setup_failures(refs: list, pg) -> str:
+    """Which nodes could not set up the runtime environment, with the end of pip's message."""
+    from ray.util import placement_group_table
+
+    bundle_nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+    ips = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
+    out = []
+    for i, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=5)
+        except ray.exceptions.RuntimeEnvSetupError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            why = " | ".join(ln.strip() for ln in lines if "ERROR" in ln or "No matching" in ln)[-600:]
+            out.append(f"node {i} ({ips.get(bundle_nodes.get(i), '?')}): {why or lines[-1][-600:]}")
+        except Exception:  # noqa: S112 - only setup failures are named here
+            continue
+    return "; ".join(out)
+
+
 def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
     fitting = sum(_fits(n.get("Resources", {}), placement.bundle) for n in nodes)
     bundle = ", ".join(f"{k}: {v:g}" for k, v in placement.bundle.items())
@@ -124,6 +172,7 @@ class NodeGroup:
         self._answered = [False] * len(actors)  # since the ranks started
         self._states = ["idle"] * len(actors)
         self._lost: set[int] = set()
+        self.env = JobEnv()
 
     @classmethod
     def create(
@@ -134,6 +183,7 @@ class NodeGroup:
         can_grow: bool,
         on_wait: Callable[[str], None] = print,
         socket_ifname: str = "auto",
+        env: JobEnv | None = None,
     ) -> "NodeGroup":
         """Reserve the nodes and start the actors, or raise ``PlacementError``.
 
@@ -168,17 +218,27 @@ class NodeGroup:
                 num_gpus=placement.bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 name=None,
+                runtime_env=(env or JobEnv()).actor_runtime_env(),
             ).remote(i)
             for i in range(placement.num_nodes)
         ]
+        # A runtime environment with packages can take minutes to install on a node.
+        wait_s = max(60.0, timeout_s) + (600.0 if env is not None and env.pip else 0.0)
+        refs = [a.describe.remote() for a in actors]
         try:
-            infos = ray.get([a.describe.remote() for a in actors], timeout=max(60.0, timeout_s))
-        except Exception:
+            infos = ray.get(refs, timeout=wait_s)
+        except Exception as exc:
+            failed = _env_setup_failures(refs, pg) if isinstance(exc, ray.exceptions.RuntimeEnvSetupError) else ""
             for a in actors:
                 ray.kill(a)
             remove_placement_group(pg)
+            if failed:
+                raise EnvSetupError(f"env.pip: the job's packages {(env or JobEnv()).pip} could not be installed "
+                                    f"before any rank started: {failed}") from None
             raise
-        return cls(pg, actors, infos, placement, socket_ifname)
+        group = cls(pg, actors, infos, placement, socket_ifname)
+        group.env = env or JobEnv()
+        return group
 
     def start(
         self,
@@ -214,8 +274,9 @@ class NodeGroup:
                 for c in ctxs
             ]
             envs = [
-                rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads,
-                               socket=self.sockets[node_rank])
+                {**self.env.rank_env(),
+                 **rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads,
+                                  socket=self.sockets[node_rank])}
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))

@@ -31,6 +31,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     s = spec.scaling
     print(f"{args.spec}: ok ({spec.name}: {s.num_nodes} nodes x {s.workers_per_node} workers, "
           f"train_fn {spec.train_fn}, storage {spec.storage})")
+    env = spec.env
+    if env.vars or env.secrets or env.pip:
+        unset = [n for n in env.secrets if not os.environ.get(n)]
+        print(f"environment: vars {', '.join(env.vars) or '-'}; secrets {', '.join(env.secrets) or '-'}"
+              + (f" (not set in this shell: {', '.join(unset)})" if unset else " (set in this shell)")
+              + f"; packages {', '.join(env.requirements) or '-'}")
     return 0
 
 
@@ -104,7 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.follow:
         print(f"raylaunch: follow it with: raylaunch logs {job_id} --follow --address {address}")
         return 0
-    return submit.follow(address, job_id, quiet=args.quiet)
+    return submit.follow(address, job_id, quiet=args.quiet, secrets=request.secrets)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -21,10 +21,11 @@ import ray
 
 from cluster.context import WorkerContext, WorkerPayload
 from cluster.files import join_uri
-from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
+from cluster.group import JobEnv, NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
 from cluster.node import NodePoll, RankFailure
 from cluster.worker import check_train_fn
 from jobs.board import Board
+from jobs.environment import Secrets, check_requirements
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import RECORD_KEYS, CheckpointError, RunDir, StorageError
 
@@ -131,9 +132,10 @@ class Driver:
         self._board: Board | None = None
         self._store_errors: set[str] = set()
         self.group: NodeGroup | None = None  # the nodes of the current attempt
+        self.secrets = Secrets()  # env.secrets' values, read in preflight
 
     def _say(self, text: str) -> None:
-        print(text, file=self.out or sys.stdout, flush=True)
+        print(self.secrets.mask(text), file=self.out or sys.stdout, flush=True)
 
     # --- the whole run ------------------------------------------------------------
 
@@ -145,7 +147,10 @@ class Driver:
         """
         if self._token is not None:
             return
+        self.secrets = Secrets.read(self.spec.env)  # before anything is written: a missing one is a spec error
         check_train_fn(self.spec.train_fn)
+        if warning := check_requirements(self.spec.env.requirements):
+            self._say(warning)
         if self.fresh and self.run_dir.exists():
             name = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             self._say(f"raylaunch: --fresh: starting a new run directory {name} (the old one is kept)")
@@ -192,6 +197,8 @@ class Driver:
                 self.group.shutdown()
                 self.group = None
             r.end_time = time.time()
+            # What the ranks returned or raised is written and printed with env.secrets masked.
+            r.error, r.return_value, r.rank_results = self._masked((r.error, r.return_value, r.rank_results))
             try:
                 self.run_dir.clear_staging()  # no rank runs now: what a failed save left goes
                 self._board.close()
@@ -200,6 +207,15 @@ class Driver:
             except OSError as exc:
                 self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
         return r
+
+    def _masked(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.secrets.mask(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._masked(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._masked(v) for k, v in value.items()}
+        return value
 
     def _write_result(self) -> None:
         """``result.json`` as the run stands: written when each attempt starts, and at the end."""
@@ -211,9 +227,12 @@ class Driver:
 
     def _reserve(self, placement: Placement) -> NodeGroup:
         """Reserve one bundle and start one actor per node; check the storage is shared."""
+        env = self.spec.env
         group = NodeGroup.create(
             placement, timeout_s=self.spec.timeouts.placement_s, can_grow=self.can_grow, on_wait=self._say,
             socket_ifname=self.spec.rendezvous.socket_ifname,
+            env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
+                       secrets=self.secrets.values, pip=env.requirements),
         )
         self.group = group
         self._mark("reserved")
@@ -352,7 +371,7 @@ class Driver:
             # Stop everyone else now: a rank blocked in a collective would wait forever.
             for node_rank, p in enumerate(group.stop()):
                 self._forward(node_rank, p, a)
-            error = group_failures(failures)
+            error = self.secrets.mask(group_failures(failures))
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
             # A rank ended by SIGTERM (a spot node's shutdown) is the cause; its peers' collective
             # errors ("Connection reset by peer") are consequences and may be reported first.
@@ -366,6 +385,7 @@ class Driver:
         """Print and store one node's logs; handle its events."""
         by_rank: dict[int, list[str]] = defaultdict(list)
         for rank, _, line in p.logs:
+            line = self.secrets.mask(line)  # before it is stored too
             self._say(f"[node {node_rank} rank {rank}] {line}")
             by_rank[rank].append(line)
         for rank, lines in by_rank.items():

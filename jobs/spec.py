@@ -34,6 +34,7 @@ __all__ = [
     "AccelerateSpec",
     "CheckpointSpec",
     "DataLoaderSpec",
+    "EnvSpec",
     "FailureSpec",
     "JobSpec",
     "RendezvousSpec",
@@ -184,6 +185,39 @@ def parse_port_range(value: int | str) -> tuple[int, int] | None:
     return low, high
 
 
+# Set by the runner for every rank: a spec cannot override them (the rendezvous, the world, the
+# thread count from scaling.cpus_per_worker, Accelerate's CPU switch, Ray's device assignment).
+RUNNER_VARS = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+    "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS", "ACCELERATE_USE_CPU", "CUDA_VISIBLE_DEVICES",
+})
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """The job's environment on every node: plain variables, secrets by name, extra packages.
+
+    ``vars`` are written with the spec (``spec.yaml``, the job's entrypoint); ``secrets`` are
+    names whose values are read where the job is launched and are never written or printed;
+    ``pip`` lists requirements (or names a requirements file in the working directory) that
+    Ray installs for the job on every node.
+    """
+
+    vars: dict = field(default_factory=dict)
+    secrets: list[str] = field(default_factory=list)
+    pip: Union[list[str], str] = field(default_factory=list)
+
+    @property
+    def requirements(self) -> list[str]:
+        """``pip`` as a list (a requirements file is read from the current directory)."""
+        if isinstance(self.pip, list):
+            return list(self.pip)
+        lines = Path(self.pip).read_text().splitlines()
+        return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A whole job. ``config`` is handed to the training function as is."""
@@ -198,6 +232,7 @@ class JobSpec:
     failure: FailureSpec = field(default_factory=FailureSpec)
     timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
     rendezvous: RendezvousSpec = field(default_factory=RendezvousSpec)
+    env: EnvSpec = field(default_factory=EnvSpec)
 
     def with_overrides(self, overrides: list[str]) -> "JobSpec":
         """A new spec with ``path=value`` overrides applied and checked again."""
@@ -404,6 +439,34 @@ def _cross_checks(spec: JobSpec) -> list[str]:
         out.append(f"rendezvous.ports: {exc}")
     if not spec.rendezvous.socket_ifname.strip():
         out.append("rendezvous.socket_ifname: must be 'auto' or an interface name such as eth1")
+    out.extend(_env_checks(spec.env))
+    return out
+
+
+def _env_checks(env: EnvSpec) -> list[str]:
+    out = []
+    for where, names in (("env.vars", list(env.vars)), ("env.secrets", env.secrets)):
+        for name in names:
+            if not isinstance(name, str) or not _VAR_NAME.fullmatch(name):
+                out.append(f"{where}: {str(name)[:60]!r} is not a variable name (letters, digits, '_')")
+            elif name in RUNNER_VARS:
+                why = ("set it with scaling.cpus_per_worker" if name == "OMP_NUM_THREADS" else
+                       "Ray assigns each rank its devices" if name == "CUDA_VISIBLE_DEVICES" else
+                       "it makes the ranks meet and know their place in the world")
+                out.append(f"{where}: {name} is set by raylaunch for every rank and cannot be overridden ({why})")
+    for name, value in env.vars.items():
+        if not isinstance(value, (str, int, float, bool)):
+            out.append(f"env.vars.{str(name)[:60]}: expected a string or a number, got {_kind(value)}")
+    both = sorted(set(env.vars) & set(env.secrets))
+    if both:
+        out.append(f"env: {', '.join(map(str, both))} named in both env.vars and env.secrets; a secret's value "
+                   "comes only from where the job is launched")
+    if isinstance(env.pip, str):
+        if not Path(env.pip).is_file():
+            out.append(f"env.pip: {env.pip!r} is not a requirements file in the working directory; "
+                       "give a list of requirements or the file's path relative to the project folder")
+    elif any(not r.strip() for r in env.pip):
+        out.append("env.pip: empty requirement; write each as it goes to pip, e.g. 'humanize==4.9.0'")
     return out
 
 
@@ -423,6 +486,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0]).replace('an ', '').replace('a ', '')}s"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
             dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -464,6 +529,13 @@ def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     elif tp is dict:
         if isinstance(value, dict):
             return value
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp)
+            scratch = []
+            out = [_check(item, v, f"{path}[{i}]", scratch) for i, v in enumerate(value)]
+            problems.extend(scratch)
+            return _MISSING if scratch else out
     else:  # pragma: no cover - a type this checker does not know is a bug here
         raise TypeError(f"spec field {path} has unsupported type {tp!r}")
     problems.append(f"{path}: expected {_describe(tp)}, got {_kind(value)} {_short(value)}")

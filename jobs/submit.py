@@ -24,6 +24,7 @@ from cluster.files import join_uri
 from cluster.local import AuthTokenMissing, check_auth_token
 from cluster.upload import UploadPlan, plan_upload
 from jobs.spec import JobSpec, SpecError, load_spec
+from jobs.environment import Secrets
 
 __all__ = [
     "JobsError",
@@ -56,6 +57,7 @@ class SubmitRequest:
     run_dir: str
     upload: UploadPlan
     spec: JobSpec = field(repr=False)
+    secrets: Secrets = field(default_factory=Secrets, repr=False)
 
     def describe(self) -> str:
         lines = [
@@ -65,6 +67,11 @@ class SubmitRequest:
             *self.upload.describe(),
             f"run directory: {self.run_dir} (on the cluster's storage)",
         ]
+        env = self.spec.env
+        if env.vars or env.secrets or env.pip:
+            lines.append(f"environment:   vars {', '.join(env.vars) or '-'}; secrets {', '.join(env.secrets) or '-'} "
+                         "(values from this shell, in the job's runtime environment, never printed); "
+                         f"packages {', '.join(env.requirements) or '-'}")
         return "\n".join(lines)
 
 
@@ -84,6 +91,7 @@ def plan_submit(
     cwd = Path(cwd or os.getcwd()).resolve()
     literals = dict(literals or {})
     spec = load_spec(spec_path, overrides, literals=literals)
+    job_secrets = Secrets.read(spec.env)  # from this shell; a missing one stops here, before anything is sent
     check_train_fn(spec.train_fn)
     spec_abs = Path(spec_path).resolve()
     try:
@@ -103,8 +111,9 @@ def plan_submit(
     submission_id = f"raylaunch-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     runtime_env = {
         **upload.runtime_env(),
-        # Time for the driver to stop every rank and record "stopped" after SIGTERM.
-        "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"},
+        # Time for the driver to stop every rank and record "stopped" after SIGTERM; the values
+        # of env.secrets, which the driver reads from its environment as `raylaunch run` does.
+        "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30", **job_secrets.values},
     }
     storage = spec.storage
     return SubmitRequest(
@@ -116,6 +125,7 @@ def plan_submit(
         run_dir=join_uri(storage, spec.name),
         upload=upload,
         spec=spec,
+        secrets=job_secrets,
     )
 
 
@@ -193,12 +203,15 @@ def send(request: SubmitRequest, jobs=None) -> str:
 _TERMINAL = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 
 
-def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None, quiet: bool = False) -> int:
+def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None, quiet: bool = False,
+           secrets: Secrets | None = None) -> int:
     """Show the job live until it ends; its exit status (0 succeeded, 1 failed, 3 stopped).
 
     A bar on a terminal, plain lines otherwise (see ``jobs.progress``).
-    Ctrl-C detaches and leaves the job running.
+    Ctrl-C detaches and leaves the job running. The driver masks ``env.secrets`` in what it
+    prints; ``secrets`` (the values this shell sent) are masked here too.
     """
+    secrets = secrets or Secrets()
     from jobs.progress import ProgressView
 
     jobs = jobs or client(address)
@@ -207,7 +220,7 @@ def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None, quiet
 
     async def tail() -> None:
         async for chunk in jobs.tail_job_logs(job_id):
-            progress.write(chunk)
+            progress.write(secrets.mask(chunk))
 
     try:
         asyncio.run(tail())

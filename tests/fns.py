@@ -169,3 +169,22 @@ def sabotage_storage(config: dict) -> dict:
     accelerator.wait_for_everyone()
     session.save(accelerator, 5)
     return {"saved": True}
+
+
+def env_probe(config: dict) -> dict:
+    """What the job's environment gave this rank: a plain variable, a secret (by its hash: a
+    return value is written to result.json), and an extra package when asked; prints the
+    secret, which the runner must mask."""
+    import hashlib
+    import importlib
+
+    Accelerator(**get_session().accelerator_kwargs())
+    secret = os.environ.get(config.get("secret", ""), "")
+    print(f"the secret is {secret}", flush=True)
+    out = {"var": os.environ.get(config.get("var", ""), None),
+           "secret_sha256": hashlib.sha256(secret.encode()).hexdigest(),
+           "rank_env": os.environ.get("RANK")}
+    if config.get("package"):
+        module = importlib.import_module(config["package"])
+        out["package_file"] = module.__file__
+    return out

@@ -52,8 +52,9 @@ def head(tmp_path_factory):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def cli(head, *args, token: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = cli_env()
+def cli(head, *args, token: bool = True, timeout: float = 240, extra_env: dict | None = None
+        ) -> subprocess.CompletedProcess:
+    env = {**cli_env(), **(extra_env or {})}
     env.pop("RAY_ADDRESS", None)
     if token:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
@@ -183,3 +184,42 @@ def test_upload_leaves_out_what_does_not_belong_and_refuses_too_large(tmp_path):
             plan_submit("job.yaml", [], "http://127.0.0.1:1")
         finally:
             os.chdir(cwd)
+
+
+def test_a_secret_reaches_the_ranks_of_a_submitted_job_and_nothing_shows_it(head, tmp_path):
+    """`env.secrets` read from the laptop's shell: every rank sees it; the job's entrypoint and
+    metadata, --dry-run, the followed output, status and every file of the run directory do not."""
+    import hashlib
+
+    value = f"hf_{secrets.token_hex(12)}"
+    env = {"RAYLAUNCH_TEST_HF_TOKEN": value}
+    args = ["submit", "jobs/examples/digits.yaml", "--address", head["address"], "--storage", str(tmp_path),
+            "--name", "env", "--set", "train_fn=tests.fns:env_probe",
+            "--set", "config={var: WANDB_PROJECT, secret: RAYLAUNCH_TEST_HF_TOKEN}",
+            "--set", "env.vars.WANDB_PROJECT=raylaunch-demo", "--set", "env.secrets=[RAYLAUNCH_TEST_HF_TOKEN]",
+            "--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2"]
+    dry = cli(head, *args, "--dry-run", extra_env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert "secrets RAYLAUNCH_TEST_HF_TOKEN (values from this shell" in dry.stdout and value not in dry.stdout
+    proc = cli(head, *args, "--follow", extra_env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the secret is ***" in proc.stdout and value not in proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "env" / "result.json").read_text())
+    for seen in result["rank_results"].values():
+        assert seen["var"] == "raylaunch-demo"
+        assert seen["secret_sha256"] == hashlib.sha256(value.encode()).hexdigest()
+    assert not [p for p in (tmp_path / "env").rglob("*") if p.is_file() and value.encode() in p.read_bytes()]
+    job = proc.stdout.split("submitted ", 1)[1].split()[0]
+    status = cli(head, "status", job, "--address", head["address"])
+    assert status.returncode == 0 and value not in status.stdout
+    # Ray's own record of the job, read with its SDK in a process of its own (it caches the auth mode)
+    read = ("import json, sys; from ray.job_submission import JobSubmissionClient as C; "
+            "i = C(sys.argv[1]).get_job_info(sys.argv[2]); "
+            "print(json.dumps({'entrypoint': i.entrypoint, 'metadata': i.metadata, 'runtime_env': i.runtime_env}))")
+    seen = subprocess.run([sys.executable, "-c", read, head["address"], job], capture_output=True, text=True,
+                          timeout=120, env={**cli_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": head["token"]})
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    info = json.loads(seen.stdout.strip().splitlines()[-1])
+    assert value not in info["entrypoint"] and value not in json.dumps(info["metadata"] or {})
+    # What Ray itself keeps, as the README says: the job's runtime environment carries the value
+    assert info["runtime_env"]["env_vars"]["RAYLAUNCH_TEST_HF_TOKEN"] == value

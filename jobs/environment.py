@@ -1,0 +1,74 @@
+"""A job's environment where it is launched: secret values, masking them, checking packages.
+
+A spec names secrets (``env.secrets: [HF_TOKEN]``); their values come from the environment of
+the process that launches the job (``raylaunch run``, or the laptop for ``raylaunch submit``),
+reach every rank's environment, and are never written or printed by the runner: any text the
+runner shows or stores that contains a value has it replaced by ``***``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Mapping
+
+from jobs.spec import EnvSpec, SpecError
+
+__all__ = ["MASK", "Secrets", "check_requirements"]
+
+MASK = "***"
+
+
+class Secrets:
+    """The values of a spec's ``env.secrets``; ``mask`` hides them in any text."""
+
+    def __init__(self, values: Mapping[str, str] | None = None) -> None:
+        self.values = dict(values or {})
+        # Longest first, so a value that contains another is masked whole.
+        self._needles = sorted({v for v in self.values.values() if v}, key=len, reverse=True)
+
+    def __repr__(self) -> str:  # never the values
+        return f"Secrets({sorted(self.values)})"
+
+    @classmethod
+    def read(cls, env: EnvSpec, environ: Mapping[str, str] | None = None) -> "Secrets":
+        """Each named secret from ``environ`` (this process's environment by default).
+
+        Raises ``SpecError`` naming every secret that is unset or empty.
+        """
+        environ = os.environ if environ is None else environ
+        missing = [n for n in env.secrets if not environ.get(n)]
+        if missing:
+            raise SpecError([f"env.secrets: {n} is not set (or empty) where the job is launched; export it "
+                             "in this shell, or remove it from env.secrets" for n in missing])
+        return cls({n: environ[n] for n in env.secrets})
+
+    def mask(self, text: str) -> str:
+        for needle in self._needles:
+            if needle in text:
+                text = text.replace(needle, MASK)
+        return text
+
+
+def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str | None:
+    """Resolve ``env.pip``'s requirements here with pip (nothing is installed).
+
+    Raises ``SpecError`` quoting pip when one cannot be found: Ray would otherwise try to build
+    the environment three times on every node (minutes) before it gives up. Returns a warning
+    when pip could not finish within ``timeout_s`` (the nodes will try anyway), else None.
+    """
+    if not requirements:
+        return None
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-input",
+           "--disable-pip-version-check", *requirements]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"raylaunch: env.pip: pip could not check {requirements} within {timeout_s:.0f} s; the nodes will try"
+    if done.returncode != 0:
+        errors = [ln.strip() for ln in done.stderr.splitlines() if ln.startswith("ERROR")] or \
+            done.stderr.strip().splitlines()[-2:]
+        raise SpecError([f"env.pip: {requirements} cannot be installed (pip, checked where the job is launched "
+                         f"before any node starts): {' | '.join(errors)[:800]}"])
+    return None

@@ -1,0 +1,109 @@
+"""The job's environment (`env.vars`, `env.secrets`, `env.pip`) on a real two-node Ray cluster."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli_env
+from jobs.driver import Driver
+from jobs.spec import SpecError, load_spec_text
+
+SECRET_NAME = "RAYLAUNCH_TEST_HF_TOKEN"
+SPEC = """
+name: {name}
+train_fn: tests.fns:env_probe
+config: {{var: WANDB_PROJECT, secret: {secret}, package: {package}}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+storage: {storage}
+env: {{vars: {{WANDB_PROJECT: raylaunch-demo}}, secrets: [{secret}], pip: {pip}}}
+"""
+
+
+def _spec(tmp_path: Path, name: str, package: str = "null", pip: str = "[]", nodes: int = 2) -> str:
+    text = SPEC.format(name=name, secret=SECRET_NAME, package=package, pip=pip, storage=tmp_path / "runs")
+    return text.replace("num_nodes: 2, workers_per_node: 1", f"num_nodes: {nodes}, workers_per_node: {3 - nodes}")
+
+
+def _files_holding(root: Path, needle: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes()]
+
+
+def raylaunch(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_variable_and_a_secret_reach_every_rank_and_the_secret_is_written_nowhere(
+        ray_cluster, tmp_path, monkeypatch):
+    value = f"hf_{secrets.token_hex(12)}"
+    monkeypatch.setenv(SECRET_NAME, value)
+    out = io.StringIO()
+    result = Driver(load_spec_text(_spec(tmp_path, "env")), can_grow=False, out=out).run()
+    assert result.status == "succeeded", result.error
+    for rank, seen in result.rank_results.items():
+        assert seen["var"] == "raylaunch-demo", (rank, seen)
+        assert seen["secret_sha256"] == hashlib.sha256(value.encode()).hexdigest(), rank
+    assert sorted(seen["rank_env"] for seen in result.rank_results.values()) == ["0", "1"]
+    printed = out.getvalue()
+    assert "[node 0 rank 0] the secret is ***" in printed and "[node 1 rank 1] the secret is ***" in printed
+    assert value not in printed
+    run_dir = tmp_path / "runs" / "env"
+    assert (run_dir / "logs").is_dir() and (run_dir / "spec.yaml").exists()
+    assert not _files_holding(run_dir, value)  # logs, spec.yaml, result.json, metrics, TensorBoard
+    assert SECRET_NAME in (run_dir / "spec.yaml").read_text()  # its name is part of the spec
+
+
+def test_validate_names_the_environment_and_refuses_a_runner_variable(tmp_path):
+    value = f"hf_{secrets.token_hex(12)}"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(_spec(tmp_path, "env-validate"))
+    env = {**cli_env(), SECRET_NAME: value}
+    ok = raylaunch("validate", str(spec), "--set", "env.vars.NCCL_DEBUG=INFO", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert f"environment: vars WANDB_PROJECT, NCCL_DEBUG; secrets {SECRET_NAME} (set in this shell)" in ok.stdout
+    assert value not in ok.stdout + ok.stderr
+    bad = raylaunch("validate", str(spec), "--set", "env.vars.RANK=3", env=env)
+    assert bad.returncode == 2
+    assert "env.vars: RANK is set by raylaunch for every rank and cannot be overridden" in bad.stderr
+
+
+def test_an_unset_secret_stops_the_run_before_anything_starts(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(_spec(tmp_path, "env-unset"))
+    env = cli_env()
+    env.pop(SECRET_NAME, None)
+    proc = raylaunch("run", str(spec), "--local-nodes", "1", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"env.secrets: {SECRET_NAME} is not set (or empty) where the job is launched" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_one_fails_first(
+        ray_cluster, tmp_path, monkeypatch):
+    """`humanize` is not in the project's environment; Ray installs it for the job on each node.
+
+    One node with two ranks: the simulated nodes of this machine share one Ray session folder, where
+    two nodes building the same package environment at once collide (real nodes have their own)."""
+    monkeypatch.setenv(SECRET_NAME, "unused-here")
+    result = Driver(load_spec_text(_spec(tmp_path, "pip", package="humanize", pip="[humanize]", nodes=1)),
+                    can_grow=False, out=io.StringIO()).run()
+    assert result.status == "succeeded", result.error
+    for seen in result.rank_results.values():
+        assert "site-packages/humanize" in seen["package_file"] and str(ROOT / ".venv") not in seen["package_file"]
+
+    out = io.StringIO()
+    bad = Driver(load_spec_text(_spec(tmp_path, "pip-bad", pip="[raylaunch-no-such-package-xyz]", nodes=1)),
+                 can_grow=False, out=out)
+    with pytest.raises(SpecError) as refused:
+        bad.run()
+    assert "env.pip: ['raylaunch-no-such-package-xyz'] cannot be installed" in str(refused.value)
+    assert "No matching distribution found for raylaunch-no-such-package-xyz" in str(refused.value)
+    assert not (tmp_path / "runs" / "pip-bad").exists()  # nothing started, nothing written
