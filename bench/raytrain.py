@@ -18,7 +18,9 @@ if __name__ == "__main__":
     env_vars = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     if not use_gpu:
         env_vars["ACCELERATE_USE_CPU"] = "true"
-    ray.init(num_cpus=2 * world if use_gpu else 2, num_gpus=world if use_gpu else 0, log_to_driver=False,
+    # address="local": always a new instance of its own; without it ray.init attaches to a Ray
+    # already running on the machine (another bench, a test), where num_cpus is an error.
+    ray.init(address="local", num_cpus=2 * world if use_gpu else 2, num_gpus=world if use_gpu else 0, log_to_driver=False,
              configure_logging=False, runtime_env={"env_vars": env_vars})
     trainer = TorchTrainer(train, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu),

@@ -15,7 +15,12 @@ from typing import Any, Iterable, Mapping
 # bytes, written only when a collective is enqueued: no measurable cost).
 FLIGHT_RECORDER_ENTRIES = 2000
 
-__all__ = ["SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface", "rendezvous_env"]
+__all__ = ["RECORD_KEYS", "SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface",
+           "rendezvous_env"]
+
+# What every metrics.jsonl row carries besides its metrics: a rank's metric of one of these
+# names is stored apart (``logged_<name>``), never over the row's own value.
+RECORD_KEYS = ("step", "rank", "node", "attempt", "time")
 
 
 @dataclass(frozen=True)

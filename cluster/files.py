@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+from typing import Any
 
 from pyarrow import fs as pafs
 
 __all__ = [
     "MANIFEST", "CheckpointError", "check_manifest", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
-    "split_query",
+    "split_query", "storage_credentials",
 ]
 
 
@@ -82,13 +84,36 @@ def describe_files(fs: pafs.FileSystem, path: str, known: dict[str, dict] | None
     return out
 
 
-def check_manifest(fs: pafs.FileSystem, path: str, manifest: dict, label: str) -> None:
-    """Every file the manifest lists is in ``path`` with its size and sha256.
+def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) -> None:
+    """The folder holds exactly the files the manifest lists, each with its size and sha256.
 
-    ``label`` names the checkpoint in the error (its URI); the error names the
-    first file that differs.
+    Refused, with ``CheckpointError`` naming the file: a malformed manifest, a listed path that
+    leads out of the folder, a file missing or changed, a file the manifest does not list, and
+    on a local path a symbolic link (the folder itself or anything in it). ``label`` names the
+    checkpoint in the error (its URI). A manifest is an integrity check, not a signature:
+    whoever can write the storage can write a matching manifest too.
     """
-    for rel, meta in manifest["files"].items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(m, dict) and isinstance(m.get("size"), int) and isinstance(m.get("sha256"), str)
+            for m in files.values()):
+        raise CheckpointError(f"{label}/{MANIFEST} is malformed (no 'files' of size and sha256)")
+    for rel in files:
+        parts = str(rel).replace("\\", "/").split("/")
+        if not rel or str(rel).startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise CheckpointError(f"{label}/{MANIFEST} lists {str(rel)[:200]!r}, a path leading out of the checkpoint")
+    if is_local(fs):
+        _refuse_links(path, label)
+    present = {
+        info.path[len(path.rstrip("/")) + 1:]
+        for info in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        if info.type != pafs.FileType.Directory
+    }
+    extra = sorted(present - set(files) - {MANIFEST})
+    if extra:
+        raise CheckpointError(f"{label}/{extra[0]} is not listed in its manifest"
+                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for rel, meta in files.items():
         info = fs.get_file_info(f"{path}/{rel}")
         if info.type == pafs.FileType.NotFound:
             raise CheckpointError(f"{label}/{rel} is missing (listed in its manifest)")
@@ -96,3 +121,38 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: dict, label: str) -
             raise CheckpointError(f"{label}/{rel} has {info.size} bytes; its manifest says {meta['size']}")
         if sha256(fs, f"{path}/{rel}") != meta["sha256"]:
             raise CheckpointError(f"{label}/{rel} does not match the checksum in its manifest")
+
+
+def _refuse_links(path: str, label: str) -> None:
+    """A checkpoint on a local path holds no symbolic link, and is none itself."""
+    if os.path.islink(path.rstrip("/")):
+        raise CheckpointError(f"{label} is a symbolic link; a committed checkpoint is a real folder")
+    for root, dirs, names in os.walk(path, followlinks=False):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(root, name)):
+                rel = os.path.relpath(os.path.join(root, name), path)
+                raise CheckpointError(f"{label}/{rel} is a symbolic link; a checkpoint holds only its own files")
+
+
+# Query keys of a storage URI that carry a secret (pyarrow's S3 and GCS options, and
+# what a user might try): refused, so the secret never lands in spec.yaml or a log.
+_SECRET_QUERY = re.compile(r"(secret|password|passwd|token|credential|signature|access_?key|private)", re.I)
+
+
+def storage_credentials(storage: str) -> str:
+    """What in a storage URI is a credential (``"user:password@"``, ``"the query key 'secret_key'"``), or ''."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    if "://" not in storage:
+        return ""
+    try:
+        parts = urlsplit(storage)
+        netloc = parts.netloc
+    except ValueError:
+        return ""
+    found = []
+    if "@" in netloc:
+        found.append("a user:password@ part before the bucket")
+    keys = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if _SECRET_QUERY.search(k)})
+    found += [f"the query key {k!r}" for k in keys[:5]]
+    return ", ".join(found)

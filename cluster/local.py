@@ -8,16 +8,41 @@ from typing import Iterator
 
 import ray
 
-__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "connect", "stop_processes_under"]
+from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
-# What a job's code upload never needs, besides what .gitignore and .rayignore name
-# (used here for `run --address` and by `raylaunch submit`).
-UPLOAD_EXCLUDES = [".git", ".venv", "venv", "**/__pycache__", "*.pyc", ".pytest_cache",
-                   ".mypy_cache", ".ruff_cache", "raylaunch-local", "runs", "*.egg-info",
-                   # secrets: environment files, private keys, cloud and registry credentials, Ray's token
-                   ".env", ".env.*", "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "*.pem", "*.key", "*.p12",
-                   ".aws", ".ssh", ".gnupg", ".netrc", ".pypirc", ".git-credentials", ".docker", ".kube",
-                   "gcloud", "application_default_credentials.json", "credentials.json", "auth_token"]
+# UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
+__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect",
+           "stop_processes_under"]
+
+
+class AuthTokenMissing(RuntimeError):
+    """RAY_AUTH_MODE=token is set and no token is where Ray looks for one."""
+
+
+def check_auth_token() -> None:
+    """With ``RAY_AUTH_MODE=token``, a token must be where Ray looks: say so before connecting.
+
+    Ray looks in ``RAY_AUTH_TOKEN``, then the file ``RAY_AUTH_TOKEN_PATH`` names, then
+    ``~/.ray/auth_token``; without one, the cluster's refusal reads like a dead address.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+        return
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    path = os.path.expanduser(named) if named else os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    try:
+        with open(path) as f:
+            if f.read().strip():
+                return
+    except OSError:
+        pass
+    where = f"RAY_AUTH_TOKEN_PATH ({path})" if named else f"{path}"
+    raise AuthTokenMissing(
+        f"RAY_AUTH_MODE=token is set but no token was found: RAY_AUTH_TOKEN is empty and {where} "
+        "does not exist or is empty. Put the cluster's token there (`ray get-auth-token` on the head "
+        "prints it) or set RAY_AUTH_TOKEN; unset RAY_AUTH_MODE for a cluster without token authentication."
+    )
 
 # What an embedded cluster leaves out: nobody can reach its dashboard; no autoscaler
 # watches it; and the ranks' output reaches the run through the node actors, not Ray's
@@ -27,12 +52,15 @@ EMBEDDED_NODE = {"include_dashboard": False, "no_monitor": True, "include_log_mo
 
 
 @contextlib.contextmanager
-def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0) -> Iterator[bool]:
+def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0,
+            upload: UploadPlan | None = None) -> Iterator[bool]:
     """Connect for the length of the block; yields whether the cluster may grow.
 
     ``address=None`` starts an embedded cluster of ``local_nodes`` real Ray
     nodes (``ray.cluster_utils.Cluster``: one raylet each) and tears it down
     afterwards; it cannot grow, so placement that does not fit fails at once.
+    With an address, the working directory is uploaded as ``upload`` plans it
+    (planned here from the current folder when not given), after its size check.
     """
     cwd = os.getcwd()
     if address is None:
@@ -42,13 +70,22 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         try:
             for _ in range(local_nodes - 1):
                 cluster.add_node(num_cpus=cpus_per_node, **EMBEDDED_NODE)
-            pythonpath = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
-            ray.init(
-                address=cluster.address,
-                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            # The runner's own packages first: a project's own cluster/ or jobs/ folder cannot
+            # stand in for them on the nodes; then the project, whose modules the ranks import.
+            runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
+            # ray.init puts the driver's current folder first on every worker's sys.path,
+            # ahead of PYTHONPATH: connect from the runner's folder so the order above holds.
+            os.chdir(runner)
+            try:
+                ray.init(
+                    address=cluster.address,
+                    runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            finally:
+                os.chdir(cwd)
             yield False
         finally:
             ray.shutdown()
@@ -58,9 +95,12 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         # Inside a Ray job: the job's runtime environment (its working_dir) is inherited.
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     else:
+        upload = upload or plan_upload(cwd)
+        upload.check()  # before Ray packages anything
+        check_auth_token()
         ray.init(
             address=address,
-            runtime_env={"working_dir": cwd, "excludes": UPLOAD_EXCLUDES},
+            runtime_env=upload.runtime_env(),
             log_to_driver=False,
             configure_logging=False,
         )

@@ -11,10 +11,12 @@ node 0 itself, which would bring back the bind-close-publish port race.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -70,29 +72,73 @@ class NodePoll:
     silent_s: float | None = None
 
 
-class _Tail:
-    """Reads the complete lines a growing file gained since the last call."""
+# A rank's output is read at most this much per poll, and a line longer than MAX_LINE is cut
+# (the rest of it skipped up to its newline): a 100 MB line or a progress bar that only ever
+# writes carriage returns keeps this actor's and the driver's memory bounded.
+MAX_READ = 4 * 2**20
+MAX_LINE = 64 * 2**10
 
-    def __init__(self, path: str) -> None:
+
+class _Tail:
+    """Reads the complete lines a growing file gained since the last call.
+
+    A carriage return starts the line over, as on a terminal (a tqdm bar shows its last state).
+    ``max_line=None`` never cuts (the runner's own event lines)."""
+
+    def __init__(self, path: str, max_line: int | None = MAX_LINE) -> None:
         self.path = path
         self.offset = 0
         self.partial = b""
+        self.max_line = max_line
+        self.skipping = False  # inside a line already cut: drop bytes up to its newline
 
     def read(self, final: bool = False) -> list[str]:
+        """The lines since the last call: at most MAX_READ bytes' worth, or all of it when ``final``."""
+        out: list[bytes] = []
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                data = f.read()
+                while True:
+                    data = f.read(MAX_READ if self.max_line else -1)
+                    self.offset += len(data)
+                    self._feed(data, out)
+                    if not final or not self.max_line or len(data) < MAX_READ:
+                        break
         except FileNotFoundError:
             return []
-        self.offset += len(data)
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()
         if final and self.partial:
-            lines.append(self.partial)
+            out.append(self._shape(self.partial))
             self.partial = b""
-        return [line.decode("utf-8", "replace") for line in lines]
+        return [line.decode("utf-8", "replace") for line in out]
+
+    def _feed(self, data: bytes, out: list[bytes]) -> None:
+        pieces = data.split(b"\n")
+        tail = pieces.pop()  # not ended by a newline yet
+        for piece in pieces:
+            line, skipped = self.partial + piece, self.skipping
+            self.partial, self.skipping = b"", False
+            if not skipped:  # else: the end of a line already given, cut
+                out.append(self._shape(line))
+        if not self.skipping:
+            self.partial = self.partial + tail
+            if self.max_line:
+                self.partial = self._last_segment(self.partial)
+                if len(self.partial) > self.max_line:
+                    out.append(self._shape(self.partial))
+                    self.partial, self.skipping = b"", True
+
+    def _last_segment(self, line: bytes) -> bytes:
+        """What a terminal shows of a line rewritten with carriage returns."""
+        cut = line.rfind(b"\r", 0, len(line) - 1) if line.endswith(b"\r") else line.rfind(b"\r")
+        return line[cut + 1:] if cut >= 0 else line
+
+    def _shape(self, line: bytes) -> bytes:
+        if not self.max_line:
+            return line
+        line = self._last_segment(line)
+        if len(line) > self.max_line:
+            line = line[: self.max_line] + f" ... [line cut at {self.max_line} bytes]".encode()
+        return line
 
 
 class NodeActor:
@@ -145,14 +191,26 @@ class NodeActor:
         self._store = None  # a new store for every attempt: no stale rank can join
         candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
         for port in candidates:
+            # Bound here, on the node's own address (the one the ranks use), and handed to the
+            # store: TCPStore would listen on every interface of the machine.
+            sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
             try:
-                self._store = TCPStore(
-                    ip, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-                )
-                return self._store.port
-            except DistNetworkError as exc:
-                if port == 0 or "EADDRINUSE" not in str(exc):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((ip, port))
+                sock.listen(512)
+            except OSError as exc:
+                sock.close()
+                if port == 0 or exc.errno != errno.EADDRINUSE:
                     raise
+                continue
+            try:
+                self._store = TCPStore(ip, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+            except DistNetworkError:
+                sock.close()
+                raise
+            sock.detach()  # the store owns the descriptor now, and closes it with itself
+            return self._store.port
         low, high = ports
         raise RendezvousError(
             f"no free port for the rendezvous store on node 0 ({ip}): all {high - low + 1} ports of "
@@ -187,7 +245,7 @@ class NodeActor:
         for i, rank in enumerate(self._ranks):
             self._tails.append((rank, "stdout", _Tail(self._pctx.stdouts[i])))
             self._tails.append((rank, "stderr", _Tail(self._pctx.stderrs[i])))
-            self._tails.append((rank, "event", _Tail(payloads[i].events_path)))
+            self._tails.append((rank, "event", _Tail(payloads[i].events_path, max_line=None)))
         self._state = "running"
 
     def pids(self) -> dict[int, int]:
@@ -249,7 +307,11 @@ class NodeActor:
             for line in tail.read(final):
                 if stream == "event":
                     if line.strip():
-                        out.events.append(json.loads(line))
+                        try:
+                            out.events.append(json.loads(line))
+                        except ValueError:  # a torn line (the rank was killed mid-write)
+                            out.logs.append((rank, "stderr", f"raylaunch: an unreadable event line was skipped: "
+                                                             f"{line[:200]!r}"))
                 else:
                     out.logs.append((rank, stream, line))
 
@@ -267,6 +329,7 @@ class NodeActor:
 
     def shutdown(self) -> None:
         self.stop()
+        self._store = None
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def read_file(self, uri: str) -> str | None:
@@ -299,6 +362,8 @@ def _failure(rank: int, f: Any) -> RankFailure:
 def _rank_main(payload: WorkerPayload) -> Any:
     from cluster.worker import run_worker
 
+    if os.environ.pop(_SAFE_PATH_MARK, None):  # ours, not the user's: their subprocesses get the usual path
+        os.environ.pop("PYTHONSAFEPATH", None)
     _die_with_parent()
     return run_worker(payload)
 
@@ -308,12 +373,25 @@ def _rank_main(payload: WorkerPayload) -> Any:
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worker", "cluster.runtime"]
 
 
+_SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
+
+
 def _start_forkserver() -> None:
     import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    forkserver.ensure_running()
+    # The server is `python -c ...`, which puts its working folder (the project's) first on
+    # sys.path: a project's own cluster/ folder would stand in for the runner's. PYTHONSAFEPATH
+    # (Python 3.11+) leaves it out; the project stays reachable through PYTHONPATH.
+    if "PYTHONSAFEPATH" not in os.environ:
+        os.environ.update({"PYTHONSAFEPATH": "1", _SAFE_PATH_MARK: "1"})
+    try:
+        forkserver.ensure_running()
+    finally:
+        if os.environ.get(_SAFE_PATH_MARK):
+            os.environ.pop("PYTHONSAFEPATH", None)
+            os.environ.pop(_SAFE_PATH_MARK, None)
     # And what this actor needs itself (the store, start_processes), before it is asked.
     import torch.distributed.elastic.multiprocessing  # noqa: F401
 

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
-from cluster.context import WorkerContext, WorkerPayload
+from cluster.context import RECORD_KEYS, WorkerContext, WorkerPayload
 from cluster.files import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query,
 )
@@ -62,7 +63,7 @@ class RunnerTracker(GeneralTracker):
         return self._session
 
     def store_init_configuration(self, values: dict) -> None:
-        self._session._emit({"kind": "config", "values": _jsonable(values)})
+        self._session._emit({"kind": "config", "values": self._session._clean(values, "configuration")})
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         # Accelerate calls this on the main process only; Session.log is per rank.
@@ -88,6 +89,7 @@ class Session:
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
+        self._said: set[str] = set()  # what _clean has said about the values (once each)
 
     @property
     def under_runner(self) -> bool:
@@ -118,9 +120,26 @@ class Session:
         kwargs.update(overrides)
         return kwargs
 
+    def _clean(self, values: Any, what: str) -> dict:
+        """``values`` within the caps, metric names apart from a row's own keys; each change said once."""
+        notes: list[str] = []
+        if not isinstance(values, dict):
+            notes.append(f"a {type(values).__name__} instead of a dict, logged as {{'value': ...}}")
+            values = {"value": values}
+        out = _jsonable(values, notes)
+        if what == "metrics":
+            for key in [k for k in out if k in RECORD_KEYS]:
+                out[f"logged_{key}"] = out.pop(key)
+                notes.append(f"'{key}' is a key of every metrics row: stored as 'logged_{key}'")
+        for note in dict.fromkeys(notes):
+            if note not in self._said:
+                self._said.add(note)
+                print(f"raylaunch: {what}: {note} (said once)", file=sys.stderr, flush=True)
+        return out
+
     def log(self, values: dict, step: int | None = None) -> None:
         """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank."""
-        self._emit({"kind": "metrics", "step": step, "values": _jsonable(values)})
+        self._emit({"kind": "metrics", "step": step, "values": self._clean(values, "metrics")})
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -230,8 +249,11 @@ class Session:
         run = open_uri(self.payload.staging_uri)[1].split("/.staging/")[0]
         if not path.startswith(f"{run}/checkpoints/"):
             raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
-        with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-            manifest = json.loads(f.read())
+        try:
+            with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{uri}/{MANIFEST} cannot be read: {str(exc)[:200]}") from None
         if is_local(fs):
             check_manifest(fs, path, manifest, path)
             accelerator.load_state(path)
@@ -253,17 +275,57 @@ class Session:
             self._events.flush()
 
 
-def _jsonable(values: dict) -> dict:
-    out = {}
-    for k, v in values.items():
-        if hasattr(v, "item") and callable(v.item):  # tensors and numpy scalars
-            try:
-                v = v.item()
-            except (ValueError, RuntimeError):
-                v = str(v)
-        if not isinstance(v, (int, float, str, bool, type(None), list, dict)):
-            v = str(v)
-        out[str(k)] = v
+# Caps on what one log call hands the runner: enough for any real metric, and what passes
+# them cannot swell metrics.jsonl, the driver's memory or TensorBoard.
+MAX_KEYS = 1000
+MAX_KEY_CHARS = 200
+MAX_TEXT_CHARS = 1000
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def _cap(v: Any) -> tuple[Any, str | None]:
+    """One value as JSON data within the caps, and what was changed (or None)."""
+    if hasattr(v, "item") and callable(v.item):  # tensors and numpy scalars
+        try:
+            v = v.item()
+        except (ValueError, RuntimeError):
+            pass
+    if isinstance(v, bool) or v is None:
+        return v, None
+    if isinstance(v, int):
+        if abs(v) <= 2**63:
+            return v, None
+        return (_FLOAT_MAX if v > 0 else -_FLOAT_MAX), "integers beyond 2**63 capped to the largest float"
+    if isinstance(v, float):
+        return v, None  # NaN and infinity stay what they are: they are never drawn as a point
+    if isinstance(v, (list, dict)):
+        try:
+            text = json.dumps(v)
+        except (TypeError, ValueError):  # objects inside, or a cycle
+            text = repr(v)
+        else:
+            if len(text) <= MAX_TEXT_CHARS:
+                return v, None
+        v = text
+    elif not isinstance(v, str):
+        v = str(v)
+    if len(v) > MAX_TEXT_CHARS:
+        return v[:MAX_TEXT_CHARS] + "...", f"text longer than {MAX_TEXT_CHARS} characters cut"
+    return v, None
+
+
+def _jsonable(values: dict, notes: list[str]) -> dict:
+    out: dict[str, Any] = {}
+    if len(values) > MAX_KEYS:
+        notes.append(f"more than {MAX_KEYS} keys in one call: the rest dropped")
+    for k, v in list(values.items())[:MAX_KEYS]:
+        key = str(k)
+        if len(key) > MAX_KEY_CHARS:
+            key = key[:MAX_KEY_CHARS]
+            notes.append(f"names longer than {MAX_KEY_CHARS} characters cut")
+        out[key], note = _cap(v)
+        if note:
+            notes.append(note)
     return out
 
 

@@ -19,26 +19,31 @@ __all__ = ["check_train_fn", "resolve_train_fn", "run_worker"]
 
 
 def check_train_fn(path: str) -> None:
-    """Check that ``"module:function"`` exists without running the module's code.
+    """Check that ``"module:function"`` exists without running any of the user's code.
 
-    The driver calls this before it reserves anything; the module is found on
-    ``sys.path`` and its top-level definitions are read from the source.
+    The driver calls this before it reserves anything. The module is found on
+    ``sys.path`` one package at a time (no package's ``__init__`` runs) and its
+    top-level definitions are read from the source; a module without source (an
+    extension) is the one case that is imported.
     """
     import ast
-    import importlib.util
 
     module_name, _, fn_name = path.partition(":")
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except ModuleNotFoundError:
-        spec = None
+    spec = _find_source(module_name)
     if spec is None:
         raise _no_module(path, module_name)
     if not spec.origin or not spec.origin.endswith(".py"):
         resolve_train_fn(path)  # no source to read: import it
         return
-    with open(spec.origin) as f:
-        tree = ast.parse(f.read(), spec.origin)
+    try:
+        with open(spec.origin, "rb") as f:
+            tree = ast.parse(f.read(), spec.origin)
+    except SyntaxError as exc:
+        raise ImportError(
+            f"train_fn {path!r}: {spec.origin} line {exc.lineno}: {type(exc).__name__}: {exc.msg}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ImportError(f"train_fn {path!r}: cannot read {spec.origin}: {exc}") from None
     names = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -53,6 +58,45 @@ def check_train_fn(path: str) -> None:
             f"train_fn {path!r}: module {module_name!r} ({spec.origin}) has no function {fn_name!r}"
             + (f"; it defines: {', '.join(defs)}" if defs else "")
         )
+
+
+def _find_source(module_name: str):
+    """The module's spec, found like an import would without executing any package.
+
+    A package already imported (the runner's own) is searched where it was loaded from.
+    """
+    import importlib.machinery
+    import sys
+
+    if not module_name or module_name.startswith("."):
+        return None
+    parts = module_name.split(".")
+    search = None  # sys.path
+    spec = None
+    for i, part in enumerate(parts):
+        name = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(name)
+        if loaded is not None and getattr(loaded, "__spec__", None) is not None:
+            spec = loaded.__spec__
+        elif i == 0:  # a top-level name: finding it runs nothing (an editable install's finder too)
+            import importlib.util
+
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+        else:
+            try:
+                spec = importlib.machinery.PathFinder.find_spec(name, search)
+            except (ImportError, ValueError):
+                spec = None
+        if spec is None:
+            return None
+        if i < len(parts) - 1:
+            search = list(spec.submodule_search_locations or [])
+            if not search:
+                return None
+    return spec
 
 
 def _no_module(path: str, module_name: str) -> ImportError:
@@ -127,7 +171,55 @@ def run_worker(payload: WorkerPayload) -> Any:
     if dist.is_initialized():
         dist.destroy_process_group()
     session._emit({"kind": "finished"})
-    return result
+    return _storable_return(result, payload.context.world_rank)
+
+
+# A return value lands in result.json; past this it is cut (a model or a dataset returned by mistake).
+MAX_RETURN_CHARS = 1_000_000
+
+
+def _storable_return(value: Any, rank: int) -> Any:
+    """The return value as JSON data: what is not (an object, a lock, a cycle) is kept as its
+    repr, and said on the rank's log, instead of failing the rank's exit with no exception."""
+    import json
+    import sys
+
+    notes: list[str] = []
+    out = _plain(value, set(), notes, 0)
+    text = json.dumps(out)
+    if len(text) > MAX_RETURN_CHARS:
+        notes.append(f"the whole value is {len(text):,} characters as JSON, over {MAX_RETURN_CHARS:,}: "
+                     "kept as its first characters")
+        out = {"truncated": text[:MAX_RETURN_CHARS]}
+    if notes:
+        print(f"raylaunch: rank {rank}'s return value is not all JSON data; stored with "
+              + "; ".join(notes[:5]) + (f" (and {len(notes) - 5} more)" if len(notes) > 5 else ""),
+              file=sys.stderr, flush=True)
+    return out
+
+
+def _plain(value: Any, seen: frozenset[int] | set[int], notes: list[str], depth: int) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy or torch scalar
+        return _plain(value.item(), seen, notes, depth)
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in seen:
+            notes.append("a reference to itself (a cycle) as '<cycle>'")
+            return "<cycle>"
+        if depth >= 32:
+            notes.append("nesting deeper than 32 levels as '<too deep>'")
+            return "<too deep>"
+        seen = seen | {id(value)}
+        if isinstance(value, dict):
+            return {str(k): _plain(v, seen, notes, depth + 1) for k, v in value.items()}
+        return [_plain(v, seen, notes, depth + 1) for v in value]
+    notes.append(f"a {type(value).__name__} as its repr")
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails is the user's bug; the rank's result is not
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 1000 else text[:997] + "..."
 
 
 def _start_heartbeat(path: str, session: runtime.Session, every_s: float = 0.5, resources_every_s: float = 5.0) -> None:

@@ -14,18 +14,13 @@ from jobs.spec import JobSpec, SpecError, load_spec
 __all__ = ["main"]
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    """``--set`` items, then ``--storage`` and ``--name`` as the overrides they are."""
-    overrides = list(args.set or [])
-    if args.storage:
-        overrides.append(f"storage={args.storage}")
-    if args.name:
-        overrides.append(f"name={args.name}")
-    return overrides
+def _literals(args: argparse.Namespace) -> dict[str, str]:
+    """``--storage`` and ``--name``: strings as given, never read as YAML (``--name 2024``)."""
+    return {key: value for key in ("storage", "name") if (value := getattr(args, key)) is not None}
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
-    return load_spec(args.spec, _overrides(args))
+    return load_spec(args.spec, list(args.set or []), literals=_literals(args))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -58,11 +53,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     view = ProgressView.for_stream(sys.stdout, quiet=args.quiet)
     driver = Driver(spec, fresh=args.fresh, out=view)
     driver.preflight()  # train_fn and storage are checked before Ray starts
+    upload = None
+    if address is not None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        from cluster.upload import plan_upload
+
+        upload = plan_upload(os.getcwd(), storage=spec.storage)  # checked before anything is packaged
     s = spec.scaling
     per_node = s.workers_per_node * s.cpus_per_worker if isinstance(s.workers_per_node, int) else float(os.cpu_count() or 1)
     # `raylaunch stop` (Ray Jobs) and a scheduler's kill send SIGTERM: stop every rank,
     # record "stopped" and keep the last committed checkpoint.
-    with connect(address, local_nodes=args.local_nodes or 1, cpus_per_node=per_node) as can_grow:
+    with connect(address, local_nodes=args.local_nodes or 1, cpus_per_node=per_node, upload=upload) as can_grow:
         signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which installs its own
         driver.can_grow = can_grow
         try:
@@ -99,7 +99,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from jobs import submit
 
     address = _address(args)
-    request = submit.plan_submit(args.spec, _overrides(args), address)
+    request = submit.plan_submit(args.spec, list(args.set or []), address, literals=_literals(args))
     if args.dry_run:
         print(request.describe())
         print("raylaunch: --dry-run: nothing was sent")
@@ -275,13 +275,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The verbs that import the user's training function, and so need the working directory.
+_USER_CODE_VERBS = {"run", "submit", "validate"}
+
+
+def _set_path(command: str) -> None:
+    """The working directory on ``sys.path`` only for the verbs that import the user's code,
+    after the runner's own packages (and the storage layer's pyarrow) are loaded, so a project's
+    own ``cluster/``, ``jobs/`` or ``train_fn/`` folder cannot stand in for them, and a stray
+    ``pyarrow.py`` cannot reach ``runs``/``show``/``plot`` at all."""
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", cwd)]
+    if command in _USER_CODE_VERBS:
+        import cluster  # noqa: F401  (pinned before the folder joins the path)
+        import jobs.storage  # noqa: F401
+        import train_fn  # noqa: F401
+
+        # The project's modules are what every node gets (uploaded with the job, or on the
+        # embedded cluster's PYTHONPATH), so the driver finds them too.
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
-    # The working directory is the project: its modules are what every node gets (uploaded
-    # with the job, or on the embedded cluster's PYTHONPATH), so the driver finds them too,
-    # under the installed `raylaunch` script as under `python -m jobs.cli`.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     args = _parser().parse_args(argv)
+    _set_path(args.command)
     if getattr(args, "local_nodes", None) is not None and args.local_nodes < 1:
         print("raylaunch: --local-nodes must be at least 1", file=sys.stderr)
         return 2
@@ -298,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as exc:
         from jobs.hangs import StacksError
+        from cluster.local import AuthTokenMissing
+        from cluster.upload import UploadError
         from jobs.runs import RunNotFound
         from jobs.storage import StorageError
         from jobs.submit import JobsError
@@ -305,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, RunNotFound):
             print(f"raylaunch: {exc.args[0]}", file=sys.stderr)
             return 2
-        if isinstance(exc, StorageError):
+        if isinstance(exc, (StorageError, UploadError)):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 2
-        if isinstance(exc, StacksError):
+        if isinstance(exc, (StacksError, AuthTokenMissing)):
             print(f"raylaunch: {exc}", file=sys.stderr)
             return 1
         if isinstance(exc, JobsError):

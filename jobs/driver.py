@@ -193,6 +193,14 @@ class Driver:
                 where = where_ranks_are(self.group, self.run_dir, r.attempts)
                 r.error += "\n" + where
                 self._say(f"raylaunch: {where}")
+        except Exception as exc:  # the runner's own failure: the run still ends recorded, never "running"
+            import traceback
+
+            r.status = "failed"
+            r.error = f"the driver failed: {type(exc).__name__}: {str(exc)[:2000]}"
+            print(self.secrets.mask(f"raylaunch: {r.error}; every rank is stopped, what was committed stays. The driver's "
+                  f"traceback (a bug in raylaunch, please report it):\n{traceback.format_exc()}"),
+                  file=sys.stderr)
         finally:
             r.live = {}
             if self.group is not None:
@@ -221,7 +229,10 @@ class Driver:
 
     def _write_result(self) -> None:
         """``result.json`` as the run stands: written when each attempt starts, and at the end."""
-        self._result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+        try:
+            self._result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+        except OSError as exc:  # the outcome is still recorded, with the checkpoints last seen
+            self._say(f"raylaunch: could not list the committed checkpoints: {exc}")
         self.run_dir.write_result(dataclasses.asdict(self._result))
 
     def _reserve(self, placement: Placement) -> NodeGroup:

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from jobs.spec import run_name_problem
 from jobs.storage import RunDir, numeric_metrics
 
 __all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "series", "summaries"]
@@ -34,6 +35,9 @@ class Series:
 
 
 def _open(storage: str, name: str) -> RunDir:
+    wrong = run_name_problem(name)
+    if wrong:
+        raise RunNotFound(f"run name {wrong}; see `raylaunch runs --storage {storage}`")
     run = RunDir(storage, name)
     if run.read_spec() is None:
         names = RunDir.names(storage)

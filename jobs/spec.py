@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Union
 
 import yaml
+
+from cluster.files import storage_credentials
 
 __all__ = [
     "AccelerateSpec",
@@ -41,6 +45,7 @@ __all__ = [
     "load_spec",
     "load_spec_text",
     "parse_port_range",
+    "run_name_problem",
     "spec_from_dict",
     "spec_to_dict",
 ]
@@ -60,24 +65,37 @@ class SpecError(ValueError):
         return (SpecError, (self.problems, self.source))
 
 
-def _at_least(low: float, default: Any, extra: str = "", *, strict: bool = False) -> Any:
-    """A field whose numeric value must be >= low (> low when strict)."""
-    def ok(v: Any) -> bool:
-        return not isinstance(v, (int, float)) or (v > low if strict else v >= low)
+# Upper bounds: far beyond any real cluster, but finite, so `.inf` or `1e300` is refused
+# here rather than overflowing inside a node actor or every rank.
+_MANY = 10_000
+_MONTH_S = 30 * 24 * 3600.0
 
-    word = f"more than {low:g}" if strict else f"at least {low:g}"
-    return field(default=default, metadata={"check": (ok, f"must be {word}{extra}")})
+
+def _within(low: float, high: float, default: Any, extra: str = "", *, strict: bool = False) -> Any:
+    """A field whose numeric value must be finite, >= low (> low when strict) and <= high."""
+    def problem(v: Any) -> str | None:
+        if not isinstance(v, (int, float)):
+            return None
+        if not math.isfinite(v):
+            return f"must be a finite number, at most {high:g}{extra}"
+        if v < low or (strict and v == low):
+            return f"must be {'more than' if strict else 'at least'} {low:g}{extra}"
+        if v > high:
+            return f"must be at most {high:g}{extra}"
+        return None
+
+    return field(default=default, metadata={"check": problem})
 
 
 @dataclass(frozen=True)
 class ScalingSpec:
     """How many nodes, and how many worker processes on each."""
 
-    num_nodes: int = _at_least(1, 1)
+    num_nodes: int = _within(1, _MANY, 1)
     # A number, or "auto": every GPU of a node (every CPU slot on CPU nodes).
-    workers_per_node: Union[int, Literal["auto"]] = _at_least(1, 1, " or 'auto'")
+    workers_per_node: Union[int, Literal["auto"]] = _within(1, 1024, 1, " or 'auto'")
     use_gpu: Union[bool, Literal["auto"]] = "auto"
-    cpus_per_worker: float = _at_least(0, 1.0, strict=True)
+    cpus_per_worker: float = _within(0, 1024, 1.0, strict=True)
 
 
 @dataclass(frozen=True)
@@ -94,7 +112,7 @@ class AccelerateSpec:
     """Accelerator options the runner applies to every rank."""
 
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    gradient_accumulation_steps: int = _at_least(1, 1)
+    gradient_accumulation_steps: int = _within(1, 1_000_000, 1)
     dataloader: DataLoaderSpec = field(default_factory=DataLoaderSpec)
 
 
@@ -102,17 +120,17 @@ class AccelerateSpec:
 class CheckpointSpec:
     """How many committed checkpoints to keep (the newest ``keep``)."""
 
-    keep: int = _at_least(1, 2, " (the latest committed checkpoint is never deleted)")
+    keep: int = _within(1, _MANY, 2, " (the latest committed checkpoint is never deleted)")
 
 
 @dataclass(frozen=True)
 class FailureSpec:
     """Restarts from the last committed checkpoint after a failed attempt."""
 
-    max_restarts: int = _at_least(0, 0)
+    max_restarts: int = _within(0, _MANY, 0)
     # Ranks ended by SIGTERM (a spot node's preemption notice) restart without using
     # max_restarts, up to this many times.
-    max_preemptions: int = _at_least(0, 10)
+    max_preemptions: int = _within(0, _MANY, 10)
 
 
 @dataclass(frozen=True)
@@ -121,16 +139,16 @@ class TimeoutSpec:
 
     # Waiting for the cluster to grant one bundle per node. A cluster that
     # can never grant them (too few nodes and no autoscaler) fails at once.
-    placement_s: float = _at_least(0, 120.0, " seconds", strict=True)
+    placement_s: float = _within(0, _MONTH_S, 120.0, " seconds", strict=True)
     # Every rank must join the process group within this time.
-    rendezvous_s: float = _at_least(0, 300.0, " seconds", strict=True)
+    rendezvous_s: float = _within(0, _MONTH_S, 300.0, " seconds", strict=True)
     # A rank process that has not run for this long (stopped, frozen), or a
     # node that has not answered for this long (its host or link is down), is
     # treated as dead: every rank is stopped and the attempt restarts.
-    heartbeat_s: float = _at_least(0, 60.0, " seconds", strict=True)
+    heartbeat_s: float = _within(0, _MONTH_S, 60.0, " seconds", strict=True)
     # A collective that waits this long fails its rank (the process group's
     # timeout; NCCL's own default is 10 minutes).
-    collective_s: float = _at_least(0, 600.0, " seconds", strict=True)
+    collective_s: float = _within(0, _MONTH_S, 600.0, " seconds", strict=True)
 
 
 @dataclass(frozen=True)
@@ -243,51 +261,103 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
+# A spec holds a few hundred values; aliases (`&a`, `*a`) can make a small file stand for
+# billions of them, which any walk (the checks, spec.yaml, json) would expand.
+MAX_VALUES = 100_000
+
+
 def _parse_yaml(text: str, source: str) -> Any:
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise SpecError([f"not valid YAML: {exc}"], source) from None
+        raise SpecError([f"not valid YAML: {_clip(str(exc), 600)}"], source) from None
+    _count_values(data, source)
+    return data
+
+
+def _count_values(data: Any, source: str) -> None:
+    """Refuse data that expands to more than MAX_VALUES values (shared aliases counted each time)."""
+    count, stack = 0, [data]
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise SpecError([f"expands to more than {MAX_VALUES:,} values (YAML aliases repeated, or a "
+                             "recursive alias); write the values out, or keep large data out of the spec"], source)
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlist = _REPR.maxdict = 6
+_REPR.maxlevel = 3
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    """Text for an error message, never longer than ``limit``."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: Any) -> str:
+    """A repr for an error message, never longer than 120 characters."""
+    return _clip(_REPR.repr(value))
 
 
 # --- loading ---------------------------------------------------------------
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read a spec file, apply ``--set`` style overrides, and check it."""
+def load_spec(path: str | Path, overrides: list[str] | None = None,
+              literals: Mapping[str, str] | None = None) -> JobSpec:
+    """Read a spec file, apply ``--set`` style overrides, then ``literals``, and check it.
+
+    ``literals`` (``{"name": ..., "storage": ...}`` from ``--name``/``--storage``) are
+    strings as given, never read as YAML: ``--name "exp #3"`` is ``exp #3``.
+    """
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise SpecError([f"cannot read the spec file: {exc.strerror}"], str(path)) from None
-    return load_spec_text(text, overrides, source=str(path))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                         "save the spec as UTF-8"], str(path)) from None
+    return load_spec_text(text, overrides, source=str(path), literals=literals)
 
 
 def load_spec_text(
-    text: str, overrides: list[str] | None = None, source: str = "the job spec"
+    text: str, overrides: list[str] | None = None, source: str = "the job spec",
+    literals: Mapping[str, str] | None = None,
 ) -> JobSpec:
     raw = _parse_yaml(text, source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError([f"the top level must be a mapping of keys, not {_kind(raw)}"], source)
-    return spec_from_dict(apply_overrides(raw, overrides or [], source), source)
+    return spec_from_dict(apply_overrides(raw, overrides or [], source, literals), source)
 
 
-def apply_overrides(raw: dict, overrides: list[str], source: str = "--set") -> dict:
-    """Apply ``a.b.c=value`` strings to a plain dict (a deep copy is returned).
+def apply_overrides(raw: dict, overrides: list[str], source: str = "--set",
+                    literals: Mapping[str, str] | None = None) -> dict:
+    """Apply ``a.b.c=value`` strings, then ``{a.b.c: value}`` literals, to a plain dict (a copy).
 
-    Values are read as YAML, so ``4``, ``3e-4``, ``true`` and ``[1, 2]`` keep
-    their types; anything else stays a string.
+    ``--set`` values are read as YAML, so ``4``, ``3e-4``, ``true`` and ``[1, 2]`` keep
+    their types; anything else stays a string. Literals stay the strings they are.
     """
     import copy
 
     out = copy.deepcopy(raw)
     problems = []
-    for item in overrides:
+    items = [(item, False) for item in overrides] + [(f"{k}={v}", True) for k, v in (literals or {}).items()]
+    for item, literal in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            problems.append(f"--set {item!r}: expected KEY=VALUE, e.g. scaling.num_nodes=4")
+            problems.append(f"--set {_short(item)}: expected KEY=VALUE, e.g. scaling.num_nodes=4")
             continue
         parts = key.strip().split(".")
         node = out
@@ -300,7 +370,10 @@ def apply_overrides(raw: dict, overrides: list[str], source: str = "--set") -> d
                 break
             node = child
         else:
-            node[parts[-1]] = _parse_yaml(value, f"--set {key}") if value.strip() else ""
+            if literal:
+                node[parts[-1]] = value
+            else:
+                node[parts[-1]] = _parse_yaml(value, f"--set {key}") if value.strip() else ""
     if problems:
         raise SpecError(problems, source)
     return out
@@ -321,24 +394,45 @@ def spec_to_dict(spec: JobSpec) -> dict:
     return dataclasses.asdict(spec)
 
 
+def run_name_problem(name: str) -> str | None:
+    """What is wrong with a run name (it names a folder under the storage), or None.
+
+    >>> run_name_problem("../etc")
+    "'../etc' must start with a letter or digit, then letters, digits, '.', '_' or '-', at most 200 (it names the run directory)"
+    """
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", name):
+        return None
+    return (f"{_short(name)} must start with a letter or digit, then letters, digits, '.', '_' or '-', "
+            "at most 200 (it names the run directory)")
+
+
 def _cross_checks(spec: JobSpec) -> list[str]:
     out = []
     module, sep, fn = spec.train_fn.partition(":")
     if not sep or not module or not fn:
         out.append(
-            f"train_fn: {spec.train_fn!r} must be 'module:function', "
+            f"train_fn: {_short(spec.train_fn)} must be 'module:function', "
             "e.g. train_fn.digits:train"
         )
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name):
+    elif not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", module) \
+            or not fn.isidentifier():
         out.append(
-            f"name: {spec.name!r} must be letters, digits, '.', '_' or '-' "
-            "(it names the run directory)"
+            f"train_fn: {_short(spec.train_fn)} must be an absolute module path and a function name, "
+            "e.g. mypkg.train:main (no leading '.', no file path)"
         )
+    wrong = run_name_problem(spec.name)
+    if wrong:
+        out.append(f"name: {wrong}")
     s = spec.scaling
     if s.use_gpu is False and spec.accelerate.mixed_precision == "fp16":
         out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")
     if not spec.storage.strip():
         out.append("storage: must be a path or a URI such as s3://bucket/runs")
+    secret = storage_credentials(spec.storage)
+    if secret:  # never echo the value: it holds the secret
+        out.append(f"storage: the URI holds credentials ({secret}); remove them. Each node uses its own "
+                   "credential chain (instance profile, AWS_* or GOOGLE_APPLICATION_CREDENTIALS variables "
+                   "in its environment); the URI carries only the bucket, prefix and options")
     try:
         parse_port_range(spec.rendezvous.ports)
     except ValueError as exc:
@@ -444,7 +538,7 @@ def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             return _MISSING if scratch else out
     else:  # pragma: no cover - a type this checker does not know is a bug here
         raise TypeError(f"spec field {path} has unsupported type {tp!r}")
-    problems.append(f"{path}: expected {_describe(tp)}, got {_kind(value)} {value!r}")
+    problems.append(f"{path}: expected {_describe(tp)}, got {_kind(value)} {_short(value)}")
     return _MISSING
 
 
@@ -455,15 +549,16 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[str]) 
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            near = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+            near = difflib.get_close_matches(str(key)[:100], fields, n=1, cutoff=0.6)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(fields)}"
-            problems.append(f"{path}: unknown key{hint}")
+            problems.append(f"{_clip(path)}: unknown key{hint}")
             continue
         out = _check(hints[key], value, path, problems)
         if out is not _MISSING:
             check = fields[key].metadata.get("check")
-            if check and not check[0](out):
-                problems.append(f"{path}: {check[1]}, got {value!r}")
+            wrong = check(out) if check else None
+            if wrong:
+                problems.append(f"{path}: {wrong}, got {_short(value)}")
                 continue
             kwargs[key] = out
     for name, f in fields.items():

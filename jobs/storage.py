@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,18 +30,20 @@ from typing import Any
 import yaml
 from pyarrow import fs as pafs
 
-from cluster.files import MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query
+from cluster.context import RECORD_KEYS
+from cluster.files import (
+    MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
+)
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
-# What every metrics.jsonl record carries besides its metrics.
-RECORD_KEYS = ("step", "rank", "node", "attempt", "time")
 
 
 def numeric_metrics(record: dict) -> dict[str, float]:
     """A metrics.jsonl record's metrics that are numbers (not its RECORD_KEYS, not booleans)."""
     return {k: v for k, v in record.items()
-            if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (isinstance(v, float) or abs(v) < 2**1000)}  # an int float() cannot hold is no curve
 
 LATEST = "latest.json"
 # On an object store, metrics and logs are rewritten whole at most this often, less often as
@@ -76,11 +79,16 @@ class RunDir:
         storage = os.path.expanduser(storage)
         if "://" not in storage:
             storage = os.path.abspath(storage)
+        secret = storage_credentials(storage)
+        if secret:  # never echoed: the value holds the secret
+            raise StorageError(f"the storage URI holds credentials ({secret}); remove them: each node and "
+                               "this machine use their own credential chain (instance profile, AWS_* variables)")
         try:
             self.fs, base = open_uri(storage)
         except Exception as exc:  # pyarrow raises ArrowInvalid and friends
             raise StorageError(f"storage {storage!r} is not a path or a URI pyarrow can open: {exc}") from None
         self.storage = storage
+        self._warned: set[str] = set()  # damaged files already said (see _warn_once)
         self.name = name
         self.path = f"{base.rstrip('/')}/{name}"
         self._local = is_local(self.fs)
@@ -184,10 +192,18 @@ class RunDir:
 
     def write_result(self, result: dict) -> None:
         self.flush()
-        self._write(f"{self.path}/result.json", json.dumps(result, indent=2).encode())
+        self._write(f"{self.path}/result.json", json.dumps(result, indent=2, default=str).encode())
 
     def read_result(self) -> dict | None:
-        return self._read_json(f"{self.path}/result.json")
+        try:
+            result = self._read_json(f"{self.path}/result.json")
+        except ValueError:
+            result = None
+        if result is not None and not isinstance(result, dict):
+            result = None
+        if result is None and self.fs.get_file_info(f"{self.path}/result.json").type == pafs.FileType.File:
+            self._warn_once(f"raylaunch: {self._show(self.path)}/result.json cannot be read; treated as absent")
+        return result
 
     def write_stacks(self, attempt: int, text: str, flight_recorder: dict[int, bytes] | None = None) -> str:
         """Write ``logs/stacks-<attempt>-<time>.txt`` (and each rank's NCCL Flight Recorder dump
@@ -258,13 +274,33 @@ class RunDir:
         for info in self.fs.get_file_info(pafs.FileSelector(self.checkpoints_path, allow_not_found=True)):
             base = info.base_name
             if info.type == pafs.FileType.Directory and base.startswith("checkpoint-"):
-                manifest = self._read_json(f"{info.path}/{MANIFEST}")
-                if manifest is not None:
-                    out.append(CommittedCheckpoint(int(manifest["step"]), self._uri(info.path), base))
+                try:
+                    manifest = self._read_json(f"{info.path}/{MANIFEST}")
+                    step = int(manifest["step"]) if manifest is not None else None
+                except (ValueError, TypeError, KeyError):  # corrupted: as if never committed
+                    self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} cannot be read; that "
+                                    "checkpoint is skipped")
+                    continue
+                if step is not None:
+                    out.append(CommittedCheckpoint(step, self._uri(info.path), base))
         return sorted(out, key=lambda c: c.step)
 
+    def _warn_once(self, text: str) -> None:
+        """A damaged file of the run is said once on stderr, and what depends on it goes on without it."""
+        if text not in self._warned:
+            self._warned.add(text)
+            print(text, file=sys.stderr, flush=True)
+
     def latest_checkpoint(self) -> CommittedCheckpoint | None:
-        pointer = self._read_json(f"{self.checkpoints_path}/{LATEST}")
+        try:
+            pointer = self._read_json(f"{self.checkpoints_path}/{LATEST}")
+            if pointer is not None and not isinstance(pointer.get("name"), str):
+                raise ValueError("no 'name'")
+        except (ValueError, AttributeError) as exc:
+            committed = self.committed_checkpoints()
+            self._warn_once(f"raylaunch: {self._show(self.checkpoints_path)}/{LATEST} cannot be read ({exc}); "
+                            "using the newest committed checkpoint" + ("" if committed else ": there is none"))
+            return committed[-1] if committed else None
         if pointer is None:
             return None
         committed = {c.name: c for c in self.committed_checkpoints()}
@@ -330,10 +366,23 @@ class RunDir:
         """Every record of ``metrics.jsonl``; a line being written (no newline yet) is left out."""
         try:
             with self.fs.open_input_stream(f"{self.path}/metrics.jsonl") as f:
-                text = f.read().decode()
+                text = f.read().decode("utf-8", "replace")
         except FileNotFoundError:
             return []
-        return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+        rows, bad = [], 0
+        for line in text.split("\n")[:-1]:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None
+                if isinstance(row, dict):
+                    rows.append(row)
+                else:
+                    bad += 1
+        if bad:
+            self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/metrics.jsonl cannot be read; skipped")
+        return rows
 
     def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
         """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""

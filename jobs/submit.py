@@ -21,18 +21,17 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster.files import join_uri
-from cluster.local import UPLOAD_EXCLUDES
+from cluster.local import AuthTokenMissing, check_auth_token
+from cluster.upload import UploadPlan, plan_upload
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.environment import Secrets
 
 __all__ = [
     "JobsError",
     "SubmitRequest",
-    "UploadPlan",
     "client",
     "follow",
     "plan_submit",
-    "plan_upload",
     "send",
 ]
 
@@ -44,50 +43,6 @@ AGENT_WAIT_S = 60.0
 
 class JobsError(RuntimeError):
     """A Jobs API problem, with the one line a user needs."""
-
-
-@dataclass(frozen=True)
-class UploadPlan:
-    root: str
-    files: int
-    bytes: int
-    largest: list[tuple[str, int]]  # (relative path, bytes), biggest first
-    limit: int
-
-
-def _upload_limit() -> int:
-    # The dashboard refuses larger request bodies with HTTP 413 (ray#45602).
-    from ray._private import ray_constants
-
-    return int(ray_constants.DASHBOARD_CLIENT_MAX_SIZE)
-
-
-def plan_upload(root: str | Path, excludes: list[str] | None = None) -> UploadPlan:
-    """The files Ray would upload from ``root`` (same exclusion rules, .gitignore included)."""
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
-    root = Path(root).resolve()
-    sizes: dict[str, int] = {}
-
-    def handler(path: Path) -> None:
-        if path.is_file():
-            sizes[str(path.relative_to(root))] = path.stat().st_size
-
-    quiet = logging.getLogger("raylaunch.upload")
-    quiet.setLevel(logging.WARNING)
-    _dir_travel(root, [_get_excludes(root, list(excludes or UPLOAD_EXCLUDES))], handler,
-                include_gitignore=True, logger=quiet)
-    # Group the largest by top-level folder too: a data folder is one line, not a thousand.
-    by_top: dict[str, int] = {}
-    for rel, size in sizes.items():
-        top = rel.split(os.sep, 1)[0] + ("/" if os.sep in rel else "")
-        by_top[top] = by_top.get(top, 0) + size
-    largest = sorted(by_top.items(), key=lambda kv: -kv[1])[:5]
-    return UploadPlan(str(root), len(sizes), sum(sizes.values()), largest, _upload_limit())
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -109,8 +64,7 @@ class SubmitRequest:
             f"address:       {self.address}",
             f"submission id: {self.submission_id}",
             f"entrypoint:    {shlex.join(self.entrypoint)}",
-            f"working dir:   {self.upload.root} ({self.upload.files} files, {_mib(self.upload.bytes)} "
-            f"before compression; limit {_mib(self.upload.limit)})",
+            *self.upload.describe(),
             f"run directory: {self.run_dir} (on the cluster's storage)",
         ]
         env = self.spec.env
@@ -126,12 +80,17 @@ def plan_submit(
     overrides: list[str],
     address: str,
     cwd: str | Path | None = None,
+    literals: dict[str, str] | None = None,
 ) -> SubmitRequest:
-    """Check everything locally and build the request; sends nothing."""
+    """Check everything locally and build the request; sends nothing.
+
+    ``literals`` are ``--name``/``--storage`` style values, taken as strings as they are.
+    """
     from cluster.worker import check_train_fn
 
     cwd = Path(cwd or os.getcwd()).resolve()
-    spec = load_spec(spec_path, overrides)
+    literals = dict(literals or {})
+    spec = load_spec(spec_path, overrides, literals=literals)
     job_secrets = Secrets.read(spec.env)  # from this shell; a missing one stops here, before anything is sent
     check_train_fn(spec.train_fn)
     spec_abs = Path(spec_path).resolve()
@@ -140,25 +99,18 @@ def plan_submit(
     except ValueError:
         raise SpecError([f"the spec must be inside the working directory that is uploaded ({cwd}); "
                          "run submit from the project folder"], spec_path) from None
-    upload = plan_upload(cwd)
-    if upload.bytes > upload.limit:
-        zipped = _zipped_size(cwd)
-        if zipped > upload.limit:
-            biggest = ", ".join(f"{p} ({_mib(s)})" for p, s in upload.largest)
-            raise JobsError(
-                f"the working directory {cwd} is {_mib(zipped)} compressed, over Ray's upload limit of "
-                f"{_mib(upload.limit)}. Largest: {biggest}. Name what the job does not need in "
-                ".rayignore (or .gitignore), or put data on shared storage."
-            )
+    upload = plan_upload(cwd, storage=spec.storage)
+    upload.check()
     # An argument list; Ray Jobs takes one string, so it is quoted by shlex, never
     # pasted together from user input.
     entrypoint = ["python", "-m", "jobs.cli", "run", str(spec_rel)]
     for item in overrides:
         entrypoint += ["--set", item]
+    for key, value in literals.items():
+        entrypoint += [f"--{key}", value]
     submission_id = f"raylaunch-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     runtime_env = {
-        "working_dir": str(cwd),
-        "excludes": UPLOAD_EXCLUDES,
+        **upload.runtime_env(),
         # Time for the driver to stop every rank and record "stopped" after SIGTERM; the values
         # of env.secrets, which the driver reads from its environment as `raylaunch run` does.
         "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30", **job_secrets.values},
@@ -177,19 +129,6 @@ def plan_submit(
     )
 
 
-def _zipped_size(root: Path) -> int:
-    import tempfile
-
-    from ray._private.runtime_env.packaging import _zip_files
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "pkg.zip")
-        quiet = logging.getLogger("raylaunch.upload")
-        quiet.setLevel(logging.WARNING)
-        _zip_files(str(root), UPLOAD_EXCLUDES, out, include_gitignore=True, logger=quiet)
-        return os.path.getsize(out)
-
-
 # --- talking to the cluster ----------------------------------------------------------
 
 
@@ -202,6 +141,10 @@ def client(address: str):
                  "ray._private.runtime_env.working_dir", "ray.dashboard.modules.job.sdk"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
+    try:
+        check_auth_token()
+    except AuthTokenMissing as exc:
+        raise JobsError(str(exc)) from None
     try:
         return JobSubmissionClient(address)
     except Exception as exc:  # connection refused, version mismatch, auth

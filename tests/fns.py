@@ -170,6 +170,55 @@ def hang_in_data(config: dict) -> dict:
     return {}
 
 
+def hostile_outputs(config: dict) -> dict:
+    """Everything a careless training function hands the runner at once: metrics named like
+    a row's own keys, numbers no float holds, huge text, thousands of keys, a line of
+    ``line_mb`` megabytes, a progress bar of carriage returns only, and a return value
+    that is not data (a lock, a cycle)."""
+    import sys
+    import threading
+
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    rank = accelerator.process_index
+    for step in (1, 2):
+        session.log({"step": 999, "rank": 42, "loss": 1.0 / step, "nan": float("nan"), "inf": float("inf"),
+                     "huge_int": 10**400, "text": "x" * 5_000_000}, step=step)
+    session.log({f"k{i}": i for i in range(5000)}, step=3)
+    chunk = "z" * 2**20
+    for _ in range(int(config.get("line_mb", 100))):
+        sys.stdout.write(chunk)
+    sys.stdout.write("\nafter the long line\n")
+    for i in range(200_000):
+        sys.stderr.write(f"\r{i // 2000}%|bar|")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    accelerator.wait_for_everyone()
+    cycle: dict = {"rank": rank}
+    cycle["self"] = cycle
+    return {"lock": threading.Lock(), "cycle": cycle, "rank": rank}
+
+
+def sabotage_storage(config: dict) -> dict:
+    """Rank 0 puts a file where the run's checkpoints folder goes, then every rank saves:
+    storage that changes under the driver (a user, a cleanup job) while the run goes on."""
+    from pathlib import Path
+
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    del model
+    run_dir = Path(session.payload.staging_uri).parent.parent
+    if accelerator.is_main_process:
+        import shutil
+
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        (run_dir / "checkpoints").write_text("not a folder")
+    accelerator.wait_for_everyone()
+    session.save(accelerator, 5)
+    return {"saved": True}
+
+
 def env_probe(config: dict) -> dict:
     """What the job's environment gave this rank: a plain variable, a secret (by its hash: a
     return value is written to result.json), and an extra package when asked; prints the

@@ -17,7 +17,7 @@ import pytest
 
 from cluster.local import stop_processes_under
 from conftest import ROOT, cli_env, free_ports, wait_for
-from jobs.submit import JobsError, plan_upload
+from cluster.upload import UploadError, plan_upload
 
 SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", "--set", "config.epochs=1",
          "--set", "config.train_samples=256"]
@@ -220,7 +220,7 @@ def test_upload_leaves_out_what_does_not_belong_and_refuses_too_large(tmp_path):
     assert plan.files == 4  # and .rayignore itself; data/private/ is left out
     big = tmp_path / "data" / "weights.bin"
     big.write_bytes(os.urandom(plan.limit + 2**20))
-    with pytest.raises(JobsError, match=r"over Ray's upload limit of 100.0 MiB\. Largest: data/ \(101\.0 MiB\)"):
+    with pytest.raises(UploadError, match=r"over Ray's upload limit of 100.0 MiB\. Largest: data/ \(101\.0 MiB\)"):
         from jobs.submit import plan_submit
 
         (tmp_path / "job.yaml").write_text("name: t\ntrain_fn: train_fn.digits:train\n")

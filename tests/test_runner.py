@@ -262,3 +262,25 @@ def test_topology_does_not_change_the_result(digits_run, tmp_path):
     assert one_node.status == "succeeded", one_node.error
     assert one_node.num_nodes == 1 and one_node.world_size == 2
     assert one_node.rank_results["1"]["weights"] == result.rank_results["0"]["weights"]
+
+
+def test_the_rendezvous_store_listens_on_the_node_address_only():
+    """Not on every interface (TCPStore's own default): only the address the ranks use."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    node = NodeActor(0)
+    try:
+        port = node.host_store("127.0.0.1", 5)
+        listening = [c.laddr for c in psutil.Process().net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert [a.ip for a in listening] == ["127.0.0.1"]
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")  # ranks still reach it
+        assert client.get("k") == b"v"
+        again = node.host_store("127.0.0.1", 5)  # a new attempt: a new store; the old one is closed
+    finally:
+        node.shutdown()
+    assert not [c for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port in (port, again)]

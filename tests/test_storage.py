@@ -80,3 +80,55 @@ def test_a_tampered_or_truncated_file_is_refused_and_the_previous_checkpoint_use
     (Path(newest.uri) / "random_states_0.pkl").write_bytes(b"rn")  # truncated
     with pytest.raises(CheckpointError, match="random_states_0.pkl has 2 bytes; its manifest says 5"):
         run.verify(newest)
+
+
+def two_checkpoints(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    run.commit_checkpoint(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
+    return run, run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda c: (c / "extra.pkl").write_bytes(b"unpickle me"), "extra.pkl is not listed in its manifest"),
+    (lambda c: (c / "optimizer.bin").symlink_to("/etc/hostname"), "optimizer.bin is a symbolic link"),
+    (lambda c: ((c / "model.safetensors").unlink(), (c / "model.safetensors").symlink_to(c.parent / "elsewhere")),
+     "model.safetensors is a symbolic link"),
+    (lambda c: (c / "manifest.json").write_text(json.dumps(
+        {**json.loads((c / "manifest.json").read_text()), "files": {"../../spec.yaml": {"size": 1, "sha256": "0"}}})),
+     "lists '../../spec.yaml', a path leading out of the checkpoint"),
+    (lambda c: (c / "manifest.json").write_text(json.dumps({"step": 10, "files": ["model.safetensors"]})),
+     "manifest.json is malformed"),
+])
+def test_a_checkpoint_holds_exactly_its_manifest_files(tmp_path, damage, said):
+    run, newest = two_checkpoints(tmp_path)
+    (Path(newest.uri).parent / "elsewhere").write_bytes(b"weights 10")
+    damage(Path(newest.uri))
+    warned = []
+    assert run.loadable_checkpoint(warn=warned.append).step == 5  # the previous one, with the reason
+    assert said in warned[0], warned
+
+
+def test_the_checkpoint_folder_itself_may_not_be_a_link(tmp_path):
+    run, newest = two_checkpoints(tmp_path)
+    real = tmp_path / "real-10"
+    shutil.move(newest.uri, real)
+    Path(newest.uri).symlink_to(real)
+    with pytest.raises(CheckpointError, match="checkpoint-00000010 is a symbolic link"):
+        run.verify(newest)
+
+
+def test_corrupted_manifest_latest_and_metrics_lines_fall_back_with_a_warning(tmp_path, capsys):
+    run, newest = two_checkpoints(tmp_path)
+    (Path(newest.uri) / "manifest.json").write_text('{"step": 10, "fil')  # torn
+    assert [c.step for c in run.committed_checkpoints()] == [5]
+    assert "checkpoint-00000010/manifest.json cannot be read; that checkpoint is skipped" in capsys.readouterr().err
+    (tmp_path / "r" / "checkpoints" / "latest.json").write_text("\x00garbage")
+    assert run.latest_checkpoint().step == 5
+    assert "latest.json cannot be read" in capsys.readouterr().err
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1, "rank": 0, "loss": 1.0}\n{"step": 2, "ra\n[1, 2]\n'
+                                                  '{"step": 3, "rank": 0, "loss": 0.5}\n')
+    assert [r["step"] for r in run.read_metrics()] == [1, 3]
+    assert "2 line(s) of" in capsys.readouterr().err
+    (tmp_path / "r" / "result.json").write_text("{not json")
+    assert run.read_result() is None
