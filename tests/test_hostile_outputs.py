@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import ROOT, cli_env
 from jobs.driver import Driver

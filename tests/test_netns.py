@@ -32,6 +32,7 @@ import pytest
 
 from cluster.local import stop_processes_under
 from conftest import ROOT, cli_env
+from nshosts import add_host, ip, left_behind, make_bridge, remove_host
 
 H1, H2 = "10.77.0.1", "10.77.0.2"
 GCS_PORT = 6379  # each namespace has its own ports: no clash with another Ray on this machine
@@ -57,30 +58,15 @@ def _why_not() -> str | None:
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 
 
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-    return done
-
-
 def in_ns(ns: str, *cmd: str, env: dict, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *cmd], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, **kw)
 
 
 def _make_hosts() -> None:
-    ip("link", "add", BRIDGE, "type", "bridge")
-    ip("link", "set", BRIDGE, "up")
+    make_bridge(BRIDGE)
     for ns, (addr, inside, outside) in HOSTS.items():
-        ip("netns", "add", ns)
-        ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-        ip("link", "set", inside, "netns", ns)
-        ip("link", "set", outside, "master", BRIDGE)
-        ip("link", "set", outside, "up")
-        ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inside)
-        ip("-n", ns, "link", "set", inside, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
+        add_host(ns, addr, inside, outside, BRIDGE)
         # Debian's default: the hostname resolves to loopback.
         Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
         Path(f"/etc/netns/{ns}/hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
@@ -88,21 +74,15 @@ def _make_hosts() -> None:
 
 def _remove_hosts() -> list[str]:
     """Delete what _make_hosts made, by name; return what could not be deleted."""
-    left = []
     for ns, (_, _, outside) in HOSTS.items():
-        ip("netns", "del", ns, check=False)  # takes the veth end inside it, and so the pair
-        ip("link", "del", outside, check=False)
+        remove_host(ns, outside)
         shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
     ip("link", "del", BRIDGE, check=False)
     try:
         os.rmdir("/etc/netns")  # only if nothing else is there
     except OSError:
         pass
-    names = ip("netns", "list").stdout
-    left += [ns for ns in HOSTS if ns in names]
-    links = ip("-o", "link", "show").stdout
-    left += [n for n in [BRIDGE, *(o for _, _, o in HOSTS.values())] if f" {n}:" in links or f" {n}@" in links]
-    return left
+    return left_behind(list(HOSTS), [BRIDGE, *(o for _, _, o in HOSTS.values())])
 
 
 def _ray_processes(temp: str) -> list[int]:

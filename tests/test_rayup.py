@@ -46,6 +46,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, cli_env, free_ports
+from nshosts import add_host, ip, left_behind, make_bridge, remove_host
 
 TAG = f"ru{os.getpid() % 100000}"  # interface names <= 15 characters
 NET = "10.78.0"
@@ -72,13 +73,6 @@ def _why_not() -> str | None:
 # ray up, an autoscaled worker and ray down take a few minutes on 2 busy cores; the fixture counts
 # towards the first test's time.
 pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=_why_not() or ""), pytest.mark.timeout(900)]
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-    return done
 
 
 def _veth(addr: str) -> tuple[str, str]:
@@ -126,31 +120,18 @@ def _start_host(root: Path, addr: str) -> subprocess.Popen:
 
 
 def _make_network() -> None:
-    ip("link", "add", BRIDGE, "type", "bridge")
-    ip("addr", "add", f"{LAPTOP}/24", "dev", BRIDGE)
-    ip("link", "set", BRIDGE, "up")
+    make_bridge(BRIDGE, f"{LAPTOP}/24")
     for addr, ns in HOSTS.items():
         inside, outside = _veth(addr)
-        ip("netns", "add", ns)
-        ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-        ip("link", "set", inside, "netns", ns)
-        ip("link", "set", outside, "master", BRIDGE)
-        ip("link", "set", outside, "up")
-        ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inside)
-        ip("-n", ns, "link", "set", inside, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
+        add_host(ns, addr, inside, outside, BRIDGE)
         ip("-n", ns, "route", "add", "default", "dev", inside)  # on-link, no gateway: nothing leaves
 
 
 def _remove_network() -> list[str]:
     for addr, ns in HOSTS.items():
-        ip("netns", "del", ns, check=False)
-        ip("link", "del", _veth(addr)[1], check=False)
+        remove_host(ns, _veth(addr)[1])
     ip("link", "del", BRIDGE, check=False)
-    names = ip("netns", "list").stdout
-    links = ip("-o", "link", "show").stdout
-    return [ns for ns in HOSTS.values() if ns in names] + [
-        n for n in [BRIDGE, *(_veth(a)[1] for a in HOSTS)] if f" {n}:" in links or f" {n}@" in links]
+    return left_behind(list(HOSTS.values()), [BRIDGE, *(_veth(a)[1] for a in HOSTS)])
 
 
 def _ours(root: Path, pid_namespaces: set[str]) -> list[int]:
