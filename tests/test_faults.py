@@ -102,15 +102,15 @@ def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path, caps
     os.kill(victim, signal.SIGSTOP)
     wait_for(lambda: rank_pid(tmp_path, 1, attempt=2), 90, "the restarted world")
     thread.join(180)
+    err = capsys.readouterr().err
     # the heartbeat (10 s here, not the default 60) ended the attempt, not a peer's collective error
-    failed = capsys.readouterr().err.split("raylaunch: attempt 1 failed:\n", 1)[1]
+    failed = err.split("raylaunch: attempt 1 failed:\n", 1)[1]
     silent = re.match(r"\[rank 1\] no heartbeat for (\d+) s \(timeouts.heartbeat_s is 10\): "
                       r"the process is stopped or frozen", failed)
     assert silent and int(silent.group(1)) >= 10, failed
     assert_resumed(tmp_path, "sigstop", box["result"], step)
     assert not psutil.pid_exists(victim)
     # where the ranks were when it was noticed: the stopped one is named as such
-    err = capsys.readouterr().err
     assert "[rank 1] no heartbeat for " in err and "where each rank was (every thread: " in err
     assert [l for l in err.splitlines() if l.startswith("  [rank 1] ") and "stopped (SIGSTOP)" in l], err
     assert len(list((tmp_path / "runs" / "sigstop" / "logs").glob("stacks-1-*.txt"))) == 1
