@@ -236,6 +236,9 @@ class NodeGroup:
             raise PlacementError(_unplaceable(placement, nodes))
         pg = placement_group([placement.bundle] * placement.num_nodes, strategy="STRICT_SPREAD")
         deadline = time.monotonic() + timeout_s
+        if fitting < placement.num_nodes:  # say so at once: an autoscaler may take minutes to add them
+            on_wait(f"raylaunch: waiting for {placement.num_nodes} nodes with {placement.bundle}; {fitting} can "
+                    f"hold one now, the cluster may add the rest (up to {timeout_s:g} s, timeouts.placement_s)")
         while True:
             ready, _ = ray.wait([pg.ready()], timeout=min(10.0, max(0.0, deadline - time.monotonic())))
             if ready:

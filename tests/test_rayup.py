@@ -306,7 +306,8 @@ def test_a_job_submitted_through_the_tunnel_waits_for_the_autoscaler_then_runs_o
                      "--set", "timeouts.placement_s=300", env=env, timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
-    assert "raylaunch: waiting for 2 nodes" in out  # visible while the worker host was started
+    # only the head was up when the job asked; visible while the autoscaler started the worker host
+    assert "raylaunch: waiting for 2 nodes with {'CPU': 1.0}; 1 can hold one now" in out, out[-3000:]
     result = json.loads((storage / "probe" / "result.json").read_text())
     assert result["status"] == "succeeded"
     nodes = {n["node_rank"]: n["ip"] for n in result["nodes"]}
