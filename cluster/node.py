@@ -147,9 +147,6 @@ class NodeActor:
     def __init__(self, node_rank: int) -> None:
         self.node_rank = node_rank
         self._tmp = tempfile.mkdtemp(prefix=f"raylaunch-node{node_rank}-")
-        # multiprocessing's folder for the fork server's socket (pymp-*) goes inside ours, which
-        # shutdown removes: a killed actor would otherwise leave one in /tmp per node and job.
-        tempfile.tempdir = self._tmp
         self._store = None
         self._pctx = None
         self._ranks: list[int] = []
