@@ -28,6 +28,7 @@ from typing import Any, Literal, Mapping, Union
 
 import yaml
 
+from cluster.errors import RaylaunchError
 from cluster.files import storage_credentials
 
 __all__ = [
@@ -51,8 +52,10 @@ __all__ = [
 ]
 
 
-class SpecError(ValueError):
+class SpecError(RaylaunchError, ValueError):
     """A spec that cannot run; ``problems`` lists each one as ``path: what to fix``."""
+
+    exit_code = 2
 
     def __init__(self, problems: list[str], source: str = "the job spec") -> None:
         self.problems = list(problems)
