@@ -382,7 +382,7 @@ class _ForkServer:
 
                 config = process.current_process()._config
                 if config.get("tempdir") is None:
-                    self._folder = config["tempdir"] = tempfile.mkdtemp(prefix="raylaunch-forkserver-")
+                    self._folder = config["tempdir"] = tempfile.mkdtemp(prefix="raylaunch-mp-")  # short: the socket path has 107 bytes at most
                 self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
                 self._thread.start()
 
