@@ -20,7 +20,7 @@ from typing import Any, Callable
 from pyarrow import fs as pafs
 
 from cluster.errors import RaylaunchError
-from cluster.files import CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query
+from cluster.storage_io import CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query
 from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, checkpoint_step, run_of_staging
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "LocalCheckpoints", "StagedCheckpoints"]

@@ -316,7 +316,7 @@ class NodeActor:
 
     def read_file(self, uri: str) -> str | None:
         """The text of a file on storage as this node sees it, or None."""
-        from cluster.files import open_uri
+        from cluster.storage_io import open_uri
 
         try:
             fs, path = open_uri(uri)

@@ -42,7 +42,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cluster.local import connect
+    from cluster.connect import connect
     from jobs.driver import Driver
 
     spec = _spec_from_args(args)
@@ -124,7 +124,7 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f" ({info.message})" if info.message else ""))
     meta = info.metadata or {}
     if "raylaunch_storage" in meta:
-        from cluster.files import join_uri
+        from cluster.storage_io import join_uri
 
         print(f"run directory: {join_uri(meta['raylaunch_storage'], meta.get('raylaunch_run', ''))}")
     return 0

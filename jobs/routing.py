@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from cluster.files import join_uri
+from cluster.storage_io import join_uri
 from cluster.layout import checkpoint_name
 from cluster.node import NodeInfo
 from cluster.protocol import EventKind, NodePoll, NodeState, RankFailure

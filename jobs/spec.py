@@ -29,7 +29,7 @@ from typing import Any, Literal, Mapping, Union
 import yaml
 
 from cluster.errors import RaylaunchError
-from cluster.files import storage_credentials
+from cluster.storage_io import storage_credentials
 
 __all__ = [
     "AccelerateSpec",

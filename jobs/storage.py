@@ -38,7 +38,7 @@ from cluster.errors import RaylaunchError
 from cluster.layout import (
     CHECKPOINTS, LATEST, STAGING, checkpoint_name, is_checkpoint_name, rank_part_file, staging_dir,
 )
-from cluster.files import (
+from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster.errors import RaylaunchError
-from cluster.files import join_uri
-from cluster.local import AuthTokenMissing, check_auth_token
+from cluster.storage_io import join_uri
+from cluster.connect import AuthTokenMissing, check_auth_token
 from cluster.upload import UploadPlan, plan_upload
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.environment import Secrets

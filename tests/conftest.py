@@ -31,7 +31,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.local import EMBEDDED_NODE
+    from cluster.connect import EMBEDDED_NODE
 
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, **EMBEDDED_NODE})

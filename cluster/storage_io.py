@@ -1,4 +1,4 @@
-"""Storage as every process of a run opens it: the driver, the node actors and the ranks.
+"""Storage I/O as every process of a run does it (driver, node actors, ranks): URIs, file hashes, the manifest check.
 
 A storage URI may carry the filesystem's options in its query string
 (``s3://bucket/runs?endpoint_override=host:port&scheme=http``), so every process
