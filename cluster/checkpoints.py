@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -21,7 +22,7 @@ from pyarrow import fs as pafs
 
 from cluster.errors import RaylaunchError
 from cluster.storage_io import CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query
-from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, checkpoint_step, run_of_staging
+from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, checkpoint_step, rank_part_file, run_of_staging
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "LocalCheckpoints", "StagedCheckpoints"]
 
@@ -84,6 +85,8 @@ class StagedCheckpoints:
                 _copy_down(uri, tmp)
                 check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
                 accelerator.load_state(tmp)
+        # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
+        seed_missing_rng(manifest["files"], accelerator.process_index, int(manifest["step"]))
         return int(manifest["step"])
 
 
@@ -111,6 +114,24 @@ class LocalCheckpoints:
         name = latest.read_text().strip()
         accelerator.load_state(str(self.folder / name))
         return checkpoint_step(name)
+
+
+def seed_missing_rng(files: Any, rank: int, step: int) -> int | None:
+    """A defined RNG state for a rank that the checkpoint has none for (it was saved by fewer ranks).
+
+    Accelerate's ``load_state`` then leaves the rank's RNGs as they were; this seeds Python's,
+    NumPy's and torch's with ``step * 1000 + rank`` (``accelerate.utils.set_seed``) and says so.
+    Returns the seed, or None when the checkpoint holds the rank's own state.
+    """
+    if rank_part_file(rank) in set(files):
+        return None
+    from accelerate.utils import set_seed
+
+    seed = step * 1000 + rank
+    set_seed(seed)
+    print(f"raylaunch: rank {rank}: the checkpoint of step {step} has no RNG state for this rank (it was saved by "
+          f"fewer ranks); its RNGs are seeded with {seed} (step * 1000 + rank)", file=sys.stderr, flush=True)
+    return seed
 
 
 class CheckpointSaveError(RaylaunchError, RuntimeError):

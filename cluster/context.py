@@ -20,7 +20,7 @@ __all__ = ["RECORD_KEYS", "SocketInterface", "WorkerContext", "assign_ranks", "c
 
 # What every metrics.jsonl row carries besides its metrics: a rank's metric of one of these
 # names is stored apart (``logged_<name>``), never over the row's own value.
-RECORD_KEYS = ("step", "rank", "node", "attempt", "time")
+RECORD_KEYS = ("step", "rank", "node", "attempt", "world_size", "time")
 
 
 @dataclass(frozen=True)

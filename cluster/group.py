@@ -19,7 +19,7 @@ from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
 
 __all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "Placement", "PlacementError", "RendezvousError",
-           "collect_stacks", "resolve_placement"]
+           "collect_stacks", "fitting_nodes", "resolve_placement"]
 
 
 # The Ray namespace of the named node actors.
@@ -86,6 +86,11 @@ def _alive_nodes() -> list[dict]:
 
 def _fits(resources: dict, bundle: dict) -> bool:
     return all(resources.get(k, 0) >= v for k, v in bundle.items())
+
+
+def fitting_nodes(placement: "Placement") -> int:
+    """How many alive nodes could hold one of ``placement``'s bundles (by their total resources)."""
+    return sum(_fits(n.get("Resources", {}), placement.bundle) for n in _alive_nodes())
 
 
 def _describe_nodes(nodes: list[dict]) -> str:

@@ -32,6 +32,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     s = spec.scaling
     print(f"{args.spec}: ok ({spec.name}: {s.num_nodes} nodes x {s.workers_per_node} workers, "
           f"train_fn {spec.train_fn}, storage {spec.storage})")
+    if s.elastic_min < s.num_nodes:
+        from jobs.policy import world_sizes
+
+        per_node = s.workers_per_node if isinstance(s.workers_per_node, int) else None
+        sizes = world_sizes(s, per_node or 1, spec.accelerate.gradient_accumulation_steps)
+        shown = [w.describe() if per_node else f"{w.nodes} node{'s' if w.nodes != 1 else ''} (gradient "
+                 f"accumulation {w.accumulation})" for w in sizes]
+        left_out = sorted(set(range(s.elastic_min, s.num_nodes + 1)) - {w.nodes for w in sizes}, reverse=True)
+        print(f"elastic: runs at {'; '.join(shown)}"
+              + (f"; not at {', '.join(map(str, left_out))} node(s): the global batch would change there "
+                 "(scaling.keep_global_batch)" if left_out else "")
+              + ("" if s.keep_global_batch else "; the global batch changes with the world size "
+                 "(scaling.keep_global_batch is false)"))
     env = spec.env
     if env.vars or env.secrets or env.pip:
         unset = [n for n in env.secrets if not os.environ.get(n)]

@@ -19,13 +19,13 @@ from typing import Any, Callable, TextIO
 import psutil
 
 from cluster.context import WorkerContext
-from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, resolve_placement
+from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, fitting_nodes, resolve_placement
 from cluster.protocol import NodeState, Progress, RankFailure, RunStatus, WorkerPayload
 from cluster.train_function import check_train_fn
 from jobs.environment import Secrets, check_requirements
 from jobs.hangs import is_hang, where_ranks_are
-from jobs.policy import Action, Failure, decide, failure_kind
-from jobs.preflight import reserve
+from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, grow_to, resize_note, world_sizes
+from jobs.preflight import reserve, reserve_elastic
 from jobs.record import Recorder, RunResult
 from jobs.routing import AttemptRouter, AttemptState, group_failures
 from jobs.spec import JobSpec, spec_to_dict
@@ -37,6 +37,8 @@ __all__ = ["Driver", "RunResult", "group_failures"]
 FAILURE_GRACE_S = 2.0
 # How often the TensorBoard files are brought up to date while an attempt runs.
 BOARD_FLUSH_S = 2.0
+# How often an elastic run below num_nodes looks for nodes to grow back onto.
+GROW_CHECK_S = 2.0
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _Outcome:
     error: str | None = None
     lost_nodes: list[int] = field(default_factory=list)
     failure: Failure = Failure.FAILED
+    grow: WorldSize | None = None  # stopped at a committed checkpoint to grow back to this size
 
 
 class Driver:
@@ -71,6 +74,9 @@ class Driver:
         self.recorder = Recorder(self.run_dir, out, on_progress)
         self._token: str | None = None
         self.group: NodeGroup | None = None  # the nodes of the current attempt
+        # An elastic run's world sizes, largest first (one size when it is not elastic), and the current one.
+        self.sizes: list[WorldSize] = []
+        self.size: WorldSize | None = None
 
     @property
     def secrets(self) -> Secrets:
@@ -162,15 +168,35 @@ class Driver:
     def _attempts(self, placement: Placement) -> None:
         rec = self.recorder
         r = rec.result
+        s = self.spec.scaling
+        self.sizes = world_sizes(s, placement.workers_per_node, self.spec.accelerate.gradient_accumulation_steps)
+        elastic = len(self.sizes) > 1 or s.elastic_min < s.num_nodes
+        if elastic:
+            self._say("raylaunch: elastic: can run at " + ", ".join(w.describe() for w in self.sizes)
+                      + ("" if s.keep_global_batch else " (scaling.keep_global_batch is false: the global batch "
+                         "changes with the world size)"))
+        resize_why, wait_full_s = "", 0.0
         while True:
             if self.group is None:
-                self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
+                old = self.size
+                if elastic:
+                    self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
+                                                            can_grow=self.can_grow, wait_full_s=wait_full_s)
+                else:
+                    self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
+                    self.size = self.sizes[0]
+                r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
+                if old is not None and old != self.size:
+                    self._resized(old, r.attempts + 1, resize_why)
             r.attempts += 1
             # Every rank of the previous attempt is stopped: what it left half-saved goes.
             self.run_dir.clear_staging()
             latest = self.run_dir.loadable_checkpoint(warn=self._say)
+            if r.resizes and r.resizes[-1]["attempt"] == r.attempts:
+                r.resizes[-1]["step"] = latest.step if latest else 0
             if latest is not None:
-                self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})")
+                self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})"
+                          + (f" on world size {self.size.world_size}" if elastic else ""))
             r.status = RunStatus.RUNNING
             rec.write_result()
             rec.board.start_attempt(latest.step if latest else None)
@@ -179,6 +205,17 @@ class Driver:
                 r.status, r.error = RunStatus.SUCCEEDED, None
                 return
             r.error = outcome.error
+            if outcome.grow is not None:
+                # Nodes came back and a checkpoint was committed since: restart there on more
+                # nodes; this is not a failure, and no budget is used.
+                self.group.shutdown()
+                self.group = None
+                resize_why, wait_full_s = "nodes came back", self.spec.timeouts.resize_s
+                r.error = None
+                continue
+            resize_why = ("node" + ("s " if len(outcome.lost_nodes) > 1 else " ")
+                          + ", ".join(map(str, outcome.lost_nodes)) + " lost") if outcome.lost_nodes else "a failure"
+            wait_full_s = self.spec.timeouts.resize_s
             if outcome.lost_nodes:
                 # The placement group's bundles on lost nodes are gone: reserve anew,
                 # on the nodes that are left or that the cluster adds.
@@ -191,12 +228,31 @@ class Driver:
                 return
             self._say(decision.message)
 
+    def _resized(self, old: WorldSize, attempt: int, why: str) -> None:
+        """Record and say a change of world size (its step is the checkpoint the attempt resumes from)."""
+        new = self.size
+        assert new is not None
+        note = resize_note(old, new, why)
+        self.recorder.result.resizes.append({
+            "attempt": attempt, "step": None, "old_world_size": old.world_size, "new_world_size": new.world_size,
+            "reason": why, "old_accumulation": old.accumulation, "new_accumulation": new.accumulation,
+            "global_batch_kept": old.nodes * old.accumulation == new.nodes * new.accumulation,
+        })
+        self._say(f"raylaunch: attempt {attempt}: {note}")
+
+    def _grown(self, group: NodeGroup) -> WorldSize | None:
+        """A larger size the cluster's nodes allow now, if this elastic run is below num_nodes."""
+        if self.size is None or len(self.sizes) < 2 or self.size == self.sizes[0]:
+            return None
+        return grow_to(self.sizes, self.size, fitting_nodes(group.placement))
+
     # --- one attempt ------------------------------------------------------------------
 
     def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None) -> _Outcome:
         spec = self.spec
         staging = self.run_dir.staging_uri(attempt)
         use_gpu = group.placement.use_gpu
+        accumulation = self.size.accumulation if self.size else spec.accelerate.gradient_accumulation_steps
 
         def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
             return WorkerPayload(
@@ -209,7 +265,7 @@ class Driver:
                 restore_uri=restore_uri,
                 backend="nccl" if use_gpu else "gloo",
                 collective_timeout_s=spec.timeouts.collective_s,
-                accelerate=dataclasses.asdict(spec.accelerate),
+                accelerate={**dataclasses.asdict(spec.accelerate), "gradient_accumulation_steps": accumulation},
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
@@ -217,7 +273,9 @@ class Driver:
         rec.mark("ranks_started")
         a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
         route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s)
-        started = last_board = time.monotonic()
+        started = last_board = last_grow_check = time.monotonic()
+        grow: WorldSize | None = None
+        grow_seen = 0.0  # when nodes to grow onto were first seen
         returns: dict[int, Any] = {}
         failures: list[RankFailure] = []
         lost: list[int] = []
@@ -249,6 +307,18 @@ class Driver:
                     f"ranks {missing} on nodes {nodes} did not join the process group within "
                     f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained\n{where}"
                 ))
+            if time.monotonic() - last_grow_check > GROW_CHECK_S:
+                last_grow_check = time.monotonic()
+                seen = self._grown(group)
+                if seen is not None and (grow is None or seen.nodes > grow.nodes):
+                    grow, grow_seen = seen, time.time()
+                    self._say(f"raylaunch: elastic: nodes came back; growing to {seen.describe()} at the "
+                              "next committed checkpoint")
+            if grow is not None and a.last_commit is not None and a.last_commit[1] > grow_seen:
+                for node_rank, p in enumerate(group.stop()):
+                    route.forward(node_rank, p)
+                return _Outcome(False, f"stopped at the checkpoint of step {a.last_commit[0]} to grow to "
+                                       f"world size {grow.world_size}", grow=grow)
             if time.monotonic() - last_board > BOARD_FLUSH_S:
                 rec.board.flush()
                 last_board = time.monotonic()

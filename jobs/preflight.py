@@ -5,22 +5,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import ray
 
-from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement
+from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, fitting_nodes
+from jobs.policy import WorldSize, fit
 from jobs.record import Recorder
 from jobs.spec import JobSpec
 from jobs.storage import RunDir, StorageError
 
-__all__ = ["check_shared_storage", "reserve"]
+__all__ = ["check_shared_storage", "reserve", "reserve_elastic"]
 
 
 def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str | None, *,
-            can_grow: bool) -> NodeGroup:
+            can_grow: bool, timeout_s: float | None = None) -> NodeGroup:
     """Reserve one bundle and start one actor per node; check the storage is shared."""
     env = spec.env
     group = NodeGroup.create(
-        placement, timeout_s=spec.timeouts.placement_s, can_grow=can_grow, on_wait=recorder.say,
+        placement, timeout_s=timeout_s or spec.timeouts.placement_s, can_grow=can_grow, on_wait=recorder.say,
         socket_ifname=spec.rendezvous.socket_ifname,
         env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
                    secrets=recorder.secrets.values, pip=env.requirements),
@@ -54,3 +58,43 @@ def check_shared_storage(group: NodeGroup, run_dir: RunDir, token: str | None) -
             f"nodes {bad} cannot read {marker}, which the driver wrote: the storage path is not "
             "shared by every node. Use an NFS mount present on every node or an object store (s3://...)."
         )
+
+
+def reserve_elastic(spec: JobSpec, placement: Placement, sizes: list[WorldSize], recorder: Recorder,
+                    token: str | None, *, can_grow: bool, wait_full_s: float) -> tuple[NodeGroup, WorldSize]:
+    """An elastic run's nodes: the largest of ``sizes`` the cluster holds, after waiting up to
+    ``wait_full_s`` for all of ``num_nodes``; fewer than ``min_nodes`` wait ``timeouts.placement_s``
+    (or fail at once on a cluster that cannot grow), as a run that is not elastic does."""
+    full, fewest = sizes[0], sizes[-1]
+    deadline = time.monotonic() + wait_full_s
+    give_up = time.monotonic() + wait_full_s + spec.timeouts.placement_s
+    said = False
+    while True:
+        there = fitting_nodes(placement)
+        chosen = fit(sizes, there)
+        size = chosen.size
+        if size is not None and size is not full and time.monotonic() < deadline:
+            if not said:
+                recorder.say(f"raylaunch: elastic: waiting up to {wait_full_s:g} s (timeouts.resize_s) for "
+                             f"{full.nodes} nodes; {there} can hold the job now")
+                said = True
+            time.sleep(1.0)
+            continue
+        if size is None:  # fewer than min_nodes: wait for them as any run waits for its nodes
+            size = fewest
+        elif size is not full:
+            recorder.say(f"raylaunch: elastic: asking for {full.nodes} nodes, {there} can hold the job now: "
+                         f"starting on {size.describe()}; the run grows back when nodes come"
+                         + (f". {chosen.why}" if chosen.why else ""))
+        try:
+            group = reserve(spec, dataclasses.replace(placement, num_nodes=size.nodes), recorder, token,
+                            can_grow=can_grow or size is not fewest,
+                            timeout_s=None if size is fewest else spec.timeouts.resize_s)
+        except PlacementError:
+            # A node counted here was not really free (it is going away, or other work holds it):
+            # count again, down to min_nodes, within placement_s.
+            if size is fewest or time.monotonic() > give_up:
+                raise
+            time.sleep(1.0)
+            continue
+        return group, size

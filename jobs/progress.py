@@ -7,7 +7,7 @@ line (``raylaunch: step N k=v ...``), which the view reads back from the job's
 logs (``Progress.parse``). Either way all other output passes through the same view:
 
 - ``bar``: a tqdm bar (step of total, loss, samples/s, elapsed, remaining,
-  attempt, restarts); every other line prints above it;
+  attempt, restarts, world size); every other line prints above it;
 - ``plain``: when the output is not a terminal (CI logs, files), one plain
   progress line every ``every_s`` seconds, never a carriage return;
 - ``quiet``: no progress at all; every other line still prints.
@@ -143,16 +143,19 @@ class ProgressView:
         if "samples_per_s" in self.metrics:
             post["samples/s"] = self.metrics["samples_per_s"]
         post["attempt"], post["restarts"] = self.attempt, self.restarts
+        if "world_size" in self.metrics:
+            post["world"] = self.metrics["world_size"]
         return post
 
     def _show_plain(self, evals: dict | None = None) -> None:
         self._shown_step, self._last_shown = self.step, time.monotonic()
         of = f"/{self.total} ({100 * self.step / self.total:.0f}%)" if self.total else ""
-        values = {k: v for k, v in self._postfix().items() if k not in ("attempt", "restarts")}
+        values = {k: v for k, v in self._postfix().items() if k not in ("attempt", "restarts", "world")}
         shown = " ".join(f"{k}={v}" for k, v in {**values, **(evals or {})}.items())
         elapsed = time.monotonic() - self.started
         rate = self._rate()
         remaining = _clock((self.total - self.step) / rate) if rate and self.total else "?"
         print(f"raylaunch: step {self.step}{of} {shown} | elapsed {_clock(elapsed)} remaining {remaining} "
-              f"| attempt {self.attempt} restarts {self.restarts}", file=self.out, flush=True)
+              f"| attempt {self.attempt} restarts {self.restarts}"
+              + (f" world {self.metrics['world_size']}" if "world_size" in self.metrics else ""), file=self.out, flush=True)
 

@@ -42,6 +42,9 @@ class RunResult:
     return_value: Any = None  # rank 0's
     rank_results: dict = field(default_factory=dict)  # every rank's return value
     nodes: list[dict] = field(default_factory=list)
+    # Each change of world size of an elastic run: attempt, step (the checkpoint it resumed from),
+    # old_world_size, new_world_size, reason, and the gradient accumulation before and after.
+    resizes: list[dict] = field(default_factory=list)
     # When the first attempt got where (Unix times): process_start, driver_ready (imports and
     # ray.init done), reserved, ranks_started, arrived, joined (last rank), first_step (rank 0).
     timeline: dict = field(default_factory=dict)
@@ -137,7 +140,8 @@ class Recorder:
         if now - self._last_print < 1.0 and not any("eval" in k for k in values):
             return
         self._last_print = now
-        shown = Progress.of(record.get("step"), values)
+        shown = Progress.of(record.get("step"), {**values, **({"world_size": record["world_size"]}
+                                                              if "world_size" in record else {})})
         if self.on_progress is None:
             self.say(shown.line())
         else:

@@ -8,6 +8,7 @@ commit a checkpoint once every rank reported its part.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class AttemptState:
     # step -> rank -> the files of its saved part it reported ({rel: {size, sha256}}; empty on a local path)
     parts: dict[int, dict[int, dict]] = field(default_factory=lambda: defaultdict(dict))
     steps: dict[int, int] = field(default_factory=dict)  # rank -> the latest step it logged
+    last_commit: tuple[int, float] | None = None  # (step, time) of this attempt's latest committed checkpoint
 
     @property
     def world(self) -> int:
@@ -91,7 +93,7 @@ class AttemptRouter:
                     rec.mark("joined", e["time"])
             elif kind == EventKind.METRICS:
                 record = {"step": e.get("step"), "rank": rank, "node": a.node_of.get(rank), "attempt": a.number,
-                          "time": e["time"], **e.get("values", {})}
+                          "world_size": a.world, "time": e["time"], **e.get("values", {})}
                 records.append(record)
                 if record["step"] is not None:
                     a.steps[rank] = max(int(record["step"]), a.steps.get(rank, 0))
@@ -101,7 +103,7 @@ class AttemptRouter:
             elif kind == EventKind.RESOURCES and rank in a.steps:
                 # Peak memory, at the rank's latest step, beside its metrics.
                 records.append({"step": a.steps[rank], "rank": rank, "node": a.node_of.get(rank),
-                                "attempt": a.number, "time": e["time"],
+                                "attempt": a.number, "world_size": a.world, "time": e["time"],
                                 **{k: v for k, v in e.items() if k.startswith("peak_")}})
             elif kind == EventKind.CHECKPOINT:
                 step = int(e["step"])
@@ -112,6 +114,7 @@ class AttemptRouter:
                         self.keep, reported=_agreed(a.parts.pop(step).values())
                     )
                     rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
+                    a.last_commit = (step, time.time())
         rec.metrics(records)
 
     def silent(self, node_rank: int, info: NodeInfo, p: NodePoll, known: set[int]) -> list[RankFailure]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.errors import RaylaunchError
 from jobs.spec import run_name_problem
@@ -35,6 +35,7 @@ class Series:
     steps: list[int]
     values: list[float]
     restarts: list[int]
+    resizes: list[tuple[int, int]] = field(default_factory=list)  # (step, new world size) where it changed
 
 
 def _open(storage: str, name: str) -> RunDir:
@@ -70,11 +71,31 @@ def series(records: list[dict], metric: str, per_rank: bool = False, label: str 
         elif attempt == held[0]:
             held[1].append(float(r[metric]))
     restarts = sorted(s for a, s in first_step.items() if a > min(first_step))
+    resizes = world_changes(records)
     out = []
     for key in sorted(curves, key=lambda k: -1 if k is None else k):
         points = sorted(curves[key].items())
         name = label if key is None else f"{label} rank {key}".strip()
-        out.append(Series(name, [s for s, _ in points], [sum(v) / len(v) for _, (_, v) in points], restarts))
+        out.append(Series(name, [s for s, _ in points], [sum(v) / len(v) for _, (_, v) in points], restarts,
+                          resizes))
+    return out
+
+
+def world_changes(records: list[dict]) -> list[tuple[int, int]]:
+    """``(step, world size)`` where an attempt began at another world size than the one before it
+    (an elastic run's resizes), from the metrics rows' ``world_size``."""
+    first: dict[int, tuple[int, int]] = {}  # attempt -> (first step, world size)
+    for r in records:
+        if r.get("step") is None or not isinstance(r.get("world_size"), int):
+            continue
+        attempt, step = int(r.get("attempt", 1)), int(r["step"])
+        if attempt not in first or step < first[attempt][0]:
+            first[attempt] = (step, r["world_size"])
+    out, before = [], None
+    for _, (step, world) in sorted(first.items()):
+        if before is not None and world != before:
+            out.append((step, world))
+        before = world
     return out
 
 
@@ -177,6 +198,10 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
         lines.append(f"  world       {result.get('num_nodes')} nodes, world size {result.get('world_size')}")
         lines.append(f"  attempts    {result.get('attempts')} (restarts {result.get('restarts')}, "
                      f"preemptions {result.get('preemptions', 0)})")
+        for z in result.get("resizes") or []:
+            lines.append(f"  resized     attempt {z.get('attempt')} from step {z.get('step')}: world size "
+                         f"{z.get('old_world_size')} -> {z.get('new_world_size')} ({z.get('reason')})"
+                         + ("" if z.get("global_batch_kept", True) else "; the global batch changed"))
         lines.append(f"  started     {_when(result.get('start_time'))}, duration {_dur(_duration(result))}")
         timeline = result.get("timeline") or {}
         if "process_start" in timeline and len(timeline) > 1:
@@ -230,6 +255,10 @@ def plot(storage: str, names: list[str], metric: str, out: str, per_rank: bool =
         if marks:
             ax.plot([m[0] for m in marks], [m[1] for m in marks], "x", color=line.get_color(), markersize=10,
                     label=f"{s.label}: restart")
+        for step, world in s.resizes:  # an elastic run changed its world size here
+            ax.axvline(step, color=line.get_color(), linestyle=":", alpha=0.7)
+            ax.annotate(f"world {world}", (step, 1), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize=8, color=line.get_color())
     ax.set_xlabel("step")
     ax.set_ylabel(metric + ("" if per_rank else " (mean across ranks)"))
     ax.set_title(f"{metric} by step")

@@ -99,6 +99,17 @@ class ScalingSpec:
     workers_per_node: Union[int, Literal["auto"]] = _within(1, 1024, 1, " or 'auto'")
     use_gpu: Union[bool, Literal["auto"]] = "auto"
     cpus_per_worker: float = _within(0, 1024, 1.0, strict=True)
+    # Elastic: the fewest nodes the run goes on with after nodes are lost (and starts with);
+    # unset (None) means num_nodes, a run that is not elastic.
+    min_nodes: Union[int, None] = _within(1, _MANY, None)
+    # At every world size the optimizer step sees the same global batch: the runner raises
+    # gradient accumulation as the world shrinks, and runs only at sizes where that is exact.
+    keep_global_batch: bool = True
+
+    @property
+    def elastic_min(self) -> int:
+        """``min_nodes``, or ``num_nodes`` when unset."""
+        return self.num_nodes if self.min_nodes is None else self.min_nodes
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,9 @@ class TimeoutSpec:
     # A collective that waits this long fails its rank (the process group's
     # timeout; NCCL's own default is 10 minutes).
     collective_s: float = _within(0, _MONTH_S, 600.0, " seconds", strict=True)
+    # Elastic runs (scaling.min_nodes): after a node is lost, how long to wait for the run's
+    # full num_nodes before going on with the nodes there are.
+    resize_s: float = _within(0, _MONTH_S, 30.0, " seconds", strict=True)
 
 
 @dataclass(frozen=True)
@@ -427,6 +441,9 @@ def _cross_checks(spec: JobSpec) -> list[str]:
     if wrong:
         out.append(f"name: {wrong}")
     s = spec.scaling
+    if s.min_nodes is not None and isinstance(s.num_nodes, int) and s.min_nodes > s.num_nodes:
+        out.append(f"scaling.min_nodes: {s.min_nodes} is more than scaling.num_nodes ({s.num_nodes}); "
+                   f"set it to at most {s.num_nodes} (--set scaling.min_nodes={s.num_nodes})")
     if s.use_gpu is False and spec.accelerate.mixed_precision == "fp16":
         out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")
     if not spec.storage.strip():
@@ -492,7 +509,7 @@ def _describe(tp: Any) -> str:
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0]).replace('an ', '').replace('a ', '')}s"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+            dict: "a mapping", type(None): "null (unset)"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 _MISSING = object()
@@ -517,6 +534,9 @@ def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             next(a for a in typing.get_args(tp) if a == value)
         ):
             return value
+    elif tp is type(None):
+        if value is None:
+            return None
     elif tp is bool:
         if isinstance(value, bool):
             return value

@@ -236,3 +236,63 @@ def env_probe(config: dict) -> dict:
         module = importlib.import_module(config["package"])
         out["package_file"] = module.__file__
     return out
+
+
+def elastic(config: dict) -> dict:
+    """The digits example's recipe on a small regression, for resizes: a seedable sampler,
+    ``set_epoch`` every epoch, the batches already seen skipped, the step counted in optimizer
+    steps. Logs the sample ids each rank used in each optimizer step (``ids``) and returns the
+    final loss on the whole data set."""
+    import math
+    import time
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    pid_dir = Path(config["pid_dir"])
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    attempt = session.payload.attempt if session.payload else 0
+    (pid_dir / f"rank-{accelerator.process_index}.pid").write_text(f"{attempt} {os.getpid()}")
+    torch.manual_seed(0)
+    n = config.get("samples", 128)
+    x = torch.randn(n, 8)
+    y = x @ torch.arange(8.0) + 1 + 0.1 * torch.randn(n)
+    dl = DataLoader(TensorDataset(torch.arange(n), x, y), batch_size=config.get("batch_size", 8), shuffle=True,
+                    generator=torch.Generator().manual_seed(0))
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.02))
+    model, opt, dl = accelerator.prepare(model, opt, dl)
+    progress = _Progress()
+    accelerator.register_for_checkpointing(progress)
+    restored = session.restore(accelerator)
+    accumulation = accelerator.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(dl) / accumulation)
+    total = steps_per_epoch * config.get("epochs", 4)
+    while progress.step < total:
+        epoch, done = divmod(progress.step, steps_per_epoch)
+        dl.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(dl, done * accumulation) if done else dl
+        ids: list[int] = []
+        for idx, xb, yb in batches:
+            ids += idx.tolist()
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            session.log({"ids": ids, "rank_loss": loss.item(), "epoch": epoch}, step=progress.step)
+            ids = []
+            if progress.step % config["every"] == 0:
+                session.save(accelerator, progress.step)
+            time.sleep(config.get("step_s", 0.05))
+            if progress.step >= total:
+                break
+    with torch.no_grad():
+        final = torch.nn.functional.mse_loss(accelerator.unwrap_model(model)(x).squeeze(-1), y).item()
+    return {"restored_step": restored, "steps": progress.step, "final_loss": final,
+            "world_size": accelerator.num_processes, "accumulation": accumulation}

@@ -167,3 +167,16 @@ def test_an_exception_in_the_training_function_fails_the_run(tmp_path):
     assert "[rank 0] ValueError: bad batch shape (3, 4)" in proc.stderr
     assert 'fns.py", line' in proc.stderr  # the rank's traceback
     assert "raylaunch: boom failed: [rank 0] ValueError" in proc.stderr
+
+
+def test_validate_prints_the_world_sizes_an_elastic_spec_can_run_at(tmp_path):
+    spec = write(tmp_path, "name: t\ntrain_fn: train_fn.digits:train\n"
+                           "scaling: {num_nodes: 4, min_nodes: 1, workers_per_node: 2}\n")
+    proc = raylaunch("validate", spec)
+    assert proc.returncode == 0, proc.stderr
+    assert ("elastic: runs at 4 nodes (world size 8, gradient accumulation 1); 2 nodes (world size 4, gradient "
+            "accumulation 2); 1 node (world size 2, gradient accumulation 4); not at 3 node(s): the global batch "
+            "would change there (scaling.keep_global_batch)") in proc.stdout
+    proc = raylaunch("validate", spec, "--set", "scaling.keep_global_batch=false", "--set", "scaling.min_nodes=3")
+    assert "elastic: runs at 4 nodes (world size 8, gradient accumulation 1); 3 nodes (world size 6, gradient " \
+           "accumulation 1); the global batch changes with the world size" in proc.stdout

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.protocol import RankFailure
-from jobs.policy import Action, Failure, decide, failure_kind
-from jobs.spec import FailureSpec
+from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, fit, grow_to, resize_note, world_sizes
+from jobs.spec import FailureSpec, ScalingSpec
 
 SIGTERM = RankFailure.killed(1, -15, "SIGTERM")
 SIGKILL = RankFailure.killed(1, -9, "SIGKILL")
@@ -59,3 +59,64 @@ def test_what_the_driver_says_when_it_restarts():
         "raylaunch: attempt 3 was preempted (SIGTERM); restarting from the last committed checkpoint "
         "(5 of 10 preemptions; restarts are not used up)")
     assert decide(Failure.FAILED, 3, 2, 0, budgets).message == ""
+
+
+# --- elastic world size -------------------------------------------------------------
+
+# num_nodes, min_nodes, accumulation, keep_global_batch -> (nodes, accumulation) of each size it may run at
+SIZES = [
+    (2, None, 1, True, [(2, 1)]),  # min_nodes unset: not elastic
+    (2, 1, 1, True, [(2, 1), (1, 2)]),
+    (4, 1, 1, True, [(4, 1), (2, 2), (1, 4)]),  # 3 cannot keep 4 micro-batches per step
+    (3, 2, 1, True, [(3, 1)]),  # 2 cannot keep 3: the run never shrinks
+    (3, 2, 2, True, [(3, 2), (2, 3)]),  # 6 micro-batches: 3 x 2 or 2 x 3
+    (3, 2, 1, False, [(3, 1), (2, 1)]),  # the global batch may change: every size
+    (4, 3, 1, False, [(4, 1), (3, 1)]),
+]
+
+
+@pytest.mark.parametrize("num_nodes, min_nodes, accumulation, keep, expected", SIZES)
+def test_the_world_sizes_an_elastic_run_can_train_at(num_nodes, min_nodes, accumulation, keep, expected):
+    spec = ScalingSpec(num_nodes=num_nodes, min_nodes=min_nodes, keep_global_batch=keep)
+    sizes = world_sizes(spec, 2, accumulation)
+    assert [(w.nodes, w.accumulation) for w in sizes] == expected
+    assert all(w.world_size == 2 * w.nodes for w in sizes)
+    if keep:  # per-device batch x world x accumulation: the same at every size
+        assert {w.world_size * w.accumulation for w in sizes} == {2 * num_nodes * accumulation}
+
+
+# num_nodes, min_nodes, nodes there -> nodes chosen (None: fewer than min_nodes, wait for them), said why
+FITS = [
+    (2, 1, 2, 2, False),
+    (2, 1, 5, 2, False),  # never more than num_nodes
+    (2, 1, 1, 1, False),
+    (2, 1, 0, None, False),
+    (4, 1, 3, 2, True),  # 4 configured, 3 left: runs on 2 and says why
+    (4, 2, 1, None, False),
+    (3, 2, 2, None, False),  # 2 would change the global batch: wait for 3
+]
+
+
+@pytest.mark.parametrize("num_nodes, min_nodes, there, nodes, why", FITS)
+def test_the_size_chosen_for_the_nodes_there_are(num_nodes, min_nodes, there, nodes, why):
+    f = fit(world_sizes(ScalingSpec(num_nodes=num_nodes, min_nodes=min_nodes), 1, 1), there)
+    assert (f.size.nodes if f.size else None) == nodes
+    assert bool(f.why) == why
+    if why:
+        assert f.why.startswith(f"{there} nodes are there, but at {there} the global batch")
+
+
+def test_growing_back_only_to_a_larger_size():
+    sizes = world_sizes(ScalingSpec(num_nodes=4, min_nodes=1), 1, 1)  # 4, 2, 1
+    one, two = sizes[2], sizes[1]
+    assert grow_to(sizes, one, 3) == two  # 3 nodes there: 2 keep the batch
+    assert grow_to(sizes, two, 3) is None  # nothing larger than 2 until all 4 are there
+    assert grow_to(sizes, two, 4) == sizes[0]
+    assert grow_to(sizes, sizes[0], 4) is None
+
+
+def test_what_the_driver_says_when_the_world_resizes():
+    assert resize_note(WorldSize(2, 2, 1), WorldSize(1, 1, 2), "node 1 lost") == (
+        "world size 2 -> 1 (node 1 lost); gradient accumulation 1 -> 2 keeps the global batch")
+    assert resize_note(WorldSize(1, 1, 2), WorldSize(2, 2, 1), "nodes came back") == (
+        "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch")

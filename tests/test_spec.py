@@ -100,3 +100,23 @@ def test_socket_interface_defaults_to_auto_and_takes_a_name():
     assert problems(MINIMAL + "rendezvous: {socket_ifnam: eth1}\n") == [
         "rendezvous.socket_ifnam: unknown key; did you mean 'socket_ifname'?"
     ]
+
+
+def test_an_elastic_spec_reads_min_nodes_and_its_bounds():
+    plain = load_spec_text(MINIMAL + "scaling: {num_nodes: 3}\n")
+    assert plain.scaling.min_nodes is None and plain.scaling.elastic_min == 3  # not elastic
+    assert plain.scaling.keep_global_batch is True and plain.timeouts.resize_s == 30.0
+    spec = load_spec_text(MINIMAL + "scaling: {num_nodes: 3, min_nodes: 2, keep_global_batch: false}\n"
+                          "timeouts: {resize_s: 5}\n")
+    assert spec.scaling.elastic_min == 2 and spec.scaling.keep_global_batch is False
+    assert spec.timeouts.resize_s == 5.0
+    assert spec.with_overrides(["scaling.min_nodes=1"]).scaling.min_nodes == 1
+
+
+def test_min_nodes_beyond_num_nodes_or_below_one_is_refused_with_the_fix():
+    assert problems(MINIMAL + "scaling: {num_nodes: 2, min_nodes: 3}\n") == [
+        "scaling.min_nodes: 3 is more than scaling.num_nodes (2); set it to at most 2 (--set scaling.min_nodes=2)"]
+    assert problems(MINIMAL + "scaling: {num_nodes: 2, min_nodes: 0}\n") == [
+        "scaling.min_nodes: must be at least 1, got 0"]
+    assert problems(MINIMAL + "scaling: {min_nodes: two}\n") == [
+        "scaling.min_nodes: expected an integer or null (unset), got a string 'two'"]

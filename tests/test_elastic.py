@@ -1,0 +1,122 @@
+"""Elastic world size on the shared multi-node Ray cluster: a run that loses a node goes on with
+fewer within timeouts.resize_s, keeping the global batch and the data order, and grows back at a
+committed checkpoint when a node returns."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import ray
+
+from conftest import wait_for
+from jobs.driver import Driver
+from jobs.spec import load_spec_text
+
+SAMPLES, BATCH, EPOCHS = 128, 8, 4
+GLOBAL_BATCH = 2 * BATCH  # 2 nodes x 1 worker x accumulation 1
+STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
+
+ELASTIC = """
+name: {name}
+train_fn: fns:elastic
+config: {{samples: %d, batch_size: %d, epochs: %d, every: 4, step_s: {step_s}, pid_dir: {pid_dir}}}
+scaling: {{num_nodes: 2, workers_per_node: 1, min_nodes: 1}}
+failure: {{max_restarts: 1}}
+timeouts: {{heartbeat_s: 20, placement_s: 60, resize_s: 3}}
+storage: {storage}
+""" % (SAMPLES, BATCH, EPOCHS)
+
+
+def spec(tmp_path: Path, name: str, step_s: float = 0.25, overrides: list[str] | None = None):
+    return load_spec_text(ELASTIC.format(name=name, step_s=step_s, pid_dir=tmp_path / "pids",
+                                         storage=tmp_path / "runs"), overrides)
+
+
+def rows(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads(l) for l in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def samples_by_step(tmp_path: Path, name: str) -> dict[int, list[int]]:
+    """The sample ids of each optimizer step, from the attempt whose state the run kept (the last
+    one that ran the step), across its ranks."""
+    last: dict[int, int] = {}
+    for r in rows(tmp_path, name):
+        if "ids" in r:
+            last[r["step"]] = max(last.get(r["step"], 0), r["attempt"])
+    out: dict[int, list[int]] = defaultdict(list)
+    for r in rows(tmp_path, name):
+        if "ids" in r and r["attempt"] == last[r["step"]]:
+            out[r["step"]] += r["ids"]
+    return dict(out)
+
+
+def committed(tmp_path: Path, name: str) -> int | None:
+    latest = tmp_path / "runs" / name / "checkpoints" / "latest.json"
+    return json.loads(latest.read_text())["step"] if latest.exists() else None
+
+
+def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_order(ray_cluster, tmp_path):
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2, "the shared cluster is a head and one node"
+    # The uninterrupted run: the reference for the data order and the loss.
+    reference = Driver(spec(tmp_path, "reference", step_s=0.0), can_grow=False).run()
+    assert reference.status == "succeeded", reference.error
+    assert reference.resizes == [] and reference.world_size == 2
+
+    out = io.StringIO()
+    driver = Driver(spec(tmp_path, "elastic"), can_grow=True, out=out)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    try:
+        wait_for(lambda: (committed(tmp_path, "elastic") or 0) >= 4, 120, "a committed checkpoint")
+        used = [i.node_id for i in driver.group.infos]
+        victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)  # not the head: it runs the driver
+        lost = used.index(victim.node_id)
+        ray_cluster.remove_node(victim)
+        lost_at = time.monotonic()
+        # no node comes back: within resize_s (3 s) plus a restart it trains on the one node left
+        wait_for(lambda: any(r.get("world_size") == 1 and "ids" in r for r in rows(tmp_path, "elastic")), 90,
+                 "training on one node")
+        shrunk_s = time.monotonic() - lost_at
+        step_at_one = max(r["step"] for r in rows(tmp_path, "elastic") if r.get("world_size") == 1)
+        wait_for(lambda: max(r["step"] for r in rows(tmp_path, "elastic") if r.get("world_size") == 1)
+                 >= step_at_one + 2, 60, "two more steps on one node")
+        ray_cluster.add_node(num_cpus=2)  # the node returns
+        thread.join(240)
+    finally:
+        thread.join(240)
+    result = box["result"]
+    assert result.status == "succeeded", result.error
+    assert shrunk_s < 60, shrunk_s
+    text = out.getvalue()
+    assert f"world size 2 -> 1 (node {lost} lost); gradient accumulation 1 -> 2 keeps the global batch" in text
+    assert "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch" in text
+    # a lost node used the one restart allowed; growing back used none
+    assert result.restarts == 1 and result.attempts == 3
+    saved = json.loads((tmp_path / "runs" / "elastic" / "result.json").read_text())
+    assert [(z["attempt"], z["old_world_size"], z["new_world_size"], z["reason"]) for z in saved["resizes"]] == [
+        (2, 2, 1, f"node {lost} lost"), (3, 1, 2, "nodes came back")]
+    shrink, grow = saved["resizes"]
+    assert 4 <= shrink["step"] < grow["step"] < STEPS_PER_EPOCH * EPOCHS
+    assert saved["world_size"] == 2 and saved["num_nodes"] == 2
+    # the function saw accumulation 2 on one node, 1 on two
+    assert {(r["world_size"], r["attempt"]) for r in rows(tmp_path, "elastic") if "ids" in r} == {
+        (2, 1), (1, 2), (2, 3)}
+
+    # The data order: every optimizer step had the same global batch, each sample of each epoch
+    # was used exactly once, and each step used the samples the uninterrupted run used.
+    got, want = samples_by_step(tmp_path, "elastic"), samples_by_step(tmp_path, "reference")
+    assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
+    assert {len(ids) for ids in got.values()} == {GLOBAL_BATCH}
+    for epoch in range(EPOCHS):
+        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
+        assert sorted(i for s in steps for i in got[s]) == list(range(SAMPLES)), epoch
+    assert {s: sorted(v) for s, v in got.items()} == {s: sorted(v) for s, v in want.items()}
+    # the final loss is the uninterrupted run's, within float noise (sums in another order)
+    final, ref = result.rank_results["0"]["final_loss"], reference.rank_results["0"]["final_loss"]
+    assert abs(final - ref) <= 1e-4 * ref, (final, ref)
