@@ -34,8 +34,9 @@ OnSaved = Callable[[int, str, "dict[str, dict] | None"], None]
 class StagedCheckpoints:
     """Under the runner: save into the attempt's staging folder, restore the committed checkpoint it was given."""
 
-    def __init__(self, staging_uri: str, restore_uri: str | None, on_saved: OnSaved) -> None:
+    def __init__(self, staging_uri: str, restore_uri: str | None, on_saved: OnSaved, rank: int = 0) -> None:
         self.staging_uri, self.restore_uri = staging_uri, restore_uri
+        self.rank = rank  # this process's world rank
         self._on_saved = on_saved
         self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
 
@@ -85,8 +86,10 @@ class StagedCheckpoints:
                 _copy_down(uri, tmp)
                 check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
                 accelerator.load_state(tmp)
-        # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
-        seed_missing_rng(manifest["files"], accelerator.process_index, int(manifest["step"]))
+        # Saved at another world size: this rank's RNGs get a defined state if it had none, and
+        # accumulation counts from the checkpoint's optimizer step.
+        seed_missing_rng(manifest["files"], self.rank, int(manifest["step"]))
+        align_accumulation(accelerator)
         return int(manifest["step"])
 
 
@@ -114,6 +117,20 @@ class LocalCheckpoints:
         name = latest.read_text().strip()
         accelerator.load_state(str(self.folder / name))
         return checkpoint_step(name)
+
+
+def align_accumulation(accelerator: Any) -> None:
+    """Make the next ``gradient_accumulation_steps`` micro-batches one optimizer step.
+
+    ``load_state`` restores Accelerate's micro-batch counter (``accelerator.step``), which
+    ``accumulate`` syncs on when it is a multiple of the accumulation. A checkpoint is saved at
+    an optimizer step, so the counter is a multiple of the accumulation it was saved with; when
+    the runner resumes with another one (an elastic run that changed its world size), the
+    counter is brought down to a multiple of the new one. Otherwise it is left as it is.
+    """
+    steps = getattr(accelerator, "gradient_accumulation_steps", 1) or 1
+    if isinstance(getattr(accelerator, "step", None), int):
+        accelerator.step -= accelerator.step % steps
 
 
 def seed_missing_rng(files: Any, rank: int, step: int) -> int | None:

@@ -88,7 +88,8 @@ class Session:
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._checkpoints: StagedCheckpoints | LocalCheckpoints = (
-            StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved) if payload is not None
+            StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
+                              payload.context.world_rank) if payload is not None
             else LocalCheckpoints(local_dir / CHECKPOINTS))
         self._said: set[str] = set()  # what _clean has said about the values (once each)
 

@@ -198,3 +198,30 @@ def test_every_load_of_a_checkpoint_under_the_runner_follows_its_checksum_check(
                 assert outside_runner or checked, f"{where}: {func} without check_manifest just before it"
     # the scan sees the loads there are: one outside the runner, one per kind of storage
     assert loads.count("accelerator.load_state") == 3, loads
+
+
+@pytest.mark.parametrize("saved, accumulation, after", [
+    (4, 1, 4), (6, 2, 6),  # the accumulation it was saved with: left as it is
+    (2, 3, 0), (3, 2, 2), (7, 4, 4),  # another one: the next `accumulation` micro-batches are one step
+])
+def test_a_resume_at_another_accumulation_counts_micro_batches_from_the_checkpoint(saved, accumulation, after):
+    from types import SimpleNamespace
+
+    from cluster.checkpoints import align_accumulation
+
+    accelerator = SimpleNamespace(step=saved, gradient_accumulation_steps=accumulation)
+    align_accumulation(accelerator)
+    assert accelerator.step == after and accelerator.step % accumulation == 0
+
+
+def test_a_rank_without_its_own_rng_state_gets_a_defined_one(capfd):
+    import random
+
+    from cluster.checkpoints import seed_missing_rng
+
+    assert seed_missing_rng({"random_states_0.pkl": {}, "random_states_1.pkl": {}}, 1, 8) is None
+    assert seed_missing_rng({"random_states_0.pkl": {}}, 1, 8) == 8001
+    first = random.random()
+    seed_missing_rng({"random_states_0.pkl": {}}, 1, 8)
+    assert random.random() == first  # the same state each time
+    assert "the checkpoint of step 8 has no RNG state for this rank" in capfd.readouterr().err

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +17,7 @@ import ray
 
 from conftest import wait_for
 from jobs.driver import Driver
+from jobs.runs import format_show, series
 from jobs.spec import load_spec_text
 
 SAMPLES, BATCH, EPOCHS = 128, 8, 4
@@ -24,12 +27,20 @@ STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 ELASTIC = """
 name: {name}
 train_fn: fns:elastic
-config: {{samples: %d, batch_size: %d, epochs: %d, every: 4, step_s: {step_s}, pid_dir: {pid_dir}}}
+config: {{samples: %d, batch_size: %d, epochs: %d, every: 3, step_s: {step_s}, pid_dir: {pid_dir}}}
 scaling: {{num_nodes: 2, workers_per_node: 1, min_nodes: 1}}
 failure: {{max_restarts: 1}}
 timeouts: {{heartbeat_s: 20, placement_s: 60, resize_s: 3}}
 storage: {storage}
 """ % (SAMPLES, BATCH, EPOCHS)
+
+
+class Shown(io.StringIO):
+    """The driver's output, kept for the test and printed too (pytest shows it when a test fails)."""
+
+    def write(self, text: str) -> int:
+        sys.stdout.write(text)
+        return super().write(text)
 
 
 def spec(tmp_path: Path, name: str, step_s: float = 0.25, overrides: list[str] | None = None):
@@ -67,13 +78,13 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
     assert reference.status == "succeeded", reference.error
     assert reference.resizes == [] and reference.world_size == 2
 
-    out = io.StringIO()
+    out = Shown()
     driver = Driver(spec(tmp_path, "elastic"), can_grow=True, out=out)
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
     try:
-        wait_for(lambda: (committed(tmp_path, "elastic") or 0) >= 4, 120, "a committed checkpoint")
+        wait_for(lambda: (committed(tmp_path, "elastic") or 0) >= 3, 120, "a committed checkpoint")
         used = [i.node_id for i in driver.group.infos]
         victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)  # not the head: it runs the driver
         lost = used.index(victim.node_id)
@@ -102,8 +113,15 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
     assert [(z["attempt"], z["old_world_size"], z["new_world_size"], z["reason"]) for z in saved["resizes"]] == [
         (2, 2, 1, f"node {lost} lost"), (3, 1, 2, "nodes came back")]
     shrink, grow = saved["resizes"]
-    assert 4 <= shrink["step"] < grow["step"] < STEPS_PER_EPOCH * EPOCHS
+    assert 3 <= shrink["step"] < grow["step"] < STEPS_PER_EPOCH * EPOCHS
     assert saved["world_size"] == 2 and saved["num_nodes"] == 2
+    # show, the progress lines and plot's curves carry the world size and its changes
+    shown = format_show(str(tmp_path / "runs"), "elastic")
+    assert (f"resized     attempt 2 from step {shrink['step']}: world size 2 -> 1 (node {lost} lost)\n"
+            f"  resized     attempt 3 from step {grow['step']}: world size 1 -> 2 (nodes came back)") in shown
+    assert re.search(r"raylaunch: step \d+ .*world_size=1", text)
+    (curve,) = series(rows(tmp_path, "elastic"), "rank_loss")
+    assert curve.resizes == [(shrink["step"] + 1, 1), (grow["step"] + 1, 2)]
     # the function saw accumulation 2 on one node, 1 on two
     assert {(r["world_size"], r["attempt"]) for r in rows(tmp_path, "elastic") if "ids" in r} == {
         (2, 1), (1, 2), (2, 3)}
@@ -120,3 +138,65 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
     # the final loss is the uninterrupted run's, within float noise (sums in another order)
     final, ref = result.rank_results["0"]["final_loss"], reference.rank_results["0"]["final_loss"]
     assert abs(final - ref) <= 1e-4 * ref, (final, ref)
+
+
+THREE = """
+name: {name}
+train_fn: fns:elastic
+config: {{samples: 96, batch_size: 8, epochs: 3, every: 2, step_s: 0.3, pid_dir: {pid_dir}}}
+scaling: {{num_nodes: 3, workers_per_node: 1, min_nodes: 1, keep_global_batch: {keep}}}
+failure: {{max_restarts: 1}}
+timeouts: {{heartbeat_s: 20, placement_s: 60, resize_s: 2}}
+storage: {storage}
+"""
+
+
+def lose_a_node_mid_run(ray_cluster, tmp_path: Path, name: str, keep: bool):
+    """Run the 3-node job, remove one of its nodes (not the head) after its first checkpoint; the
+    cluster gets no node back. Returns the result, the driver's output and the lost node's rank."""
+    spec = load_spec_text(THREE.format(name=name, keep=str(keep).lower(), pid_dir=tmp_path / "pids",
+                                       storage=tmp_path / "runs"))
+    out = Shown()
+    driver = Driver(spec, can_grow=True, out=out)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    try:
+        wait_for(lambda: committed(tmp_path, name), 120, "a committed checkpoint")
+        used = [i.node_id for i in driver.group.infos]
+        victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)
+        ray_cluster.remove_node(victim)
+    finally:
+        thread.join(300)
+    return box["result"], out.getvalue(), used.index(victim.node_id)
+
+
+def test_three_nodes_with_two_left_keep_the_global_batch_on_one_or_change_it_on_two(ray_cluster, tmp_path):
+    ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 3
+    # keep_global_batch (the default): 2 nodes cannot take 3 nodes' micro-batches evenly; 1 can
+    result, text, lost = lose_a_node_mid_run(ray_cluster, tmp_path, "keep", keep=True)
+    assert result.status == "succeeded", result.error
+    assert ("2 nodes are there, but at 2 the global batch of 3 nodes x gradient accumulation 1 is not a whole "
+            "number of micro-batches per node: running on 1 node (world size 1, gradient accumulation 3)") in text
+    assert f"world size 3 -> 1 (node {lost} lost); gradient accumulation 1 -> 3 keeps the global batch" in text
+    assert [(z["old_world_size"], z["new_world_size"], z["global_batch_kept"]) for z in result.resizes] == [
+        (3, 1, True)]
+    got = samples_by_step(tmp_path, "keep")
+    assert {len(ids) for ids in got.values()} == {24} and len(got) == 12
+    for epoch in range(3):
+        assert sorted(i for s in range(4 * epoch + 1, 4 * epoch + 5) for i in got[s]) == list(range(96))
+
+    # keep_global_batch: false runs on the two nodes there are, and says the global batch changed
+    ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    result, text, lost = lose_a_node_mid_run(ray_cluster, tmp_path, "free", keep=False)
+    assert result.status == "succeeded", result.error
+    assert (f"world size 3 -> 2 (node {lost} lost); the global batch changes with it "
+            "(scaling.keep_global_batch is false)") in text
+    assert [(z["old_world_size"], z["new_world_size"], z["global_batch_kept"]) for z in result.resizes] == [
+        (3, 2, False)]
+    sizes = {r["world_size"]: len(r["ids"]) for r in rows(tmp_path, "free") if "ids" in r}
+    assert sizes == {3: 8, 2: 8}  # the per-device batch stays; the global batch goes from 24 to 16
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the shared cluster: a head and one node again

@@ -145,13 +145,13 @@ def train(config: dict) -> dict:
     total_steps = steps_per_epoch * cfg["epochs"]
     from transformers import get_linear_schedule_with_warmup
 
-    # Accelerate steps a prepared scheduler once per process for every
-    # optimizer step, so the schedule is counted in process-steps.
-    n = accelerator.num_processes
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg["warmup_ratio"] * total_steps) * n, total_steps * n)
-    scheduler = accelerator.prepare(scheduler)
+    # The schedule counts optimizer steps: stepped once per optimizer step below and saved with
+    # the checkpoint. (Prepared, Accelerate would step it once per process, a count that no
+    # longer matches after the runner resumes at another world size.)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg["warmup_ratio"] * total_steps), total_steps)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
+    accelerator.register_for_checkpointing(scheduler)
 
     # 3. Resume from the latest committed checkpoint, if the runner has one.
     restored = session.restore(accelerator)
@@ -179,12 +179,12 @@ def train(config: dict) -> dict:
                 out = model(input_ids=batch["input_ids"], labels=batch["labels"])
                 accelerator.backward(out.loss)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             running += out.loss.item()
             count += 1
             if not accelerator.sync_gradients:
                 continue
+            scheduler.step()
             progress.step += 1
             loss = accelerator.reduce(torch.tensor(running / count, device=accelerator.device), "mean").item()
             now = time.perf_counter()
