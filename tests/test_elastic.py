@@ -171,11 +171,15 @@ def lose_a_node_mid_run(ray_cluster, tmp_path: Path, name: str, keep: bool):
     return box["result"], out.getvalue(), used.index(victim.node_id)
 
 
-def test_three_nodes_with_two_left_keep_the_global_batch_on_one_or_change_it_on_two(ray_cluster, tmp_path):
-    ray_cluster.add_node(num_cpus=2)
+def three_nodes(ray_cluster) -> None:
+    ray_cluster.add_node(num_cpus=2)  # the node the test removes: a head and one node are left
     ray_cluster.wait_for_nodes()
     assert len([n for n in ray.nodes() if n["Alive"]]) == 3
-    # keep_global_batch (the default): 2 nodes cannot take 3 nodes' micro-batches evenly; 1 can
+
+
+def test_three_nodes_with_two_left_keep_the_global_batch_on_one(ray_cluster, tmp_path):
+    """keep_global_batch (the default): 2 nodes cannot take 3 nodes' micro-batches evenly; 1 can."""
+    three_nodes(ray_cluster)
     result, text, lost = lose_a_node_mid_run(ray_cluster, tmp_path, "keep", keep=True)
     assert result.status == "succeeded", result.error
     assert ("2 nodes are there, but at 2 the global batch of 3 nodes x gradient accumulation 1 is not a whole "
@@ -187,10 +191,12 @@ def test_three_nodes_with_two_left_keep_the_global_batch_on_one_or_change_it_on_
     assert {len(ids) for ids in got.values()} == {24} and len(got) == 12
     for epoch in range(3):
         assert sorted(i for s in range(4 * epoch + 1, 4 * epoch + 5) for i in got[s]) == list(range(96))
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the shared cluster: a head and one node again
 
-    # keep_global_batch: false runs on the two nodes there are, and says the global batch changed
-    ray_cluster.add_node(num_cpus=2)
-    ray_cluster.wait_for_nodes()
+
+def test_three_nodes_with_two_left_and_keep_global_batch_false_run_on_two(ray_cluster, tmp_path):
+    """keep_global_batch: false runs on the two nodes there are, and says the global batch changed."""
+    three_nodes(ray_cluster)
     result, text, lost = lose_a_node_mid_run(ray_cluster, tmp_path, "free", keep=False)
     assert result.status == "succeeded", result.error
     assert (f"world size 3 -> 2 (node {lost} lost); the global batch changes with it "
