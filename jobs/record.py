@@ -138,7 +138,7 @@ class Recorder:
             return
         self._last_print = now
         shown = Progress.of(record.get("step"), values)
-        if self.on_progress is None:
+        if self.on_progress is None or shown.step is None:  # a step of None is a plain line to a view too
             self.say(shown.line())
         else:
             self.on_progress(Progress(shown.step, {self.secrets.mask(k): self.secrets.mask(v)
