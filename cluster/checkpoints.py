@@ -1,9 +1,9 @@
 """One rank's checkpoints: Accelerate's state saved to staging (uploaded in the background on an object
 store) and a committed checkpoint checked against its manifest and restored.
 
-``cluster.runtime.Session`` hands ``save``, ``restore`` and ``wait_for_upload`` to a
-``StagedCheckpoints`` under the runner, and to a ``LocalCheckpoints`` outside it. The
-driver commits what every rank staged (``jobs.storage.RunDir.commit_checkpoint``).
+Under the runner ``cluster.runtime.Session`` hands ``save``, ``restore`` and
+``wait_for_upload`` to a ``StagedCheckpoints``; the driver commits what every rank
+staged (``jobs.storage.RunDir.commit_checkpoint``).
 Imports nothing from Ray.
 """
 
@@ -22,9 +22,9 @@ from pyarrow import fs as pafs
 
 from cluster.errors import RaylaunchError
 from cluster.storage_io import CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query
-from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, checkpoint_step, rank_part_file, run_of_staging
+from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, rank_part_file, run_of_staging
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "LocalCheckpoints", "StagedCheckpoints"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "StagedCheckpoints"]
 
 # Called when this rank's part of the checkpoint of ``step`` is on storage at ``uri``;
 # ``files`` ({rel: {size, sha256}}) when it was hashed on local disk before an upload.
@@ -91,32 +91,6 @@ class StagedCheckpoints:
         seed_missing_rng(manifest["files"], self.rank, int(manifest["step"]))
         align_accumulation(accelerator)
         return int(manifest["step"])
-
-
-class LocalCheckpoints:
-    """Outside the runner: checkpoints in a local folder, ``latest`` naming the newest."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def save(self, accelerator: Any, step: int) -> str:
-        target = self.folder / checkpoint_name(step)
-        accelerator.save_state(str(target), safe_serialization=True)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            (self.folder / "latest").write_text(target.name)
-        return str(target)
-
-    def wait_for_upload(self) -> None:
-        """Nothing is uploaded outside the runner."""
-
-    def restore(self, accelerator: Any) -> int | None:
-        latest = self.folder / "latest"
-        if not latest.exists():
-            return None
-        name = latest.read_text().strip()
-        accelerator.load_state(str(self.folder / name))
-        return checkpoint_step(name)
 
 
 def align_accumulation(accelerator: Any) -> None:

@@ -124,7 +124,7 @@ class Progress:
     True
     """
 
-    step: int
+    step: int | None  # None: a record logged without a step
     values: dict[str, str] = field(default_factory=dict)  # metric -> as printed
 
     def line(self) -> str:

@@ -16,7 +16,7 @@ Under the runner these reach the driver and the run directory. Outside it
 (plain ``python`` or ``accelerate launch``) the same calls write metrics to
 ``./raylaunch-local/metrics-rank<R>.jsonl`` and checkpoints to
 ``./raylaunch-local/checkpoints`` (``RAYLAUNCH_LOCAL_DIR`` moves that folder).
-Saving, uploading and restoring checkpoints is ``cluster.checkpoints``'s; the worker
+Saving, uploading and restoring under the runner is ``cluster.checkpoints``'s; the worker
 entry point (``cluster.worker``) drives the session's runner side (``emit``,
 ``handle_sigterm``, ``stopped_for_preemption``).
 """
@@ -33,9 +33,9 @@ from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
-from cluster.checkpoints import CheckpointError, CheckpointSaveError, LocalCheckpoints, StagedCheckpoints
+from cluster.checkpoints import CheckpointError, CheckpointSaveError, StagedCheckpoints
 from cluster.context import RECORD_KEYS, WorkerContext
-from cluster.layout import CHECKPOINTS
+from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
 from cluster.protocol import EventKind, WorkerPayload
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
@@ -87,10 +87,8 @@ class Session:
         self._cooperative = False  # the function calls preempted()
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
-        self._checkpoints: StagedCheckpoints | LocalCheckpoints = (
-            StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
-                              payload.context.world_rank) if payload is not None
-            else LocalCheckpoints(local_dir / CHECKPOINTS))
+        self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
+                                               payload.context.world_rank) if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
 
     @property
@@ -198,6 +196,13 @@ class Session:
         and the runner waits for the last one before the function counts as
         finished. Storage that is full fails the save with ``CheckpointSaveError``.
         """
+        if self._checkpoints is None:
+            target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
+            accelerator.save_state(str(target), safe_serialization=True)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                (self._local_dir / CHECKPOINTS / "latest").write_text(target.name)
+            return str(target)
         return self._checkpoints.save(accelerator, step)
 
     def wait_for_upload(self) -> None:
@@ -206,7 +211,8 @@ class Session:
         The runner calls it when the training function returns, so a run never
         finishes before its last checkpoint is committed.
         """
-        self._checkpoints.wait_for_upload()
+        if self._checkpoints is not None:
+            self._checkpoints.wait_for_upload()
 
     def restore(self, accelerator: Any) -> int | None:
         """Load the latest committed checkpoint into ``accelerator``; its step, or None.
@@ -217,6 +223,13 @@ class Session:
         raises ``CheckpointError``. From an object store the downloaded copy is checked
         and loaded; on a shared path the check and the load are two reads of the files.
         """
+        if self.payload is None:  # outside the runner: the local folder this function wrote itself
+            latest = self._local_dir / CHECKPOINTS / "latest"
+            if not latest.exists():
+                return None
+            name = latest.read_text().strip()
+            accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
+            return checkpoint_step(name)
         return self._checkpoints.restore(accelerator)
 
     # --- events --------------------------------------------------------------

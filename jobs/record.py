@@ -142,7 +142,7 @@ class Recorder:
         self._last_print = now
         shown = Progress.of(record.get("step"), {**values, **({"world_size": record["world_size"]}
                                                               if "world_size" in record else {})})
-        if self.on_progress is None:
+        if self.on_progress is None or shown.step is None:  # a step of None is a plain line to a view too
             self.say(shown.line())
         else:
             self.on_progress(Progress(shown.step, {self.secrets.mask(k): self.secrets.mask(v)
