@@ -290,3 +290,72 @@ def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committ
     (curve,) = plot(storage, ["slow"], "loss", str(png))
     assert png.stat().st_size > 10_000 and curve.steps == list(range(1, 21))
     assert [k for k in s3.keys("runs/slow/tensorboard") if "events.out.tfevents" in k]
+
+
+def test_a_long_run_on_the_bucket_writes_rolled_segments_that_readers_see_whole_and_in_order(s3, monkeypatch):
+    """The driver holds one segment of each file, not the whole file; readers list them in order."""
+    monkeypatch.setattr(storage, "SEGMENT_BYTES", 2_000)  # 4 MiB in production
+    run = RunDir(s3.uri("unit"), "segments")
+    run.prepare({"name": "segments"})
+    for step in range(1, 101):  # ~45 bytes a row: a new segment every ~44 rows
+        run.append_metrics([{"step": step, "rank": 0, "loss": 1.0 / step}])
+        run.append_log(0, [f"step {step}"])
+    run.flush()  # the driver dies here, without close(): what was flushed is on the bucket
+    keys = s3.keys("unit/segments")
+    metrics = [k for k in keys if "/metrics.jsonl" in k]
+    assert metrics[:3] == ["unit/segments/metrics.jsonl", "unit/segments/metrics.jsonl.000001",
+                           "unit/segments/metrics.jsonl.000002"]
+    assert all(len(s3.read(k)) <= 2_000 for k in metrics)
+    assert [r["step"] for r in RunDir(s3.uri("unit"), "segments").read_metrics()] == list(range(1, 101))
+    # a rerun of the same run continues the last segment, and the readers still see every row once
+    rerun = RunDir(s3.uri("unit"), "segments")
+    rerun.append_metrics([{"step": step, "rank": 0, "loss": 0.5} for step in range(101, 121)])
+    rerun.close()
+    assert [r["step"] for r in RunDir(s3.uri("unit"), "segments").read_metrics()] == list(range(1, 121))
+    # a segment also rolls when it is old, however small
+    monkeypatch.setattr(storage, "SEGMENT_S", 0.2)  # 10 minutes in production
+    aged = RunDir(s3.uri("unit"), "aged")
+    aged.prepare({"name": "aged"})
+    aged.append_metrics([{"step": 1}])
+    time.sleep(0.4)
+    aged.append_metrics([{"step": 2}])
+    aged.close()
+    assert [k for k in s3.keys("unit/aged") if "/metrics" in k] == \
+        ["unit/aged/metrics.jsonl", "unit/aged/metrics.jsonl.000001"]
+    assert [r["step"] for r in aged.read_metrics()] == [1, 2]
+
+
+def test_many_rank_logs_on_the_bucket_roll_together_once_they_hold_too_much(s3, monkeypatch):
+    """A thousand ranks' logs each holding part of a segment: the driver's memory stays bounded."""
+    monkeypatch.setattr(storage, "HELD_BYTES", 5_000)  # 64 MiB in production
+    run = RunDir(s3.uri("unit"), "held")
+    run.prepare({"name": "held"})
+    for _ in range(4):
+        for rank in range(40):  # 40 ranks x 41 bytes a round: past 5 KB early in round 4, every file rolls
+            run.append_log(rank, [f"rank {rank:02d} says something of fifty bytes..."])
+    run.close()
+    logs = s3.keys("unit/held/logs")
+    # rank 39 wrote its fourth line after the roll: into its second segment
+    assert "unit/held/logs/rank-39.log" in logs and "unit/held/logs/rank-39.log.000001" in logs
+    text = b"".join(s3.read(k) for k in logs if k.startswith("unit/held/logs/rank-39.log"))
+    assert text.decode().splitlines() == ["rank 39 says something of fifty bytes..."] * 4
+
+
+def test_a_run_on_the_bucket_with_small_segments_reads_back_whole_in_runs_show_and_plot(
+        ray_cluster, s3, tmp_path, monkeypatch):
+    from jobs.runs import format_runs, format_show, plot
+
+    monkeypatch.setattr(storage, "SEGMENT_BYTES", 1_500)  # a few rows a segment
+    result = run_steady(s3, tmp_path, "segrun", steps=30)
+    assert result.status == "succeeded", result.error
+    keys = s3.keys("runs/segrun")
+    assert len([k for k in keys if k.startswith("runs/segrun/metrics.jsonl")]) >= 3
+    rows = RunDir(s3.uri("runs"), "segrun").read_metrics()
+    assert [r["step"] for r in rows if r["rank"] == 0 and "loss" in r] == list(range(1, 31))
+    assert {r["rank"] for r in rows} == {0, 1}
+    storage_uri = s3.uri("runs")
+    row = next(line.split() for line in format_runs(storage_uri).splitlines() if line.startswith("segrun "))
+    assert row[1] == "succeeded" and row[5] == "30"
+    (curve,) = plot(storage_uri, ["segrun"], "loss", str(tmp_path / "segrun.png"))
+    assert curve.steps == list(range(1, 31))
+    assert "loss" in format_show(storage_uri, "segrun").split("checkpoints")[0]  # its last metrics, read back
