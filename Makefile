@@ -8,7 +8,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo test clean bench
+.PHONY: install demo test clean bench bench-scale
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,8 @@ clean:
 bench: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python bench/run.py
+
+# The driver at 16, 128 and 1,024 ranks against simulated nodes (about 4 minutes; SCALE_BENCH_S=<seconds of
+# training per size>, default 40, for longer): its cores, peak memory and the lag to metrics.jsonl.
+bench-scale: install
+	$(BIN)/python -m bench.scale

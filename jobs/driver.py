@@ -338,6 +338,7 @@ class Driver:
         failures: list[RankFailure] = []
         lost: list[int] = []
         while True:
+            round_start = time.monotonic()
             polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s)
             for node_rank, p in enumerate(polls):
                 self._forward(node_rank, p, a)
@@ -368,7 +369,7 @@ class Driver:
             if time.monotonic() - last_board > BOARD_FLUSH_S:
                 self._board.flush()
                 last_board = time.monotonic()
-            time.sleep(self.poll_interval_s)
+            time.sleep(max(0.0, group.poll_period(self.poll_interval_s) - (time.monotonic() - round_start)))
         if failures:
             # The same bug usually fails every rank within moments: wait briefly for the
             # other nodes to report theirs, so the error is grouped, not one rank's alone.
