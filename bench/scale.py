@@ -268,7 +268,8 @@ def _monitor(pid: int, metrics: str, stop, results) -> None:
     f = None
     buf = b""
     next_sample = 0.0
-    while not stop.is_set():
+    while True:
+        last = stop.is_set()  # one more pass after the driver ended: its last rows
         now = time.time()
         if now >= next_sample:
             try:
@@ -293,6 +294,8 @@ def _monitor(pid: int, metrics: str, stop, results) -> None:
                     rows += 1
                     first_row = first_row or seen
                     last_row = seen
+        if last:
+            break
         time.sleep(0.05)
     if f is not None:
         f.close()
