@@ -58,22 +58,24 @@ class SimNode:
     """One node's ranks as the driver sees them through ``NodeActor.poll``."""
 
     def __init__(self, node_rank: int, ranks: list[int], staging_uri: str, total_steps: int) -> None:
+        from cluster.protocol import NodeState
+
         self.node_rank, self.ranks, self.staging, self.total = node_rank, ranks, staging_uri, total_steps
         self.t0 = time.time()
         self.step = 0  # the last step every rank has logged
         self.greeted = False
         self.resources_at = self.t0
         self.log_at = self.t0
-        self.state = "running"
+        self.state = NodeState.RUNNING
 
     def _at(self, step: int, rank: int) -> float:
         return self.t0 + 1.0 + step / STEPS_PER_S + (rank % 16) * 0.001
 
     def poll(self):
-        from cluster.node import NodePoll
+        from cluster.protocol import NodePoll, NodeState
 
         out = NodePoll(state=self.state)
-        if self.state != "running":
+        if self.state != NodeState.RUNNING:
             return out
         now = time.time()
         if not self.greeted:
@@ -98,7 +100,7 @@ class SimNode:
         out.beat_age_s = {r: (now - self.t0) % BEAT_EVERY_S for r in self.ranks}
         if self.step >= self.total:
             out.events += [{"time": now, "kind": "finished", "rank": r} for r in self.ranks]
-            out.state = self.state = "succeeded"
+            out.state = self.state = NodeState.SUCCEEDED
             out.returns = {r: None for r in self.ranks}
             out.beat_age_s = {}
         return out
@@ -130,16 +132,16 @@ class SimNodes:
         self.nodes[node_rank] = SimNode(node_rank, ranks, staging_uri, self.total)
 
     def poll(self, node_rank: int):
-        from cluster.node import NodePoll
+        from cluster.protocol import NodePoll
 
         node = self.nodes.get(node_rank)
         return node.poll() if node else NodePoll()
 
     def stop(self, node_rank: int):
-        from cluster.node import NodePoll
+        from cluster.protocol import NodePoll, NodeState
 
         node = self.nodes.pop(node_rank, None)
-        return NodePoll(state="stopped" if node and node.state == "running" else "idle")
+        return NodePoll(state=NodeState.STOPPED if node and node.state == NodeState.RUNNING else NodeState.IDLE)
 
     def shutdown(self, node_rank: int) -> None:
         self.nodes.pop(node_rank, None)
@@ -169,6 +171,8 @@ def _sim_group(placement, total_steps: int):
 
     from cluster.context import assign_ranks
     from cluster.group import NodeGroup
+    from cluster.node import NodeInfo
+    from cluster.protocol import NodeState
 
     class SimGroup(NodeGroup):
         def __init__(self) -> None:
@@ -178,11 +182,13 @@ def _sim_group(placement, total_steps: int):
             self._pg = None
             self.actors = [_NodeHandle(hosts[i % len(hosts)], i) for i in range(n)]
             self.hosts = hosts
-            self.infos, self.sockets, self.actor_names = [], [], []
+            self.infos = [NodeInfo(node_id=f"sim-node-{i}", ip="127.0.0.1", hostname=f"sim{i}", pid=0, gpu_ids=())
+                          for i in range(n)]
+            self.sockets, self.actor_names = [], []
             self.placement = placement
             self.contexts = []
             self._inflight, self._lost = {}, set()
-            self._answered, self._states = [False] * n, ["idle"] * n
+            self._answered, self._states = [False] * n, [NodeState.IDLE] * n
 
         def start(self, make_payload, attempt, rendezvous_timeout_s, ports=None):
             p = self.placement
@@ -191,7 +197,7 @@ def _sim_group(placement, total_steps: int):
             ray.get([a.start.remote([c.world_rank for c in self.contexts if c.node_rank == i], staging)
                      for i, a in enumerate(self.actors)])
             self._answered = [False] * len(self.actors)
-            self._states = ["running"] * len(self.actors)
+            self._states = [NodeState.RUNNING] * len(self.actors)
             return self.contexts
 
         def shutdown(self) -> None:
@@ -208,6 +214,7 @@ def _sim_group(placement, total_steps: int):
 def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> None:
     import ray
 
+    import jobs.driver
     from jobs.driver import Driver
     from jobs.spec import load_spec_text
 
@@ -220,11 +227,12 @@ def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> Non
         f"checkpoint: {{keep: 2}}\nfailure: {{max_restarts: 0}}\nstorage: {storage}\n"
     )
 
-    class ScaleDriver(Driver):
-        def _reserve(self, placement):
-            self.group = _sim_group(placement, total)
-            self._mark("reserved")
-            return self.group
+    def reserve(spec, placement, recorder, token, *, can_grow):
+        recorder.mark("reserved")
+        return _sim_group(placement, total)
+
+    # Where the nodes come from is the one thing replaced: everything after is the driver's own.
+    jobs.driver.reserve = reserve
 
     metrics = os.path.join(storage, spec.name, "metrics.jsonl")
     ctx = multiprocessing.get_context("spawn")
@@ -233,7 +241,7 @@ def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> Non
     monitor = ctx.Process(target=_monitor, args=(os.getpid(), metrics, stop, results), daemon=True)
     monitor.start()
     with open(os.path.join(storage, "driver.out"), "w") as out:
-        driver = ScaleDriver(spec, can_grow=False, out=out)
+        driver = Driver(spec, can_grow=False, out=out)
         if os.environ.get("SCALE_BENCH_PROFILE"):  # a folder: the driver's cProfile stats per size
             import cProfile
 
