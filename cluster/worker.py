@@ -10,6 +10,7 @@ from typing import Any, Callable
 from typing import TYPE_CHECKING
 
 from cluster.context import WorkerPayload
+from cluster.pace import install as install_pace
 from cluster.stacks import install_signal_dump, stack_dump_path
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # Accelerate adopts an existing group unchanged.
     _start_heartbeat(payload.events_path + ".beat", session)
     install_signal_dump(stack_dump_path(payload.events_path))  # where this rank is, when asked
+    pace = install_pace(session._emit)  # data_wait and sync_wait, around the prepared dataloaders
     session._emit({"kind": "arrived"})  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,
@@ -165,6 +167,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
     session.wait_for_upload()
+    pace.report()
     session._emit({"kind": "resources", **peak_memory()})
     if session._stopped_for_preemption:
         session._emit({"kind": "preempted"})

@@ -27,6 +27,7 @@ from cluster.worker import check_train_fn
 from jobs.board import Board
 from jobs.environment import Secrets, check_requirements
 from jobs.hangs import HEARTBEAT_LOST, is_hang, where_ranks_are
+from jobs.pace import PACE_KEYS, PaceTracker
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import RECORD_KEYS, CheckpointError, RunDir, StorageError
 
@@ -135,6 +136,7 @@ class Driver:
         self._last_print = 0.0
         self._board: Board | None = None
         self._store_errors: set[str] = set()
+        self._pace_tracker = PaceTracker()
         self.group: NodeGroup | None = None  # the nodes of the current attempt
         self.secrets = Secrets()  # env.secrets' values, read in preflight
 
@@ -332,6 +334,7 @@ class Driver:
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         self._mark("ranks_started")
         a = _Attempt(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
+        self._pace_tracker = PaceTracker()
         started = last_board = time.monotonic()
         states = ["running"] * len(group.actors)
         returns: dict[int, Any] = {}
@@ -438,6 +441,8 @@ class Driver:
                 records.append({"step": a.steps[rank], "rank": rank, "node": a.node_of.get(rank),
                                 "attempt": a.number, "time": e["time"],
                                 **{k: v for k, v in e.items() if k.startswith("peak_")}})
+            elif kind == "pace":
+                records.extend(self._pace(rank, e, a))
             elif kind == "checkpoint":
                 step = int(e["step"])
                 a.parts[step][rank] = e.get("files") or {}
@@ -449,6 +454,18 @@ class Driver:
                     self._say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
         self._store(self.run_dir.append_metrics, records)
         self._board.add(records)
+
+    def _pace(self, rank: int, e: dict, a: _Attempt) -> list[dict]:
+        """A rank's data_wait and sync_wait, at its latest step (or rank 0's, for a rank that logs
+        none); said when the ranks starved for data or waited for change."""
+        step = a.steps.get(rank, a.steps.get(0))
+        if verdict := self._pace_tracker.add(rank, e):
+            for line in verdict.lines or ["no rank is starved for data or waited for any more"]:
+                self._say(f"raylaunch: {line}")
+        if step is None:
+            return []
+        return [{"step": step, "rank": rank, "node": a.node_of.get(rank), "attempt": a.number, "time": e["time"],
+                 **{k: e[k] for k in PACE_KEYS if k in e}}]
 
     def _silent(self, group: NodeGroup, node_rank: int, p: NodePoll, a: _Attempt, known: set[int]) -> list[RankFailure]:
         """The ranks of a node that is lost, or that stopped beating, as failures (not those in ``known``)."""
@@ -492,6 +509,8 @@ class Driver:
             return
         self._last_print = now
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        if pace := self._pace_tracker.verdict.tokens():
+            shown += " " + pace
         self._say(f"raylaunch: step {record.get('step')} {shown}")
 
 

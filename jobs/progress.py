@@ -22,6 +22,8 @@ __all__ = ["ProgressView"]
 STEP = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
 _ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
 _RESTART = re.compile(r"\((\d+) of (\d+) restarts\)")
+# Ranks named by the driver's pace verdict (jobs/pace.py): the ranks the others wait for, those starved for data.
+PACE = ("straggler", "starved")
 
 
 def _clock(seconds: float) -> str:
@@ -110,6 +112,8 @@ class ProgressView:
 
     def _on_step(self, step: int, rest: str) -> None:
         now = time.monotonic()
+        for key in PACE:  # said only while it holds
+            self.metrics.pop(key, None)
         for kv in rest.split():
             k, _, v = kv.partition("=")
             self.metrics[k] = v
@@ -143,6 +147,7 @@ class ProgressView:
         post = {"loss": self.metrics.get("loss", "-")}
         if "samples_per_s" in self.metrics:
             post["samples/s"] = self.metrics["samples_per_s"]
+        post.update({key: self.metrics[key] for key in PACE if key in self.metrics})
         post["attempt"], post["restarts"] = self.attempt, self.restarts
         return post
 
