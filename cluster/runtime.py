@@ -111,7 +111,9 @@ class Session:
         opts = self.payload.accelerate if self.payload else _LOCAL_ACCELERATE
         kwargs: dict[str, Any] = {
             "log_with": [self.tracker()],
-            "dataloader_config": DataLoaderConfiguration(**opts.get("dataloader", {})),
+            # "auto" in the spec is Accelerate's None: its own default.
+            "dataloader_config": DataLoaderConfiguration(
+                **{k: None if v == "auto" else v for k, v in opts.get("dataloader", {}).items()}),
         }
         if "mixed_precision" in opts:
             kwargs["mixed_precision"] = opts["mixed_precision"]
