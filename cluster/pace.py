@@ -31,6 +31,8 @@ __all__ = ["PaceMeter", "install"]
 
 # How often a rank reports its pace (seconds).
 REPORT_EVERY_S = 3.0
+# The fewest batches a report covers (a window with fewer goes on).
+MIN_BATCHES = 5
 
 
 class PaceMeter:
@@ -68,13 +70,14 @@ class PaceMeter:
         with self._lock:
             self.sync_s += seconds
 
-    def window(self) -> dict[str, float] | None:
-        """The fractions since the last call (and the mean time between batches); None if no batch came."""
+    def window(self, min_batches: int = 1) -> dict[str, float] | None:
+        """The fractions since the last window (and the mean time between batches); None, and the
+        window goes on, while fewer than ``min_batches`` came."""
         with self._lock:
             span, data, sync, n = self.span_s, self.data_s, self.sync_s, self.batches
+            if n < max(min_batches, 1) or span <= 0:
+                return None
             self._reset()
-        if n == 0 or span <= 0:
-            return None
         return {"data_wait": round(min(data / span, 1.0), 4), "sync_wait": round(min(sync / span, 1.0), 4),
                 "batch_s": round(span / n, 4)}
 
@@ -97,16 +100,17 @@ class _Pace:
     def __init__(self, meter: PaceMeter, emit: Callable[[dict], None]) -> None:
         self.meter, self._emit = meter, emit
 
-    def report(self) -> None:
-        """Emit the current window, if any batch came in it."""
-        window = self.meter.window()
+    def report(self, min_batches: int = 1) -> None:
+        """Emit the current window, once ``min_batches`` came in it."""
+        window = self.meter.window(min_batches)
         if window is not None:
             self._emit({"kind": "pace", **window})
 
     def _loop(self) -> None:
         while True:
             time.sleep(REPORT_EVERY_S)
-            self.report()
+            # A few batches at least: the first one alone (workers starting, files opening) is all wait.
+            self.report(MIN_BATCHES)
 
 
 def _time_dataloaders(meter: PaceMeter) -> None:

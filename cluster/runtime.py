@@ -35,6 +35,7 @@ from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
 from cluster.context import RECORD_KEYS, WorkerContext, WorkerPayload
+from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.files import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query,
 )
@@ -194,6 +195,7 @@ class Session:
         if self.payload is None:
             target = self._local_dir / "checkpoints" / f"checkpoint-{step:08d}"
             accelerator.save_state(str(target), safe_serialization=True)
+            save_loader_states(accelerator, str(target))
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 (self._local_dir / "checkpoints" / "latest").write_text(target.name)
@@ -243,6 +245,7 @@ class Session:
                 return None
             name = latest.read_text().strip()
             accelerator.load_state(str(self._local_dir / "checkpoints" / name))
+            load_loader_states(accelerator, str(self._local_dir / "checkpoints" / name))
             return int(re.sub(r"\D", "", name))
         uri = self.payload.restore_uri
         if uri is None:
@@ -259,11 +262,13 @@ class Session:
         if is_local(fs):
             check_manifest(fs, path, manifest, path)
             accelerator.load_state(path)
+            load_loader_states(accelerator, path)
         else:
             with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
                 _copy_down(uri, tmp)
                 check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
                 accelerator.load_state(tmp)
+                load_loader_states(accelerator, tmp)
         return int(manifest["step"])
 
     # --- events --------------------------------------------------------------
@@ -339,6 +344,7 @@ def _save_state(accelerator: Any, path: str, step: int) -> None:
     """``save_state`` with model weights as safetensors; a full disk is said in plain words."""
     try:
         accelerator.save_state(path, safe_serialization=True)
+        save_loader_states(accelerator, path)  # each rank's own stream position
     except Exception as exc:
         if not _out_of_space(exc, path):
             raise

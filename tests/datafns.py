@@ -65,14 +65,13 @@ def record_ids(config: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     attempt = session.payload.attempt if session.payload else 0
     rank = accelerator.process_index
+    (out / f"pid-rank{rank}-attempt{attempt}").write_text(str(os.getpid()))
     ds = _dataset(config)
     stream = config["source"] == "stream"
     workers = config.get("num_workers", 0)
     loader_kwargs = {"num_workers": workers, "persistent_workers": workers > 0 and config.get("persistent", True)}
-    if not stream:  # a map-style dataset is shuffled by the sampler; a stream by its own buffer, per epoch
-        loader_kwargs.update(shuffle=True, generator=torch.Generator().manual_seed(0))
-    else:
-        ds = ds.shuffle(seed=0, buffer_size=16)
+    if not stream:  # a map-style dataset is shuffled by the sampler; a stream is read in order (its files
+        loader_kwargs.update(shuffle=True, generator=torch.Generator().manual_seed(0))  # shuffled when written)
     dl = DataLoader(ds, batch_size=config["batch_size"], **loader_kwargs)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -86,8 +85,6 @@ def record_ids(config: dict) -> dict:
     step = position.step
     for epoch in range(position.epoch, config["epochs"]):
         position.epoch = epoch
-        if stream:
-            ds.set_epoch(epoch)  # the shuffle of a stream depends on the epoch
         dl.set_epoch(epoch)
         for batch in dl:
             if not children.issuperset(now := {p.pid for p in _children()}):

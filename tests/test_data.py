@@ -127,3 +127,46 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_stream_over_shard_files_resumes_exactly_after_a_rank_is_killed(ray_cluster, tmp_path, samples):
+    """8 parquet shards, 2 ranks: each rank streams 4 files of its own (datasets' shard split, no
+    dispatching); rank 1 is SIGKILLed mid-epoch; the next attempt restores each rank's stream
+    position from the checkpoint and goes on with the very batches that followed it."""
+    import signal
+
+    from test_faults import committed
+
+    name = "stream"
+    out = tmp_path / name
+    spec = load_spec_text(SPEC.format(name=name, data=samples, out=out, source="stream", nodes=2, workers=1,
+                                      storage=tmp_path / "runs"),
+                          ["config.every=5", "config.step_s=0.3", "failure.max_restarts=1",
+                           "accelerate.dataloader.dispatch_batches=false",
+                           "accelerate.dataloader.use_stateful_dataloader=true"])
+    driver = Driver(spec, can_grow=False)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    def past_the_checkpoint() -> bool:  # mid-epoch, two steps after the checkpoint of step 5
+        rows = consumed(out, attempt=1).get(1, [])
+        return committed(tmp_path, name) == 5 and bool(rows) and rows[-1]["step"] >= 7
+
+    wait_for(past_the_checkpoint, 180, "rank 1 at step 7, past the checkpoint of step 5")
+    os.kill(int((out / "pid-rank1-attempt1").read_text()), signal.SIGKILL)
+    thread.join(300)
+    result = box["result"]
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and result.rank_results["0"]["restored"] == 5
+    first, second = consumed(out, attempt=1), consumed(out, attempt=2)
+    for rank in (0, 1):
+        # the second attempt starts with the batch after the checkpoint, and repeats what the
+        # first attempt had read past it, batch for batch
+        assert second[rank][0]["step"] == 6 and second[rank][0]["epoch"] == 0
+        replayed = {b["step"]: b["ids"] for b in first[rank] if b["step"] > 5}
+        assert replayed and all(b["ids"] == replayed[b["step"]] for b in second[rank] if b["step"] in replayed)
+    # up to the checkpoint from the first attempt, then the second: every sample once per epoch
+    kept = {rank: [b for b in first[rank] if b["step"] <= 5] + second[rank] for rank in (0, 1)}
+    assert_each_sample_once_per_epoch(kept)
+    # each rank read its own files: rank 0 the ids of 4 shards, rank 1 those of the other 4
+    assert not {i for b in kept[0] for i in b["ids"]} & {i for b in kept[1] for i in b["ids"]}
