@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from cluster.runtime import get_session
+from train_fn.digits_stream import Position
 
 
 def write_samples(folder: Path, n: int, shards: int = 1) -> list[Path]:
@@ -77,7 +78,7 @@ def record_ids(config: dict) -> dict:
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt, dl = accelerator.prepare(model, opt, dl)
-    position = _Position()
+    position = Position()
     accelerator.register_for_checkpointing(position)
     restored = session.restore(accelerator)
     children = set()
@@ -113,17 +114,3 @@ def _children():
     import psutil
 
     return psutil.Process().children(recursive=True)
-
-
-class _Position:
-    """The epoch and step reached, saved in every checkpoint."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.step = state["epoch"], state["step"]

@@ -170,3 +170,20 @@ def test_a_stream_over_shard_files_resumes_exactly_after_a_rank_is_killed(ray_cl
     assert_each_sample_once_per_epoch(kept)
     # each rank read its own files: rank 0 the ids of 4 shards, rank 1 those of the other 4
     assert not {i for b in kept[0] for i in b["ids"]} & {i for b in kept[1] for i in b["ids"]}
+
+
+def test_the_streaming_example_trains_the_digits_bert_from_parquet_shards(ray_cluster, tmp_path):
+    from jobs.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "jobs" / "examples" / "digits-stream.yaml", [
+        "config.epochs=2", "config.train_samples=256", "config.checkpoint_every=5", f"config.data_dir={tmp_path / 'data'}",
+        f"storage={tmp_path / 'runs'}", "timeouts.placement_s=60"])
+    result = Driver(spec, can_grow=False).run()
+    assert result.status == "succeeded", result.error
+    # 256 images in 8 equal files, 4 per rank: 128 a rank, 8 batches of 16 an epoch
+    assert sorted(p.name for p in (tmp_path / "data").iterdir())[0] == "train-00000-of-00008.parquet"
+    assert result.return_value["steps"] == 16 and result.return_value["world_size"] == 2
+    assert 0.0 <= result.return_value["eval_accuracy"] <= 1.0
+    latest = json.loads((tmp_path / "runs" / "digits-stream" / "checkpoints" / "latest.json").read_text())
+    files = os.listdir(tmp_path / "runs" / "digits-stream" / "checkpoints" / f"checkpoint-{latest['step']:08d}")
+    assert {"dl_state_rank0.bin", "dl_state_rank1.bin"} <= set(files)

@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from cluster.runtime import get_session
-from train_fn.digits import DEFAULTS as DIGITS, build_model, load_data, weights_digest
+from train_fn.digits import DEFAULTS as DIGITS, build_model, evaluate, load_data, weights_digest
 
 DEFAULTS = {
     **DIGITS,
@@ -131,18 +131,8 @@ def train(config: dict) -> dict:
                 time.sleep(cfg["throttle_s"])
         position.epoch += 1
 
-    # 5. Evaluate on the held-out images (map-style: gather_for_metrics drops even_batches' repeats).
-    model.eval()
-    correct = total = 0
-    for batch in test_dl:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"]).logits
-        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
-        correct += (preds == labels).sum().item()
-        total += labels.numel()
-    accuracy = correct / total
-    accelerator.log({"eval_accuracy": accuracy}, step=position.step)
-    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+    # 5. Evaluate on the held-out images (map-style, in memory).
+    accuracy = evaluate(accelerator, model, test_dl, position.step)
 
     # 6. The final state, committed under the runner.
     if last_saved != position.step:
