@@ -98,10 +98,11 @@ class PaceMeter:
 
 
 def install(emit: Callable[[dict], None]) -> "_Pace":
-    """Measure this rank process's prepared dataloaders and DDP models; report through ``emit``.
+    """Measure this rank process's prepared dataloaders and backward passes; report through ``emit``.
 
-    Patches Accelerate's dataloader classes and ``Accelerator.prepare_model`` in this
-    process only (a rank is its own process), before the training function runs.
+    Patches Accelerate's dataloader classes, ``Accelerator.prepare_model`` and
+    ``Accelerator.backward`` in this process only (a rank is its own process, forked
+    after the fork server imported Accelerate), before the training function runs.
     """
     meter = PaceMeter()
     _time_dataloaders(meter)
@@ -170,9 +171,12 @@ def _time_backward(meter: PaceMeter) -> None:
     def timed_prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         prepared = prepare_model(self, model, *args, **kwargs)
         if self.num_processes > 1:  # alone, a rank waits for nobody
-            for p in prepared.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(meter.gradient_ready)
+            try:
+                for p in prepared.parameters():
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(meter.gradient_ready)
+            except (AttributeError, RuntimeError) as exc:  # never the function's failure: unmeasured instead
+                print(f"raylaunch: sync_wait is not measured for this model: {exc}", file=sys.stderr, flush=True)
         return prepared
 
     @functools.wraps(backward)
