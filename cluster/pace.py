@@ -120,7 +120,7 @@ class _Pace:
         """Emit the current window, once ``min_batches`` came in it."""
         window = self.meter.window(min_batches)
         if window is not None:
-            self._emit({"kind": "pace", **window})
+            self._emit(window)
 
     def _loop(self) -> None:
         while True:

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from cluster.errors import RaylaunchError
 from jobs.pace import judge, pace_of_records
 from jobs.spec import run_name_problem
 from jobs.storage import RunDir, numeric_metrics
@@ -21,8 +22,10 @@ from jobs.storage import RunDir, numeric_metrics
 __all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "series", "summaries"]
 
 
-class RunNotFound(LookupError):
+class RunNotFound(RaylaunchError, LookupError):
     """A run or a metric that does not exist; the message lists what does."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pyarrow import fs as pafs
 
-from cluster.files import join_uri, open_uri
+from cluster.storage_io import join_uri, open_uri
 from conftest import LoadsRecorded, dummy_aws_credentials, rank_session
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
