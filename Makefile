@@ -8,7 +8,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo test clean bench bench-scale
+.PHONY: install demo demo-stream test clean bench bench-scale
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: install
 	$(BIN)/raylaunch run jobs/examples/digits.yaml --local-nodes 2 --storage $(STORAGE) --name $(DEMO_RUN)
 	$(BIN)/raylaunch plot $(DEMO_RUN) --metric loss --storage $(STORAGE) -o $(STORAGE)/$(DEMO_RUN)/loss.png
 	$(BIN)/raylaunch runs --storage $(STORAGE)
+
+# The second example: the same model trained from a stream of parquet shards, each rank reading its own.
+demo-stream: install
+	$(BIN)/raylaunch run jobs/examples/digits-stream.yaml --local-nodes 2 --storage $(STORAGE) --name digits-stream-$(shell date +%Y%m%d-%H%M%S)
 
 test: install
 	$(BIN)/python -m pytest -q

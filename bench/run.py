@@ -334,6 +334,7 @@ def report(rows: dict[str, list[dict]]) -> None:
             figures[name]["background_top"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:4])
     ours = rows["raylaunch_cold"] + rows["raylaunch_warm"]
     figures["metrics_every_step_ratio"] = summary([r["steady_logged_s"] / r["steady_quiet_s"] for r in ours])
+    figures["pace_ratio"] = summary([r["steady_paced_s"] / r["steady_unpaced_s"] for r in ours])
     figures["checkpoint_stall_ratio"] = summary(
         [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ours])
     figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ours])
@@ -379,6 +380,8 @@ def report(rows: dict[str, list[dict]]) -> None:
               f"recovery against Ray Train's: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
               f"- metrics every step (`accelerator.log` + `session.log`) against none, alternating blocks of 10 steps "
               f"within each raylaunch run: {cell(figures['metrics_every_step_ratio'], '.3f')} x step time",
+              f"- measuring each rank's pace (`data_wait`, `sync_wait`) against not, alternating blocks of 20 "
+              f"steps within each raylaunch run: {cell(figures['pace_ratio'], '.3f')} x step time",
               f"- checkpoint stall: `session.save` {cell(figures['checkpoint_save_s'], '.3f')} s against "
               f"Accelerate's `save_state` to local disk {cell(figures['local_save_state_s'], '.3f')} s, "
               f"in alternating order: {cell(figures['checkpoint_stall_ratio'], '.2f')} x",

@@ -22,6 +22,7 @@ from pyarrow import fs as pafs
 from cluster.errors import RaylaunchError
 from cluster.storage_io import CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query
 from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, run_of_staging
+from cluster.loaderstate import load_loader_states, save_loader_states
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "StagedCheckpoints"]
 
@@ -79,11 +80,13 @@ class StagedCheckpoints:
         if is_local(fs):
             check_manifest(fs, path, manifest, path)
             accelerator.load_state(path)
+            load_loader_states(accelerator, path)
         else:
             with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
                 _copy_down(uri, tmp)
                 check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
                 accelerator.load_state(tmp)
+                load_loader_states(accelerator, tmp)
         return int(manifest["step"])
 
 
@@ -95,6 +98,7 @@ def _save_state(accelerator: Any, path: str, step: int) -> None:
     """``save_state`` with model weights as safetensors; a full disk is said in plain words."""
     try:
         accelerator.save_state(path, safe_serialization=True)
+        save_loader_states(accelerator, path)  # each rank's own stream position
     except Exception as exc:
         if not _out_of_space(exc, path):
             raise

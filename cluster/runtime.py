@@ -36,6 +36,7 @@ from accelerate.tracking import GeneralTracker
 from cluster.checkpoints import CheckpointError, CheckpointSaveError, StagedCheckpoints
 from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
+from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.protocol import EventKind, WorkerPayload
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
@@ -111,7 +112,9 @@ class Session:
         opts = self.payload.accelerate if self.payload else _LOCAL_ACCELERATE
         kwargs: dict[str, Any] = {
             "log_with": [self.tracker()],
-            "dataloader_config": DataLoaderConfiguration(**opts.get("dataloader", {})),
+            # "auto" in the spec is Accelerate's None: its own default.
+            "dataloader_config": DataLoaderConfiguration(
+                **{k: None if v == "auto" else v for k, v in opts.get("dataloader", {}).items()}),
         }
         if "mixed_precision" in opts:
             kwargs["mixed_precision"] = opts["mixed_precision"]
@@ -199,6 +202,7 @@ class Session:
         if self._checkpoints is None:
             target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
             accelerator.save_state(str(target), safe_serialization=True)
+            save_loader_states(accelerator, str(target))
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 (self._local_dir / CHECKPOINTS / "latest").write_text(target.name)
@@ -229,6 +233,7 @@ class Session:
                 return None
             name = latest.read_text().strip()
             accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
+            load_loader_states(accelerator, str(self._local_dir / CHECKPOINTS / name))
             return checkpoint_step(name)
         return self._checkpoints.restore(accelerator)
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.protocol import EventKind, WorkerPayload
 from cluster.layout import heartbeat_file, stack_dump_file
+from cluster.pace import install as install_pace
 from cluster.stacks import install_signal_dump
 from cluster.train_function import resolve_train_fn
 
@@ -43,6 +44,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # Accelerate adopts an existing group unchanged.
     _start_heartbeat(heartbeat_file(payload.events_path), session)
     install_signal_dump(stack_dump_file(payload.events_path))  # where this rank is, when asked
+    pace = install_pace(lambda window: session.emit(EventKind.PACE, **window))  # data_wait, sync_wait
     session.emit(EventKind.ARRIVED)  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,
@@ -54,6 +56,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
     session.wait_for_upload()
+    pace.report()
     session.emit(EventKind.RESOURCES, **peak_memory())
     if session.stopped_for_preemption:
         session.emit(EventKind.PREEMPTED)

@@ -26,8 +26,8 @@ from jobs.storage import RunDir, numeric_metrics, rewrite_due
 
 __all__ = ["Board", "PER_RANK"]
 
-# Metrics also written per rank (``rank_<R>/<name>``): throughput and memory.
-PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb")
+# Metrics also written per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/pace.py.
+PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb", "data_wait", "sync_wait")
 
 
 class Board:

@@ -108,6 +108,11 @@ class DataLoaderSpec:
     even_batches: bool = True
     use_seedable_sampler: bool = True
     split_batches: bool = False
+    # auto: Accelerate's choice (rank 0 reads an IterableDataset and sends each rank its batch;
+    # every rank reads its own shard of a map-style one).
+    dispatch_batches: Union[bool, Literal["auto"]] = "auto"
+    # torchdata's StatefulDataLoader underneath: its position is saved in every checkpoint.
+    use_stateful_dataloader: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,29 @@ class _Progress:
         self.step = state["step"]
 
 
+class _SlowItems(torch.utils.data.Dataset):
+    """A dataset whose every item takes ``sleep_s`` to read: an input pipeline that cannot keep up."""
+
+    def __init__(self, data, sleep_s: float) -> None:
+        self.data, self.sleep_s = data, sleep_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        import time
+
+        time.sleep(self.sleep_s)
+        return self.data[i]
+
+
 def steady(config: dict) -> dict:
     """A small regression that takes ``step_s`` a step and checkpoints every ``every`` steps.
 
     Each rank writes ``<pid_dir>/rank-<R>.pid`` (attempt, pid) when it starts, so tests can
     kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1; with
-    ``slow_rank``, that rank sleeps ``slow_s`` more before every step.
+    ``slow_rank``, that rank sleeps ``slow_s`` more before every step; with ``slow_data_rank``,
+    that rank's dataset sleeps ``slow_data_s`` in every ``__getitem__``.
     """
     import time
     from pathlib import Path
@@ -74,7 +91,10 @@ def steady(config: dict) -> dict:
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     y = x @ torch.arange(8.0) + 1
-    dl = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, y)
+    if accelerator.process_index == config.get("slow_data_rank"):
+        data = _SlowItems(data, config["slow_data_s"])
+    dl = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
     hidden = config.get("hidden")  # a bigger checkpoint: 10 x hidden parameters
     model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1)) if hidden \
         else torch.nn.Linear(8, 1)

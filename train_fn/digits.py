@@ -121,6 +121,22 @@ class Progress:
         self.step = int(state["step"])
 
 
+def evaluate(accelerator, model, test_dl, step: int) -> float:
+    """Accuracy on the held-out images, logged at ``step``; gather_for_metrics drops even_batches' repeats."""
+    model.eval()
+    correct = total = 0
+    for batch in test_dl:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+        correct += (preds == labels).sum().item()
+        total += labels.numel()
+    accuracy = correct / total
+    accelerator.log({"eval_accuracy": accuracy}, step=step)
+    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+    return accuracy
+
+
 def train(config: dict) -> dict:
     cfg = {**DEFAULTS, **(config or {})}
     session = get_session()
@@ -209,18 +225,8 @@ def train(config: dict) -> dict:
             if progress.step >= total_steps:
                 break
 
-    # 5. Evaluate on held-out images; gather_for_metrics drops even_batches' repeats.
-    model.eval()
-    correct = total = 0
-    for batch in test_dl:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"]).logits
-        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
-        correct += (preds == labels).sum().item()
-        total += labels.numel()
-    accuracy = correct / total
-    accelerator.log({"eval_accuracy": accuracy}, step=progress.step)
-    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+    # 5. Evaluate on held-out images.
+    accuracy = evaluate(accelerator, model, test_dl, progress.step)
 
     # 6. Save the final state (a committed checkpoint under the runner).
     if last_saved != progress.step:
