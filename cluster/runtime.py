@@ -35,6 +35,7 @@ from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
 from cluster.context import RECORD_KEYS, WorkerContext, WorkerPayload
+from cluster.sharding import Resolved, seed_missing_rng
 from cluster.files import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query,
 )
@@ -90,6 +91,7 @@ class Session:
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
         self._said: set[str] = set()  # what _clean has said about the values (once each)
+        self.strategy: Resolved | None = None  # set by the worker (cluster.sharding.install)
 
     @property
     def under_runner(self) -> bool:
@@ -113,10 +115,10 @@ class Session:
             "log_with": [self.tracker()],
             "dataloader_config": DataLoaderConfiguration(**opts.get("dataloader", {})),
         }
-        if "mixed_precision" in opts:
-            kwargs["mixed_precision"] = opts["mixed_precision"]
-        if "gradient_accumulation_steps" in opts:
-            kwargs["gradient_accumulation_steps"] = opts["gradient_accumulation_steps"]
+        if self.strategy is not None:  # the spec merged over its accelerate config file
+            kwargs["mixed_precision"] = self.strategy.mixed_precision
+            if self.strategy.distributed_type != "DEEPSPEED":  # DeepSpeed takes it from its own config
+                kwargs["gradient_accumulation_steps"] = self.strategy.gradient_accumulation_steps
         kwargs.update(overrides)
         return kwargs
 
@@ -262,6 +264,8 @@ class Session:
                 _copy_down(uri, tmp)
                 check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
                 accelerator.load_state(tmp)
+        # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
+        seed_missing_rng(manifest["files"], self.payload.context.world_rank, int(manifest["step"]))
         return int(manifest["step"])
 
     # --- events --------------------------------------------------------------

@@ -29,6 +29,7 @@ from jobs.environment import Secrets, check_requirements
 from jobs.hangs import HEARTBEAT_LOST, is_hang, where_ranks_are
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import RECORD_KEYS, CheckpointError, RunDir, StorageError
+from jobs.strategy import AccelerateConfig, read_accelerate_config
 
 __all__ = ["Driver", "RunError", "RunResult", "group_failures"]
 
@@ -137,6 +138,7 @@ class Driver:
         self._store_errors: set[str] = set()
         self.group: NodeGroup | None = None  # the nodes of the current attempt
         self.secrets = Secrets()  # env.secrets' values, read in preflight
+        self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
 
     def _say(self, text: str) -> None:
         print(self.secrets.mask(text), file=self.out or sys.stdout, flush=True)
@@ -153,6 +155,9 @@ class Driver:
             return
         self.secrets = Secrets.read(self.spec.env)  # before anything is written: a missing one is a spec error
         check_train_fn(self.spec.train_fn)
+        self.accelerate = read_accelerate_config(self.spec)
+        if note := self.accelerate.note():
+            self._say(note)
         if warning := check_requirements(self.spec.env.requirements):
             self._say(warning)
         if self.fresh and self.run_dir.exists():
@@ -182,6 +187,10 @@ class Driver:
                 f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
             )
             self._say(f"raylaunch: run directory {self.run_dir.uri}")
+            try:
+                self.accelerate.check_devices(placement.use_gpu)
+            except ValueError as exc:
+                raise RunError(str(exc)) from None
             self._attempts(placement)
         except (PlacementError, RendezvousError, StorageError, CheckpointError, RunError) as exc:
             r.status, r.error = "failed", str(exc)
@@ -326,7 +335,7 @@ class Driver:
                 backend="nccl" if use_gpu else "gloo",
                 rendezvous_timeout_s=spec.timeouts.rendezvous_s,
                 collective_timeout_s=spec.timeouts.collective_s,
-                accelerate=dataclasses.asdict(spec.accelerate),
+                accelerate=self.accelerate.section,
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)

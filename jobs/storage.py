@@ -34,6 +34,7 @@ from cluster.context import RECORD_KEYS
 from cluster.files import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
+from cluster.sharding import missing_shards
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -247,6 +248,8 @@ class RunDir:
                 f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
                 "it was not committed"
             )
+        if lacking := missing_shards(files, world_size):  # a sharded (FSDP) checkpoint needs every rank's shards
+            raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")
         manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
                                "created": time.time(), "files": files}, indent=1).encode()
         name = f"checkpoint-{step:08d}"
