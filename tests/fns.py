@@ -301,3 +301,12 @@ def sharded(config: dict) -> dict:
             "model_class": type(model).__name__, "local_params": info.local_params,
             "total_params": info.total_params, "restored_step": restored, "loaded": loaded, "final": digest(),
             "rng_seed": torch.initial_seed(), "mixed_precision": accelerator.mixed_precision}
+
+
+GPU_KEYS = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "NCCL_SOCKET_IFNAME",
+            "GLOO_SOCKET_IFNAME", "ACCELERATE_USE_CPU", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
+
+
+def gpu_probe(config: dict) -> dict:
+    """What a rank on a GPU node was given, and nothing it worked out itself."""
+    return {k: os.environ.get(k) for k in GPU_KEYS}
