@@ -37,7 +37,7 @@ def one_run(port: int, storage: Path, env: dict, model: str, strategy: str, prec
     config, fsdp = MODELS[model]
     name = f"{model}-{strategy}-{precision}-{secrets.token_hex(2)}"
     cmd = [str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--address", f"127.0.0.1:{port}", "--quiet",
-           "--storage", str(storage), "--name", name, "--set", f"accelerate.mixed_precision={precision}",
+           "--storage", str(storage), "--name", name, "--set", f"accelerate.mixed_precision='{precision}'",
            "--set", f"scaling.use_gpu={str(GPU).lower()}",
            "--set", f"scaling.workers_per_node={'auto' if GPU else 2}",
            "--set", f"config={json.dumps({'steps': 60, 'log_block': 0, 'checkpoint_at': [], **config})}"]

@@ -35,9 +35,10 @@ from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
 from cluster.context import RECORD_KEYS, WorkerContext, WorkerPayload
+from cluster.restore import node_verified
 from cluster.sharding import Resolved, seed_missing_rng
 from cluster.files import (
-    MANIFEST, CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query,
+    CheckpointError, describe_files, is_local, join_uri, open_uri, split_query,
 )
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
@@ -234,8 +235,9 @@ class Session:
         Accelerate unpickles the RNG, sampler and registered states
         (``weights_only=False``), so nothing is loaded unless it is this run's
         committed checkpoint and every file matches its manifest's sha256; a mismatch
-        raises ``CheckpointError``. From an object store the downloaded copy is checked
-        and loaded; on a shared path the check and the load are two reads of the files.
+        raises ``CheckpointError``. The ranks of a node verify once between them
+        (``cluster.restore``): from an object store the node's downloaded copy is checked
+        and loaded; on a shared path the check and the loads are separate reads.
         """
         if self.payload is None:
             latest = self._local_dir / "checkpoints" / "latest"
@@ -251,21 +253,12 @@ class Session:
         run = open_uri(self.payload.staging_uri)[1].split("/.staging/")[0]
         if not path.startswith(f"{run}/checkpoints/"):
             raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
-        try:
-            with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-                manifest = json.loads(f.read())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{uri}/{MANIFEST} cannot be read: {str(exc)[:200]}") from None
-        if is_local(fs):
-            check_manifest(fs, path, manifest, path)
-            accelerator.load_state(path)
-        else:
-            with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
-                _copy_down(uri, tmp)
-                check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
-                accelerator.load_state(tmp)
+        # Read and verified (on object storage: downloaded) once per node, in the node's scratch folder.
+        ctx = self.payload.context
+        with node_verified(uri, Path(self.payload.events_path).parent, ctx.local_world_size) as (ready, manifest):
+            accelerator.load_state(ready)
         # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
-        seed_missing_rng(manifest["files"], self.payload.context.world_rank, int(manifest["step"]))
+        seed_missing_rng(manifest["files"], ctx.world_rank, int(manifest["step"]))
         return int(manifest["step"])
 
     # --- events --------------------------------------------------------------
@@ -398,11 +391,6 @@ class _Upload:
                 f"uploading the checkpoint of step {self.step} to {split_query(self.uri)[0]} failed: {self.error}. "
                 "The previous committed checkpoint is kept."
             ) from self.error
-
-
-def _copy_down(uri: str, local: str) -> None:
-    fs, path = open_uri(uri)
-    pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
 
 
 _SESSION: Session | None = None
