@@ -40,7 +40,7 @@ def one_run(port: int, storage: Path, env: dict, model: str, strategy: str, prec
            "--storage", str(storage), "--name", name, "--set", f"accelerate.mixed_precision='{precision}'",
            "--set", f"scaling.use_gpu={str(GPU).lower()}",
            "--set", f"scaling.workers_per_node={'auto' if GPU else 2}",
-           "--set", f"config={json.dumps({'steps': 60, 'log_block': 0, 'checkpoint_at': [], **config})}"]
+           "--set", f"config={json.dumps({'steps': 60, 'log_block': 10, 'checkpoint_at': [], **config})}"]
     if strategy == "fsdp":
         cmd += ["--set", f"accelerate.fsdp={fsdp}"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -50,7 +50,8 @@ def one_run(port: int, storage: Path, env: dict, model: str, strategy: str, prec
     result = json.loads((run_dir / "result.json").read_text())
     peaks: dict[int, float] = {}
     key = "peak_gpu_mb" if GPU else "peak_rss_mb"
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    metrics = run_dir / "metrics.jsonl"  # peak memory rows follow a rank's logged steps (log_block)
+    for line in (metrics.read_text().splitlines() if metrics.exists() else []):
         row = json.loads(line)
         if key in row:
             peaks[row["rank"]] = max(peaks.get(row["rank"], 0.0), row[key])

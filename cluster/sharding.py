@@ -164,10 +164,10 @@ def _env_for(r: Resolved, use_gpu: bool) -> dict[str, str]:
     args = launch_command_parser().parse_args(
         [flag, "--mixed_precision", r.mixed_precision, "--num_processes", "1", "--num_machines", "1",
          "--main_process_port", "1", "--dynamo_backend", "no", "x.py"])
-    if not use_gpu:  # launch's defaults load on rank 0 and broadcast from its GPU: not on CPU nodes
-        args.fsdp_cpu_ram_efficient_loading = args.fsdp_sync_module_states = "false"
     for key, value in (r.fsdp_config if r.distributed_type == "FSDP" else r.deepspeed_config).items():
         setattr(args, key, value)  # as accelerate launch copies a config file's section onto its flags
+    if not use_gpu:  # Accelerate loads on rank 0 and broadcasts from its GPU: every rank loads itself on CPU
+        args.fsdp_cpu_ram_efficient_loading = args.fsdp_sync_module_states = "false"
     before = dict(os.environ)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its port check is about its own launcher, not ours
@@ -291,9 +291,9 @@ def install(accelerate: Mapping[str, Any], *, use_gpu: bool, rank: int = 0, worl
     os.environ.update(env)
     if env.get("ACCELERATE_USE_FSDP") == "true":
         if not use_gpu:
-            if env.get("FSDP_CPU_RAM_EFFICIENT_LOADING") == "true":
-                raise ValueError("accelerate.fsdp.cpu_ram_efficient_loading needs GPUs (Accelerate broadcasts rank "
-                                 "0's weights from its device); leave it false on CPU nodes")
+            if str(r.fsdp_config.get("fsdp_cpu_ram_efficient_loading")).lower() == "true" and rank == 0:
+                print("raylaunch: fsdp_cpu_ram_efficient_loading is off on CPU nodes (Accelerate broadcasts rank 0's "
+                      "weights from its GPU): every rank loads the weights itself", file=sys.stderr, flush=True)
             _fsdp_on_cpu()
         _report_shards(rank, world)
     return r

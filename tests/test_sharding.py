@@ -35,7 +35,8 @@ fsdp_config:
   fsdp_activation_checkpointing: false
   fsdp_auto_wrap_policy: SIZE_BASED_WRAP
   fsdp_min_num_params: 100
-  fsdp_cpu_ram_efficient_loading: false
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_sync_module_states: true
   fsdp_offload_params: false
   fsdp_reshard_after_forward: true
   fsdp_state_dict_type: SHARDED_STATE_DICT
@@ -128,6 +129,10 @@ def test_a_config_file_is_honoured_and_the_spec_wins_where_both_set(tmp_path):
     assert r.fsdp_config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP"  # left at its default in the spec
     env = strategy_env(cfg.section, use_gpu=True)
     assert env["FSDP_MIN_NUM_PARAMS"] == "100" and env["ACCELERATE_MIXED_PRECISION"] == "fp16"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == env["FSDP_SYNC_MODULE_STATES"] == "true"
+    # on CPU nodes every rank loads the weights itself (Accelerate would broadcast from rank 0's GPU)
+    cpu = strategy_env(cfg.section, use_gpu=False)
+    assert cpu["FSDP_CPU_RAM_EFFICIENT_LOADING"] == cpu["FSDP_SYNC_MODULE_STATES"] == "false"
     # a file that is not there, or not an accelerate config, is a spec error naming the key
     with pytest.raises(SpecError, match=r"accelerate.config_file: cannot read nope.yaml"):
         section(MINIMAL + "accelerate: {config_file: nope.yaml}\n", tmp_path)
@@ -240,6 +245,7 @@ def test_a_sharded_checkpoint_from_a_config_file_resumes_at_another_world_size(r
     acc = "{config_file: fsdp.yaml}"
     two, log = run("grow", tmp_path, steps=4, accelerate=acc, cwd=tmp_path)
     assert "accelerate.config_file: num_machines, num_processes" in log
+    assert "fsdp_cpu_ram_efficient_loading is off on CPU nodes" in log
     assert two.rank_results["0"]["distributed_type"] == "DistributedType.FSDP"
     # 2 -> 3 ranks: the model and optimizer are resharded; rank 2 had no RNG state and gets a defined one
     three, log = run("grow", tmp_path, steps=8, nodes=1, workers=3, cpus=0.5, accelerate=acc, cwd=tmp_path)
