@@ -35,11 +35,11 @@ from accelerate.tracking import GeneralTracker
 from pyarrow import fs as pafs
 
 from cluster.context import RECORD_KEYS, WorkerContext, WorkerPayload
-from cluster.restore import node_verified
-from cluster.sharding import Resolved, seed_missing_rng
 from cluster.files import (
     CheckpointError, describe_files, is_local, join_uri, open_uri, split_query,
 )
+from cluster.restore import node_verified
+from cluster.sharding import Resolved, seed_missing_rng
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
