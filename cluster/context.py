@@ -8,14 +8,14 @@ process or talks to Ray, so it is tested on its own.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 # Entries of NCCL's Flight Recorder ring buffer per rank on GPU nodes (each a few hundred
 # bytes, written only when a collective is enqueued: no measurable cost).
 FLIGHT_RECORDER_ENTRIES = 2000
 
-__all__ = ["RECORD_KEYS", "SocketInterface", "WorkerContext", "WorkerPayload", "assign_ranks", "choose_socket_interface",
+__all__ = ["RECORD_KEYS", "SocketInterface", "WorkerContext", "assign_ranks", "choose_socket_interface",
            "rendezvous_env"]
 
 # What every metrics.jsonl row carries besides its metrics: a rank's metric of one of these
@@ -37,25 +37,6 @@ class WorkerContext:
     world_size: int
     local_world_size: int
     num_nodes: int
-
-
-@dataclass(frozen=True)
-class WorkerPayload:
-    """Everything one rank needs from the driver, passed as a pickled argument."""
-
-    context: WorkerContext
-    attempt: int
-    train_fn: str
-    config: dict
-    events_path: str  # node-local file the node actor tails
-    staging_uri: str  # where this attempt's checkpoints are written before commit
-    restore_uri: str | None  # the committed checkpoint to resume from, if any
-    backend: str
-    rendezvous_timeout_s: float
-    collective_timeout_s: float = 600.0
-    # The spec's ``accelerate`` section: mixed_precision,
-    # gradient_accumulation_steps, dataloader {even_batches, ...}.
-    accelerate: dict = field(default_factory=dict)
 
 
 def assign_ranks(workers_per_node: list[int]) -> list[WorkerContext]:
@@ -177,7 +158,7 @@ def rendezvous_env(
         "GROUP_RANK": str(ctx.node_rank),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         # torchrun bounds threads too; unbounded threads made an 8-GPU job's
-        # optimizer construction 40x slower (see FIELD-NOTES).
+        # optimizer construction 40x slower.
         "OMP_NUM_THREADS": str(max(1, omp_threads)),
     }
     if not use_gpu:

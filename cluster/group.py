@@ -11,8 +11,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.context import SocketInterface, WorkerContext, WorkerPayload, assign_ranks, choose_socket_interface, rendezvous_env
-from cluster.node import NodeActor, NodeInfo, NodePoll, RendezvousError
+from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
+from cluster.errors import RaylaunchError
+from cluster.layout import events_file, flight_recorder_prefix
+from cluster.node import NodeActor, NodeInfo, RendezvousError
+from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
 
 __all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "Placement", "PlacementError", "RendezvousError",
@@ -23,7 +26,7 @@ __all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "Placement
 ACTOR_NAMESPACE = "raylaunch"
 
 
-class PlacementError(RuntimeError):
+class PlacementError(RaylaunchError, RuntimeError):
     """The cluster cannot give the nodes the job asks for; the message has the numbers."""
 
 
@@ -192,14 +195,16 @@ class NodeGroup:
     """One placement group and one ``NodeActor`` per bundle, in node-rank order."""
 
     def __init__(
-        self, pg, actors: list, infos: list[NodeInfo], placement: Placement, socket_ifname: str = "auto"
+        self, pg, actors: list, infos: list[NodeInfo], placement: Placement, socket_ifname: str = "auto",
+        env: JobEnv | None = None, actor_names: list[str] | None = None,
     ) -> None:
         self._pg = pg
         self.actors = actors
         self.infos = infos
         self.placement = placement
         self.contexts: list[WorkerContext] = []
-        self.actor_names: list[str] = []  # in ACTOR_NAMESPACE
+        self.actor_names: list[str] = list(actor_names or [])  # in ACTOR_NAMESPACE
+        self.env = env or JobEnv()
         # The interface each node's ranks use for the collectives (see cluster.context).
         self.sockets: list[SocketInterface] = [
             choose_socket_interface(i.ip, i.interfaces, use_gpu=placement.use_gpu, configured=socket_ifname,
@@ -209,9 +214,8 @@ class NodeGroup:
         # Polls: at most one in flight per node, with the time it was sent.
         self._inflight: dict[int, tuple[Any, float]] = {}
         self._answered = [False] * len(actors)  # since the ranks started
-        self._states = ["idle"] * len(actors)
+        self._states = [NodeState.IDLE] * len(actors)
         self._lost: set[int] = set()
-        self.env = JobEnv()
 
     @classmethod
     def create(
@@ -281,10 +285,7 @@ class NodeGroup:
                 raise EnvSetupError(f"env.pip: the job's packages {(env or JobEnv()).pip} could not be installed "
                                     f"before any rank started: {failed}") from None
             raise
-        group = cls(pg, actors, infos, placement, socket_ifname)
-        group.actor_names = names
-        group.env = env or JobEnv()
-        return group
+        return cls(pg, actors, infos, placement, socket_ifname, env=env, actor_names=names)
 
     def start(
         self,
@@ -316,20 +317,20 @@ class NodeGroup:
         for node_rank, actor in enumerate(self.actors):
             ctxs = [c for c in self.contexts if c.node_rank == node_rank]
             payloads = [
-                make_payload(c, f"{scratch[node_rank]}/attempt-{attempt}/events-rank{c.world_rank}.jsonl")
+                make_payload(c, events_file(scratch[node_rank], attempt, c.world_rank))
                 for c in ctxs
             ]
             envs = [
                 {**self.env.rank_env(),
                  **rendezvous_env(c, master_addr, port, use_gpu=p.use_gpu, omp_threads=threads,
                                   socket=self.sockets[node_rank],
-                                  flight_recorder=f"{scratch[node_rank]}/attempt-{attempt}/nccl-trace-rank")}
+                                  flight_recorder=flight_recorder_prefix(scratch[node_rank], attempt))}
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
         ray.get(starts)
         self._answered = [False] * len(self.actors)
-        self._states = ["running"] * len(self.actors)
+        self._states = [NodeState.RUNNING] * len(self.actors)
         return self.contexts
 
     def _call_all(self, method: str, timeout_s: float, default: Any) -> list[Any]:
@@ -372,7 +373,7 @@ class NodeGroup:
         out = []
         for i in range(len(self.actors)):
             if i in self._lost:
-                out.append(NodePoll(state="lost"))
+                out.append(NodePoll(state=NodeState.LOST))
                 continue
             ref, sent = self._inflight[i]
             if ref in ready:
@@ -382,15 +383,20 @@ class NodeGroup:
                     self._answered[i], self._states[i] = True, p.state
                 except ray.exceptions.RayActorError:
                     self._lost.add(i)
-                    p = NodePoll(state="lost")
+                    p = NodePoll(state=NodeState.LOST)
             elif self._answered[i] and now - sent > lost_after_s:
                 del self._inflight[i]
                 self._lost.add(i)
-                p = NodePoll(state="lost", silent_s=now - sent)
+                p = NodePoll(state=NodeState.LOST, silent_s=now - sent)
             else:
                 p = NodePoll(state=self._states[i])
             out.append(p)
         return out
+
+    @property
+    def states(self) -> list[NodeState]:
+        """Each node's state as its latest answer said (``LOST`` once given up on)."""
+        return [NodeState.LOST if i in self._lost else s for i, s in enumerate(self._states)]
 
     @property
     def ranks_by_node(self) -> list[list[int]]:
@@ -419,7 +425,7 @@ class NodeGroup:
         earlier = self._finish_polls(timeout_s=10)
         out = []
         for i, p in enumerate(self._call_all("stop", 60, None)):
-            p = p if p is not None else NodePoll(state="lost")
+            p = p if p is not None else NodePoll(state=NodeState.LOST)
             if i in earlier:  # the news of a poll that answered late comes first
                 p.events[:0], p.logs[:0] = earlier[i].events, earlier[i].logs
             out.append(p)

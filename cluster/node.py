@@ -22,16 +22,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.context import WorkerPayload
-from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes, stack_dump_path
+from cluster.protocol import NodePoll, NodeState, RankFailure, WorkerPayload
+from cluster.errors import RaylaunchError
+from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
+from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 
-__all__ = ["NodeActor", "NodeInfo", "NodePoll", "RankFailure", "RendezvousError"]
+__all__ = ["NodeActor", "NodeInfo", "RendezvousError"]
 
 # The variables that name the collective backends' socket interface on a node.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(RaylaunchError, RuntimeError):
     """Node 0 could not host the rendezvous store; the message says what to change."""
 
 
@@ -46,30 +48,6 @@ class NodeInfo:
     interfaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # the SOCKET_IFNAME_VARS the node's environment sets
     socket_env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    rank: int
-    exitcode: int
-    message: str  # the exception line, or the signal that ended the process
-    traceback: str
-
-
-@dataclass
-class NodePoll:
-    """What happened on a node since the previous poll."""
-
-    events: list[dict] = field(default_factory=list)
-    logs: list[tuple[int, str, str]] = field(default_factory=list)  # (rank, stream, line)
-    state: str = "idle"  # idle | running | succeeded | failed
-    failures: list[RankFailure] = field(default_factory=list)
-    returns: dict[int, Any] = field(default_factory=dict)  # world rank -> return value
-    # world rank -> seconds since the rank's heartbeat (absent before it started beating)
-    beat_age_s: dict[int, float] = field(default_factory=dict)
-    # state "lost" only: how long the node had not answered when it was given up on
-    # (its host or its link is down); None when its actor was seen to die
-    silent_s: float | None = None
 
 
 # A rank's output is read at most this much per poll, and a line longer than MAX_LINE is cut
@@ -151,14 +129,15 @@ class NodeActor:
         self._pctx = None
         self._ranks: list[int] = []
         self._tails: list[tuple[int, str, _Tail]] = []
-        self._state = "idle"
+        self._state = NodeState.IDLE
         self._beats: dict[int, str] = {}
         self._dumps: dict[int, str] = {}  # world rank -> the file its faulthandler writes to
         self._flight: dict[int, str] = {}  # world rank -> its NCCL Flight Recorder dump
+        self._released = False  # this actor's hold on the process's rank fork server
         # Ranks fork from a server that imported torch and Accelerate while the
         # driver was still reserving and checking storage: a rank starts in
         # milliseconds instead of importing torch itself, in every attempt.
-        threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver").start()
+        _FORKSERVER.acquire()
 
     def describe(self) -> NodeInfo:
         import socket
@@ -223,7 +202,7 @@ class NodeActor:
 
         if self._pctx is not None:
             raise RuntimeError("this node's ranks are still running; stop them first")
-        log_dir = os.path.join(self._tmp, f"attempt-{attempt}")
+        log_dir = os.path.join(self._tmp, attempt_dir(attempt))
         os.makedirs(log_dir, exist_ok=True)
         full_envs = {}
         for i, env in enumerate(envs):
@@ -237,8 +216,8 @@ class NodeActor:
             logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
             start_method="forkserver",
         )
-        self._beats = {p.context.world_rank: p.events_path + ".beat" for p in payloads}
-        self._dumps = {p.context.world_rank: stack_dump_path(p.events_path) for p in payloads}
+        self._beats = {p.context.world_rank: heartbeat_file(p.events_path) for p in payloads}
+        self._dumps = {p.context.world_rank: stack_dump_file(p.events_path) for p in payloads}
         self._flight = {p.context.world_rank: env["TORCH_FR_DUMP_TEMP_FILE"] + str(p.context.world_rank)
                         for p, env in zip(payloads, envs) if "TORCH_FR_DUMP_TEMP_FILE" in env}
         self._tails = []
@@ -246,7 +225,7 @@ class NodeActor:
             self._tails.append((rank, "stdout", _Tail(self._pctx.stdouts[i])))
             self._tails.append((rank, "stderr", _Tail(self._pctx.stderrs[i])))
             self._tails.append((rank, "event", _Tail(payloads[i].events_path, max_line=None)))
-        self._state = "running"
+        self._state = NodeState.RUNNING
 
     def pids(self) -> dict[int, int]:
         """World rank -> process id of the ranks running now."""
@@ -271,7 +250,7 @@ class NodeActor:
             return out
         result = self._pctx.wait(0)
         if result is not None:
-            out.state = self._state = "failed" if result.is_failed() else "succeeded"
+            out.state = self._state = NodeState.FAILED if result.is_failed() else NodeState.SUCCEEDED
             out.returns = {self._ranks[i]: v for i, v in result.return_values.items()}
             out.failures = [_failure(self._ranks[i], f) for i, f in result.failures.items()]
             if out.failures:
@@ -322,7 +301,7 @@ class NodeActor:
         if self._pctx is not None:
             self._pctx.close(death_sig=signal.SIGKILL, timeout=5)
             self._pctx = None
-            out.state = self._state = "stopped"
+            out.state = self._state = NodeState.STOPPED
             self._drain(out, final=True)
         self._store = None
         return out
@@ -331,10 +310,13 @@ class NodeActor:
         self.stop()
         self._store = None
         shutil.rmtree(self._tmp, ignore_errors=True)
+        if not self._released:
+            self._released = True
+            _FORKSERVER.release()
 
     def read_file(self, uri: str) -> str | None:
         """The text of a file on storage as this node sees it, or None."""
-        from cluster.files import open_uri
+        from cluster.storage_io import open_uri
 
         try:
             fs, path = open_uri(uri)
@@ -350,7 +332,7 @@ class NodeActor:
 def _failure(rank: int, f: Any) -> RankFailure:
     """A torch ``ProcessFailure`` as the driver reports it: the exception line and traceback."""
     if f.exitcode is not None and f.exitcode < 0:
-        return RankFailure(rank, f.exitcode, f"killed by signal {f.signal_name()}", "")
+        return RankFailure.killed(rank, f.exitcode, f.signal_name())
     data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
     message = data.get("message")
     if isinstance(message, dict):  # written by the @record handler around our entry point
@@ -374,6 +356,52 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worke
 
 
 _SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
+
+
+class _ForkServer:
+    """The process's rank fork server, started by the first node actor and stopped by the last one's
+    ``shutdown`` (in a Ray worker process there is one; tests make several in their own process).
+
+    Its socket lives in a folder of its own, which multiprocessing would otherwise create as
+    ``/tmp/pymp-*`` and remove only at a normal exit, never reached by an actor Ray ends:
+    that folder is removed with the server. Only multiprocessing's folder is moved, not
+    ``tempfile``'s default, so other temporary folders of the process stay where they were.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._thread: threading.Thread | None = None
+        self._folder: str | None = None  # ours, when we chose multiprocessing's folder
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._holders += 1
+            if self._thread is None:
+                from multiprocessing import process
+
+                config = process.current_process()._config
+                if config.get("tempdir") is None:
+                    self._folder = config["tempdir"] = tempfile.mkdtemp(prefix="raylaunch-mp-")  # short: the socket path has 107 bytes at most
+                self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
+                self._thread.start()
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders or self._thread is None:
+                return
+            from multiprocessing import forkserver, process
+
+            self._thread.join(timeout=120)  # a server still starting is stopped once it runs
+            self._thread = None
+            forkserver._forkserver._stop()
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                config = process.current_process()._config
+                if config.get("tempdir") == self._folder:
+                    config["tempdir"] = None
+                self._folder = None
 
 
 def _start_forkserver() -> None:
@@ -410,3 +438,6 @@ def _die_with_parent() -> None:
             time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
+
+
+_FORKSERVER = _ForkServer()

@@ -20,7 +20,8 @@ from typing import Iterator
 
 from pyarrow import fs as pafs
 
-from cluster.files import MANIFEST, CheckpointError, check_manifest, is_local, open_uri, split_query
+from cluster.layout import MANIFEST
+from cluster.storage_io import CheckpointError, check_manifest, is_local, open_uri, split_query
 
 __all__ = ["node_verified"]
 

@@ -1,4 +1,4 @@
-"""The runner's API inside a training function. Imports nothing from Ray.
+"""The session: the runner's API inside a training function (metrics, checkpoints, preemption). Imports nothing from Ray.
 
 A training function asks for the session and uses three things from it::
 
@@ -8,38 +8,36 @@ A training function asks for the session and uses three things from it::
     accelerator = Accelerator(log_with=[session.tracker()])
     ...
     start_step = session.restore(accelerator) or 0   # the latest committed checkpoint
-    accelerator.log({"loss": loss}, step=step)       # reaches the driver, from every rank
+    accelerator.log({"loss": loss}, step=step)       # reaches the driver (Accelerate logs on the main process)
+    session.log({"loss": loss}, step=step)           # the same, from every rank
     session.save(accelerator, step)                  # committed once every rank wrote its part
 
 Under the runner these reach the driver and the run directory. Outside it
 (plain ``python`` or ``accelerate launch``) the same calls write metrics to
 ``./raylaunch-local/metrics-rank<R>.jsonl`` and checkpoints to
 ``./raylaunch-local/checkpoints`` (``RAYLAUNCH_LOCAL_DIR`` moves that folder).
+Saving, uploading and restoring under the runner is ``cluster.checkpoints``'s; the worker
+entry point (``cluster.worker``) drives the session's runner side (``emit``,
+``handle_sigterm``, ``stopped_for_preemption``).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from accelerate.tracking import GeneralTracker
-from pyarrow import fs as pafs
 
-from cluster.context import RECORD_KEYS, WorkerContext, WorkerPayload
-from cluster.files import (
-    CheckpointError, describe_files, is_local, join_uri, open_uri, split_query,
-)
-from cluster.restore import node_verified
-from cluster.sharding import Resolved, seed_missing_rng
+from cluster.checkpoints import CheckpointError, CheckpointSaveError, StagedCheckpoints
+from cluster.context import RECORD_KEYS, WorkerContext
+from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
+from cluster.protocol import EventKind, WorkerPayload
+from cluster.sharding import Resolved
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
@@ -65,7 +63,7 @@ class RunnerTracker(GeneralTracker):
         return self._session
 
     def store_init_configuration(self, values: dict) -> None:
-        self._session._emit({"kind": "config", "values": self._session._clean(values, "configuration")})
+        """The run's configuration is its spec.yaml already: nothing more is recorded."""
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         # Accelerate calls this on the main process only; Session.log is per rank.
@@ -90,7 +88,9 @@ class Session:
         self._cooperative = False  # the function calls preempted()
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
-        self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
+        self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
+                                               context=payload.context, node_dir=str(Path(payload.events_path).parent))
+                             if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
         self.strategy: Resolved | None = None  # set by the worker (cluster.sharding.install)
 
@@ -129,7 +129,7 @@ class Session:
         if not isinstance(values, dict):
             notes.append(f"a {type(values).__name__} instead of a dict, logged as {{'value': ...}}")
             values = {"value": values}
-        out = _jsonable(values, notes)
+        out = _capped(values, notes)
         if what == "metrics":
             for key in [k for k in out if k in RECORD_KEYS]:
                 out[f"logged_{key}"] = out.pop(key)
@@ -142,7 +142,7 @@ class Session:
 
     def log(self, values: dict, step: int | None = None) -> None:
         """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank."""
-        self._emit({"kind": "metrics", "step": step, "values": self._clean(values, "metrics")})
+        self.emit(EventKind.METRICS, step=step, values=self._clean(values, "metrics"))
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -161,7 +161,14 @@ class Session:
             self._stopped_for_preemption = True
         return self._stopped_for_preemption
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    @property
+    def stopped_for_preemption(self) -> bool:
+        """Every rank agreed to stop (``preempted`` answered True): the worker reports it."""
+        return self._stopped_for_preemption
+
+    def handle_sigterm(self, signum: int, frame: Any) -> None:
+        """The rank's SIGTERM handler: a function that calls ``preempted`` checkpoints and stops;
+        one that never does ends as SIGTERM ends a process."""
         import signal
 
         if not self._cooperative:
@@ -169,7 +176,7 @@ class Session:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self._stop_requested = True
-        self._emit({"kind": "preempt_notice"})
+        self.emit(EventKind.PREEMPT_NOTICE)
 
     def tracker(self) -> RunnerTracker:
         """Pass to ``Accelerator(log_with=[...])``; ``accelerator.log`` then reaches the driver."""
@@ -192,32 +199,14 @@ class Session:
         and the runner waits for the last one before the function counts as
         finished. Storage that is full fails the save with ``CheckpointSaveError``.
         """
-        if self.payload is None:
-            target = self._local_dir / "checkpoints" / f"checkpoint-{step:08d}"
+        if self._checkpoints is None:
+            target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
             accelerator.save_state(str(target), safe_serialization=True)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                (self._local_dir / "checkpoints" / "latest").write_text(target.name)
+                (self._local_dir / CHECKPOINTS / "latest").write_text(target.name)
             return str(target)
-        uri = join_uri(self.payload.staging_uri, f"checkpoint-{step:08d}")
-        fs, path = open_uri(uri)
-        if is_local(fs):
-            _save_state(accelerator, path, step)
-            # Everyone has finished writing before anyone reports: the driver
-            # commits on the last report and must see every rank's files.
-            accelerator.wait_for_everyone()
-            self._emit({"kind": "checkpoint", "step": step, "uri": uri})
-            return uri
-        self.wait_for_upload()  # training that outruns uploads waits here, not later
-        local = tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
-        try:
-            _save_state(accelerator, local, step)
-        except BaseException:
-            shutil.rmtree(local, ignore_errors=True)
-            raise
-        self._upload = _Upload(local, uri, step, on_done=lambda files: self._emit(
-            {"kind": "checkpoint", "step": step, "uri": uri, "files": files}))
-        return uri
+        return self._checkpoints.save(accelerator, step)
 
     def wait_for_upload(self) -> None:
         """Block until this rank's last checkpoint is uploaded; raise if the upload failed.
@@ -225,9 +214,8 @@ class Session:
         The runner calls it when the training function returns, so a run never
         finishes before its last checkpoint is committed.
         """
-        upload, self._upload = self._upload, None
-        if upload is not None:
-            upload.wait()
+        if self._checkpoints is not None:
+            self._checkpoints.wait_for_upload()
 
     def restore(self, accelerator: Any) -> int | None:
         """Load the latest committed checkpoint into ``accelerator``; its step, or None.
@@ -235,36 +223,27 @@ class Session:
         Accelerate unpickles the RNG, sampler and registered states
         (``weights_only=False``), so nothing is loaded unless it is this run's
         committed checkpoint and every file matches its manifest's sha256; a mismatch
-        raises ``CheckpointError``. The ranks of a node verify once between them
-        (``cluster.restore``): from an object store the node's downloaded copy is checked
-        and loaded; on a shared path the check and the loads are separate reads.
+        raises ``CheckpointError``. From an object store the downloaded copy is checked
+        and loaded; on a shared path the check and the load are two reads of the files.
         """
-        if self.payload is None:
-            latest = self._local_dir / "checkpoints" / "latest"
+        if self.payload is None:  # outside the runner: the local folder this function wrote itself
+            latest = self._local_dir / CHECKPOINTS / "latest"
             if not latest.exists():
                 return None
             name = latest.read_text().strip()
-            accelerator.load_state(str(self._local_dir / "checkpoints" / name))
-            return int(re.sub(r"\D", "", name))
-        uri = self.payload.restore_uri
-        if uri is None:
-            return None
-        fs, path = open_uri(uri)
-        run = open_uri(self.payload.staging_uri)[1].split("/.staging/")[0]
-        if not path.startswith(f"{run}/checkpoints/"):
-            raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
-        # Read and verified (on object storage: downloaded) once per node, in the node's scratch folder.
-        ctx = self.payload.context
-        with node_verified(uri, Path(self.payload.events_path).parent, ctx.local_world_size) as (ready, manifest):
-            accelerator.load_state(ready)
-        # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
-        seed_missing_rng(manifest["files"], ctx.world_rank, int(manifest["step"]))
-        return int(manifest["step"])
+            accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
+            return checkpoint_step(name)
+        return self._checkpoints.restore(accelerator)
 
     # --- events --------------------------------------------------------------
 
-    def _emit(self, event: dict) -> None:
-        event = {"time": time.time(), **event}
+    def _saved(self, step: int, uri: str, files: dict[str, dict] | None) -> None:
+        """This rank's part of a checkpoint is on storage: the driver commits on the last rank's report."""
+        self.emit(EventKind.CHECKPOINT, step=step, uri=uri, **({"files": files} if files is not None else {}))
+
+    def emit(self, kind: EventKind, **fields: Any) -> None:
+        """Report an event to the runner (``cluster.protocol.EventKind``); outside it, to the local file."""
+        event = {"time": time.time(), "kind": kind, **fields}
         if self.payload is not None:
             event["rank"] = self.payload.context.world_rank
         with self._lock:
@@ -311,7 +290,7 @@ def _cap(v: Any) -> tuple[Any, str | None]:
     return v, None
 
 
-def _jsonable(values: dict, notes: list[str]) -> dict:
+def _capped(values: dict, notes: list[str]) -> dict:
     out: dict[str, Any] = {}
     if len(values) > MAX_KEYS:
         notes.append(f"more than {MAX_KEYS} keys in one call: the rest dropped")
@@ -326,77 +305,10 @@ def _jsonable(values: dict, notes: list[str]) -> dict:
     return out
 
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written or uploaded; the previous committed one is kept."""
-
-
-def _save_state(accelerator: Any, path: str, step: int) -> None:
-    """``save_state`` with model weights as safetensors; a full disk is said in plain words."""
-    try:
-        accelerator.save_state(path, safe_serialization=True)
-    except Exception as exc:
-        if not _out_of_space(exc, path):
-            raise
-        shutil.rmtree(path, ignore_errors=True)  # a part no commit will ever count
-        raise CheckpointSaveError(
-            f"no space left on the device holding {path}: the checkpoint of step {step} was not written "
-            f"({exc}). The previous committed checkpoint is kept; free space there, or set `storage` "
-            "(or the node's temporary folder, TMPDIR, for object storage) to a larger volume."
-        ) from exc
-
-
-def _out_of_space(exc: BaseException, path: str) -> bool:
-    """ENOSPC anywhere in the chain, or (torch.save says only "unexpected pos") a full filesystem."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        text = str(seen)
-        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return shutil.disk_usage(probe).free < (1 << 20)
-    except OSError:
-        return False
-
-
-class _Upload:
-    """One rank's checkpoint part on its way from local disk to storage, in a thread."""
-
-    def __init__(self, local: str, uri: str, step: int, on_done: Callable[[dict[str, dict]], None]) -> None:
-        self.local, self.uri, self.step = local, uri, step
-        self.error: BaseException | None = None
-        self._on_done = on_done
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-upload-{step}")
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            # Hashed here, on local disk, so the driver's commit reads nothing back from the store.
-            files = describe_files(pafs.LocalFileSystem(), self.local)
-            fs, path = open_uri(self.uri)
-            pafs.copy_files(self.local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-            self._on_done(files)
-        except BaseException as exc:  # handed to the training thread by wait()
-            self.error = exc
-        finally:
-            shutil.rmtree(self.local, ignore_errors=True)
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise CheckpointSaveError(
-                f"uploading the checkpoint of step {self.step} to {split_query(self.uri)[0]} failed: {self.error}. "
-                "The previous committed checkpoint is kept."
-            ) from self.error
-
-
 _SESSION: Session | None = None
 
 
-def _install(payload: WorkerPayload) -> Session:
+def install(payload: WorkerPayload) -> Session:
     """Called once by the worker entry point in each rank process."""
     global _SESSION
     _SESSION = Session(payload)

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 __all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks",
-           "install_signal_dump", "sample_processes", "stack_dump_path", "stack_from_traceback"]
+           "install_signal_dump", "sample_processes", "stack_from_traceback"]
 
 # The signal a rank answers with its own stacks (faulthandler) where py-spy cannot read it.
 DUMP_SIGNAL = signal.SIGUSR2
@@ -75,11 +75,6 @@ class RankStack:
     @property
     def main(self) -> ThreadStack | None:
         return next((t for t in self.threads if t.main), self.threads[0] if self.threads else None)
-
-
-def stack_dump_path(events_path: str) -> str:
-    """Where a rank's faulthandler writes, beside its events file on its own node."""
-    return events_path + ".stacks"
 
 
 # --- inside a rank -------------------------------------------------------------------------

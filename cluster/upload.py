@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.errors import RaylaunchError
+
 __all__ = ["SECRET_PATTERNS", "UPLOAD_EXCLUDES", "UploadError", "UploadPlan", "plan_upload"]
 
 # Files that hold credentials: never uploaded unless the root .rayignore re-includes one
@@ -53,8 +55,10 @@ _RUNNER_PACKAGES = ("cluster", "jobs", "train_fn")
 _ZIP_CHECK_FACTOR = 8
 
 
-class UploadError(ValueError):
+class UploadError(RaylaunchError, ValueError):
     """A working directory that cannot be uploaded, with what to leave out."""
+
+    exit_code = 2
 
 
 def _mib(n: int) -> str:

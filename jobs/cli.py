@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Callable
 
+from cluster.errors import RaylaunchError
 from jobs.spec import JobSpec, SpecError, load_spec
 
 __all__ = ["main"]
@@ -24,7 +25,7 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from cluster.worker import check_train_fn
+    from cluster.train_function import check_train_fn
 
     spec = _spec_from_args(args)
     check_train_fn(spec.train_fn)
@@ -48,7 +49,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cluster.local import connect
+    from cluster.connect import connect
     from jobs.driver import Driver
 
     spec = _spec_from_args(args)
@@ -58,7 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from jobs.progress import ProgressView
 
     view = ProgressView.for_stream(sys.stdout, quiet=args.quiet)
-    driver = Driver(spec, fresh=args.fresh, out=view)
+    driver = Driver(spec, fresh=args.fresh, out=view, on_progress=view.show)
     driver.preflight()  # train_fn and storage are checked before Ray starts
     upload = None
     if address is not None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
@@ -130,7 +131,7 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (f" ({info.message})" if info.message else ""))
     meta = info.metadata or {}
     if "raylaunch_storage" in meta:
-        from cluster.files import join_uri
+        from cluster.storage_io import join_uri
 
         print(f"run directory: {join_uri(meta['raylaunch_storage'], meta.get('raylaunch_run', ''))}")
     return 0
@@ -312,35 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except SpecError as exc:
-        print(f"raylaunch: {exc}", file=sys.stderr)
-        return 2
-    except (ImportError, AttributeError) as exc:
-        if "train_fn" not in str(exc):
-            raise
-        print(f"raylaunch: {exc}. Fix `train_fn` in the spec (module:function).", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        from jobs.hangs import StacksError
-        from cluster.local import AuthTokenMissing
-        from cluster.upload import UploadError
-        from jobs.runs import RunNotFound
-        from jobs.storage import StorageError
-        from jobs.submit import JobsError
-
-        if isinstance(exc, RunNotFound):
-            print(f"raylaunch: {exc.args[0]}", file=sys.stderr)
-            return 2
-        if isinstance(exc, (StorageError, UploadError)):
-            print(f"raylaunch: {exc}", file=sys.stderr)
-            return 2
-        if isinstance(exc, (StacksError, AuthTokenMissing)):
-            print(f"raylaunch: {exc}", file=sys.stderr)
-            return 1
-        if isinstance(exc, JobsError):
-            print(f"raylaunch: {exc}", file=sys.stderr)
-            return 1
-        raise
+    except RaylaunchError as exc:
+        print(f"raylaunch: {exc}{exc.hint}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

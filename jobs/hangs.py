@@ -12,8 +12,9 @@ import textwrap
 import time
 from typing import Iterable
 
+from cluster.errors import RaylaunchError
 from cluster.group import NodeGroup
-from cluster.node import RankFailure
+from cluster.protocol import RankFailure
 from cluster.stacks import find_stragglers, format_full, group_stacks, stack_from_traceback
 from jobs.storage import RunDir
 
@@ -57,7 +58,7 @@ def where_ranks_are(group: NodeGroup, run_dir: RunDir, attempt: int, failures: I
 
 # --- on demand: `raylaunch stacks` ----------------------------------------------------------
 
-class StacksError(RuntimeError):
+class StacksError(RaylaunchError, RuntimeError):
     """The run's ranks cannot be read; the message says why and what to do."""
 
 

@@ -1,8 +1,10 @@
 """What a person sees while a job runs: a live bar on a terminal, plain lines elsewhere.
 
-The driver prints machine-readable progress lines (``raylaunch: step N k=v ...``,
-at most one a second) among its other output. ``raylaunch run`` and
-``raylaunch submit --follow`` pass all of it through one ``ProgressView``:
+The driver reports progress (``cluster.protocol.Progress``, at most one a second):
+``raylaunch run`` hands it to its ``ProgressView`` directly (``show``); under
+``raylaunch submit --follow`` the driver runs on the cluster and prints it as a
+line (``raylaunch: step N k=v ...``), which the view reads back from the job's
+logs (``Progress.parse``). Either way all other output passes through the same view:
 
 - ``bar``: a tqdm bar (step of total, loss, samples/s, elapsed, remaining,
   attempt, restarts); every other line prints above it;
@@ -13,15 +15,12 @@ at most one a second) among its other output. ``raylaunch run`` and
 
 from __future__ import annotations
 
-import re
 import time
 from typing import TextIO
 
-__all__ = ["ProgressView"]
+from cluster.protocol import Progress, attempt_started, restarts_used
 
-STEP = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
-_ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
-_RESTART = re.compile(r"\((\d+) of (\d+) restarts\)")
+__all__ = ["ProgressView"]
 
 
 def _clock(seconds: float) -> str:
@@ -81,15 +80,15 @@ class ProgressView:
         self.out.flush()
 
     def line(self, text: str) -> None:
-        m = STEP.match(text)
-        if m:
-            self._on_step(int(m.group(1)), m.group(2) or "")
+        progress = Progress.parse(text)
+        if progress is not None:
+            self.show(progress)
             return
-        if m := _ATTEMPT.match(text):
-            self.attempt = int(m.group(1))
+        if (attempt := attempt_started(text)) is not None:
+            self.attempt = attempt
             self._rate_from = None
-        if m := _RESTART.search(text):
-            self.restarts = int(m.group(1))
+        if (restarts := restarts_used(text)) is not None:
+            self.restarts = restarts
         if self._bar is not None:
             self._bar.write(text, file=self.out)
         else:
@@ -108,11 +107,11 @@ class ProgressView:
 
     # --- progress ---------------------------------------------------------------------
 
-    def _on_step(self, step: int, rest: str) -> None:
+    def show(self, progress: Progress) -> None:
+        """Where training is: the bar moves, or a plain line is due."""
         now = time.monotonic()
-        for kv in rest.split():
-            k, _, v = kv.partition("=")
-            self.metrics[k] = v
+        step = progress.step
+        self.metrics.update(progress.values)
         if "total_steps" in self.metrics:
             try:
                 self.total = int(float(self.metrics["total_steps"]))
@@ -128,7 +127,7 @@ class ProgressView:
             self._bar.n = step
             self._bar.set_postfix(self._postfix(), refresh=True)
             return
-        evals = {k: v for k, _, v in (kv.partition("=") for kv in rest.split()) if k.startswith("eval")}
+        evals = {k: v for k, v in progress.values.items() if k.startswith("eval")}
         if self._shown_step is None or now - self._last_shown >= self.every_s or evals:
             self._show_plain(evals)
 

@@ -14,14 +14,17 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from cluster.errors import RaylaunchError
 from jobs.spec import run_name_problem
 from jobs.storage import RunDir, numeric_metrics
 
 __all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "series", "summaries"]
 
 
-class RunNotFound(LookupError):
+class RunNotFound(RaylaunchError, LookupError):
     """A run or a metric that does not exist; the message lists what does."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ from typing import Any, Literal, Mapping, Union
 
 import yaml
 
-from cluster.files import storage_credentials
+from cluster.errors import RaylaunchError
 from cluster.sharding import FSDP_DEFAULTS
+from cluster.storage_io import storage_credentials
 
 __all__ = [
     "AccelerateSpec",
@@ -53,8 +54,10 @@ __all__ = [
 ]
 
 
-class SpecError(ValueError):
+class SpecError(RaylaunchError, ValueError):
     """A spec that cannot run; ``problems`` lists each one as ``path: what to fix``."""
+
+    exit_code = 2
 
     def __init__(self, problems: list[str], source: str = "the job spec") -> None:
         self.problems = list(problems)

@@ -1,4 +1,7 @@
-"""The run directory on shared storage: the one owner of every path of a run.
+"""The run directory on shared storage: the one code that reads and writes the files of a run.
+
+The names that ranks and node actors share with it (checkpoints, staging, manifest) are
+``cluster.layout``'s; the rest are spelled here only.
 
 ::
 
@@ -31,7 +34,11 @@ import yaml
 from pyarrow import fs as pafs
 
 from cluster.context import RECORD_KEYS
-from cluster.files import (
+from cluster.errors import RaylaunchError
+from cluster.layout import (
+    CHECKPOINTS, LATEST, STAGING, checkpoint_name, is_checkpoint_name, rank_part_file, staging_dir,
+)
+from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
 from cluster.sharding import missing_shards
@@ -46,7 +53,6 @@ def numeric_metrics(record: dict) -> dict[str, float]:
             if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
             and (isinstance(v, float) or abs(v) < 2**1000)}  # an int float() cannot hold is no curve
 
-LATEST = "latest.json"
 # On an object store, metrics and logs are rewritten whole at most this often, less often as
 # they grow (``rewrite_due``), and at every commit and at the end: what a crash of the driver
 # can lose.
@@ -62,8 +68,10 @@ def rewrite_due(size: int, written_at: float) -> bool:
     return time.monotonic() - written_at >= max(OBJECT_FLUSH_S, size / OBJECT_REWRITE_BYTES_PER_S)
 
 
-class StorageError(RuntimeError):
+class StorageError(RaylaunchError, RuntimeError):
     """The storage path cannot hold a run; the message says what to fix."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -119,10 +127,10 @@ class RunDir:
 
     @property
     def checkpoints_path(self) -> str:
-        return f"{self.path}/checkpoints"
+        return f"{self.path}/{CHECKPOINTS}"
 
     def staging_uri(self, attempt: int) -> str:
-        return self._uri(f"{self.path}/.staging/attempt-{attempt}")
+        return self._uri(f"{self.path}/{staging_dir(attempt)}")
 
     def exists(self) -> bool:
         return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
@@ -135,7 +143,7 @@ class RunDir:
         Fails with ``StorageError`` when the path cannot be written.
         """
         try:
-            for sub in ("", "/checkpoints", "/logs"):
+            for sub in ("", f"/{CHECKPOINTS}", "/logs"):
                 self.fs.create_dir(self.path + sub, recursive=True)
             self._write(f"{self.path}/spec.yaml", yaml.safe_dump(spec, sort_keys=False).encode())
             token = secrets.token_hex(8)
@@ -150,7 +158,7 @@ class RunDir:
 
     def clear_staging(self) -> None:
         """Delete what earlier attempts left in ``.staging/``; call it only while no rank runs."""
-        self.fs.delete_dir_contents(f"{self.path}/.staging", missing_dir_ok=True)
+        self.fs.delete_dir_contents(f"{self.path}/{STAGING}", missing_dir_ok=True)
 
     def marker_uri(self) -> str:
         return self._uri(f"{self.path}/.marker")
@@ -242,7 +250,7 @@ class RunDir:
                 reported: dict[str, dict]) -> CommittedCheckpoint:
         self.flush()  # the metrics up to this checkpoint are on storage before it counts
         files = describe_files(self.fs, staging, reported)
-        missing = [r for r in range(world_size) if f"random_states_{r}.pkl" not in files]
+        missing = [r for r in range(world_size) if rank_part_file(r) not in files]
         if missing:
             raise CheckpointError(
                 f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
@@ -252,7 +260,7 @@ class RunDir:
             raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")
         manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
                                "created": time.time(), "files": files}, indent=1).encode()
-        name = f"checkpoint-{step:08d}"
+        name = checkpoint_name(step)
         final = f"{self.checkpoints_path}/{name}"
         if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
             self.fs.delete_dir(final)  # an older commit of the same step, from a previous attempt
@@ -276,7 +284,7 @@ class RunDir:
         out = []
         for info in self.fs.get_file_info(pafs.FileSelector(self.checkpoints_path, allow_not_found=True)):
             base = info.base_name
-            if info.type == pafs.FileType.Directory and base.startswith("checkpoint-"):
+            if info.type == pafs.FileType.Directory and is_checkpoint_name(base):
                 try:
                     manifest = self._read_json(f"{info.path}/{MANIFEST}")
                     step = int(manifest["step"]) if manifest is not None else None

@@ -52,10 +52,14 @@ class AccelerateConfig:
         return (f"raylaunch: accelerate.config_file: {', '.join(self.ignored)} ignored: the runner sets the "
                 "topology (scaling.*) and the rendezvous itself")
 
+    def device_problem(self, use_gpu: bool) -> str | None:
+        """DeepSpeed needs GPUs: on CPU nodes, why the job cannot run (before any rank starts); else None."""
+        return deepspeed_on_cpu_message() if self.distributed_type == "DEEPSPEED" and not use_gpu else None
+
     def check_devices(self, use_gpu: bool) -> None:
-        """DeepSpeed needs GPUs: refused, before any rank starts, on CPU nodes."""
-        if self.distributed_type == "DEEPSPEED" and not use_gpu:
-            raise ValueError(deepspeed_on_cpu_message())
+        """``device_problem`` as a ``ValueError``."""
+        if problem := self.device_problem(use_gpu):
+            raise ValueError(problem)
 
     def describe(self) -> str:
         """The resolved configuration, as each rank will use it (imports Accelerate: for ``validate``)."""

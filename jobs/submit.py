@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from cluster.files import join_uri
-from cluster.local import AuthTokenMissing, check_auth_token
+from cluster.errors import RaylaunchError
+from cluster.storage_io import join_uri
+from cluster.connect import AuthTokenMissing, check_auth_token
 from cluster.upload import UploadPlan, plan_upload
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.environment import Secrets
@@ -41,7 +42,7 @@ __all__ = [
 AGENT_WAIT_S = 60.0
 
 
-class JobsError(RuntimeError):
+class JobsError(RaylaunchError, RuntimeError):
     """A Jobs API problem, with the one line a user needs."""
 
 
@@ -86,7 +87,7 @@ def plan_submit(
 
     ``literals`` are ``--name``/``--storage`` style values, taken as strings as they are.
     """
-    from cluster.worker import check_train_fn
+    from cluster.train_function import check_train_fn
 
     cwd = Path(cwd or os.getcwd()).resolve()
     literals = dict(literals or {})

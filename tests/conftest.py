@@ -31,7 +31,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.local import EMBEDDED_NODE
+    from cluster.connect import EMBEDDED_NODE
 
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, **EMBEDDED_NODE})
@@ -100,11 +100,11 @@ class LoadsRecorded:
 def rank_session(tmp_path: Path, run, restore_uri: str):
     """A rank's session of attempt 2 of ``run`` (a ``RunDir``), in this process, as the worker
     entry point would make it."""
-    from cluster.context import WorkerPayload, assign_ranks
+    from cluster.context import assign_ranks
+    from cluster.protocol import WorkerPayload
     from cluster.runtime import Session
 
     payload = WorkerPayload(context=assign_ranks([1])[0], attempt=2, train_fn="fns:steady", config={},
                             events_path=str(tmp_path / "events" / "rank-0.jsonl"),
-                            staging_uri=run.staging_uri(2), restore_uri=restore_uri, backend="gloo",
-                            rendezvous_timeout_s=10)
+                            staging_uri=run.staging_uri(2), restore_uri=restore_uri, backend="gloo")
     return Session(payload)

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import ray
 
-from cluster.node import RankFailure
+from cluster.protocol import RankFailure
 from conftest import wait_for
 from jobs.driver import Driver, group_failures
 from jobs.spec import load_spec_text

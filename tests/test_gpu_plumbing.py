@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from cluster.context import WorkerPayload
+from cluster.protocol import WorkerPayload
 from cluster.group import NodeGroup, resolve_placement
-from cluster.local import EMBEDDED_NODE
+from cluster.connect import EMBEDDED_NODE
 
 
 @pytest.fixture

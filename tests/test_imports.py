@@ -23,7 +23,7 @@ def imported_after(statement: str, packages: list[str]) -> list[str]:
 def test_the_driver_and_the_cli_import_neither_torch_nor_accelerate():
     # and checking a train_fn (as `run` and `validate` do first) does not import its module
     assert imported_after("import jobs.cli, jobs.driver, jobs.submit, jobs.runs, jobs.progress, jobs.board\n"
-                          "from cluster.worker import check_train_fn\n"
+                          "from cluster.train_function import check_train_fn\n"
                           "check_train_fn('train_fn.digits:train')",
                           ["torch", "accelerate", "transformers"]) == []
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.local import stop_processes_under
+from cluster.connect import stop_processes_under
 from conftest import ROOT, cli_env, free_ports, wait_for
 from cluster.upload import UploadError, plan_upload
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.local import stop_processes_under
+from cluster.connect import stop_processes_under
 from conftest import ROOT, cli_env
 from nshosts import add_host, ip, left_behind, make_bridge, remove_host
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pyarrow import fs as pafs
 
-from cluster.files import join_uri, open_uri
+from cluster.storage_io import join_uri, open_uri
 from conftest import LoadsRecorded, dummy_aws_credentials, rank_session
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
@@ -298,7 +298,8 @@ def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committ
 def test_a_restore_reads_the_checkpoint_once_per_node_however_many_ranks_it_has(s3, tmp_path):
     """The ranks of one node (threads here, each its own session) restore at once: one of them
     downloads and verifies, the others load that copy. GETs do not grow with ranks per node."""
-    from cluster.context import WorkerPayload, assign_ranks
+    from cluster.context import assign_ranks
+    from cluster.protocol import WorkerPayload
     from cluster.runtime import Session
 
     reads = {}

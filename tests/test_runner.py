@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -122,6 +124,39 @@ def test_two_stores_starting_at_once_never_take_the_same_port():
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def test_the_rank_fork_server_and_its_folder_go_with_the_last_node_actor():
+    """A node actor Ray ends never reaches multiprocessing's exit hooks: without this, every node
+    and job left a /tmp/pymp-* folder. Two actors in one process share the server."""
+    probe = """
+import os, sys, time
+from multiprocessing import forkserver, process
+from cluster.node import NodeActor
+first, second = NodeActor(0), NodeActor(1)
+deadline = time.monotonic() + 120
+while forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:
+    time.sleep(0.2)
+folder = process.current_process()._config["tempdir"]
+server = forkserver._forkserver._forkserver_pid
+first.shutdown()
+kept = os.path.isdir(folder) and forkserver._forkserver._forkserver_pid == server
+second.shutdown()
+print(folder, server is not None, kept, os.path.exists(folder), forkserver._forkserver._forkserver_pid)
+"""
+    # A short TMPDIR of its own (a socket's path has at most 107 bytes; pytest's tmp_path is long).
+    tmp = Path(tempfile.mkdtemp(prefix="rl-"))
+    try:
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**cli_env(), "TMPDIR": str(tmp)},
+                              capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        folder, started, kept, exists, pid = proc.stdout.split()
+        assert folder.startswith(str(tmp)) and started == "True", proc.stderr[-3000:]
+        assert kept == "True"  # the second actor still uses it
+        assert (exists, pid) == ("False", "None")  # gone with the last one
+        assert not list(tmp.glob("pymp-*"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_workers_per_node_auto_is_every_slot_a_node_has(ray_cluster):

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import ray
 
+from cluster.errors import RaylaunchError
 from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
@@ -15,7 +16,7 @@ __all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_t
            "stop_processes_under"]
 
 
-class AuthTokenMissing(RuntimeError):
+class AuthTokenMissing(RaylaunchError, RuntimeError):
     """RAY_AUTH_MODE=token is set and no token is where Ray looks for one."""
 
 

@@ -1,4 +1,4 @@
-"""Storage as every process of a run opens it: the driver, the node actors and the ranks.
+"""Storage I/O as every process of a run does it (driver, node actors, ranks): URIs, file hashes, the manifest check.
 
 A storage URI may carry the filesystem's options in its query string
 (``s3://bucket/runs?endpoint_override=host:port&scheme=http``), so every process
@@ -20,17 +20,18 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
+from cluster.errors import RaylaunchError
+from cluster.layout import MANIFEST
+
 __all__ = [
-    "MANIFEST", "CheckpointError", "check_manifest", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
+    "CheckpointError", "check_manifest", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
     "split_query", "storage_credentials",
 ]
 
 
-# Written last into a checkpoint: every file with its size and sha256; its presence is the commit.
-MANIFEST = "manifest.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RaylaunchError, RuntimeError):
     """A checkpoint is incomplete or does not match its manifest."""
 
 

@@ -1,0 +1,98 @@
+"""The names of things on storage and on a node: the one place that spells them.
+
+A run directory (``jobs.storage.RunDir`` reads and writes it) holds committed
+checkpoints under ``checkpoints/checkpoint-<step>`` and an attempt's checkpoints
+being written under ``.staging/attempt-<N>/checkpoint-<step>``; a rank of that
+attempt writes there, and a rank checks that what it restores lies under
+``checkpoints/`` of the same run. On a node, the actor's scratch folder holds one
+``attempt-<N>/`` folder a attempt with each rank's events, heartbeat and stack-dump
+files. Both ``cluster/`` and ``jobs/`` import these; nothing here touches a file.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CHECKPOINTS", "LATEST", "MANIFEST", "STAGING", "attempt_dir", "checkpoint_name", "checkpoint_step",
+    "events_file", "flight_recorder_prefix", "heartbeat_file", "is_checkpoint_name", "rank_part_file",
+    "run_of_staging", "stack_dump_file", "staging_dir",
+]
+
+# Committed checkpoints, under the run directory.
+CHECKPOINTS = "checkpoints"
+# Written last into a checkpoint: every file with its size and sha256; its presence is the commit.
+MANIFEST = "manifest.json"
+# In ``checkpoints/``: names the newest committed checkpoint.
+LATEST = "latest.json"
+# Checkpoints being written, under the run directory; never loaded, cleared at the next start.
+STAGING = ".staging"
+
+_CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def checkpoint_name(step: int) -> str:
+    """A committed or staged checkpoint's folder name.
+
+    >>> checkpoint_name(20)
+    'checkpoint-00000020'
+    """
+    return f"{_CHECKPOINT_PREFIX}{step:08d}"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    return name.startswith(_CHECKPOINT_PREFIX)
+
+
+def checkpoint_step(name: str) -> int:
+    """The step a checkpoint's folder name holds.
+
+    >>> checkpoint_step('checkpoint-00000020')
+    20
+    """
+    return int(name[len(_CHECKPOINT_PREFIX):])
+
+
+def attempt_dir(attempt: int) -> str:
+    """An attempt's folder, in ``.staging/`` and in a node's scratch folder."""
+    return f"attempt-{attempt}"
+
+
+def staging_dir(attempt: int) -> str:
+    """An attempt's staging folder, relative to the run directory."""
+    return f"{STAGING}/{attempt_dir(attempt)}"
+
+
+def run_of_staging(staging_path: str) -> str:
+    """The run directory's path, from the path of one of its staging folders.
+
+    >>> run_of_staging('/runs/r1/.staging/attempt-2')
+    '/runs/r1'
+    """
+    return staging_path.split(f"/{STAGING}/")[0]
+
+
+def rank_part_file(rank: int) -> str:
+    """The file every rank writes into a checkpoint (Accelerate's RNG states): its part is there."""
+    return f"random_states_{rank}.pkl"
+
+
+# --- on a node: in the node actor's scratch folder ------------------------------------------
+
+
+def events_file(scratch: str, attempt: int, rank: int) -> str:
+    """The rank's events (one JSON object a line), which its node actor tails."""
+    return f"{scratch}/{attempt_dir(attempt)}/events-rank{rank}.jsonl"
+
+
+def heartbeat_file(events_path: str) -> str:
+    """Touched by the rank twice a second; its age tells the driver the rank still runs."""
+    return events_path + ".beat"
+
+
+def stack_dump_file(events_path: str) -> str:
+    """Where the rank's faulthandler writes every thread's stack when asked (``cluster.stacks``)."""
+    return events_path + ".stacks"
+
+
+def flight_recorder_prefix(scratch: str, attempt: int) -> str:
+    """NCCL Flight Recorder dumps of the attempt's ranks on a GPU node: ``<prefix><rank>``."""
+    return f"{scratch}/{attempt_dir(attempt)}/nccl-trace-rank"

@@ -1,0 +1,160 @@
+"""What crosses a process boundary: the payload a rank gets, the events it reports, a node's poll, states.
+
+Every process of a run speaks through these types: the driver hands each rank a
+``WorkerPayload``; a rank writes ``EventKind`` events to a node-local file; the node
+actor answers the driver's poll with a ``NodePoll`` (its ``NodeState``, the ranks'
+events, logs, ``RankFailure`` s and return values); the driver records a ``RunStatus``
+in ``result.json`` and prints ``Progress`` lines that ``jobs.progress`` reads back.
+Nothing here imports Ray or torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from cluster.context import WorkerContext
+
+__all__ = ["EventKind", "NodePoll", "NodeState", "Progress", "RankFailure", "RunStatus", "WorkerPayload"]
+
+
+@dataclass(frozen=True)
+class WorkerPayload:
+    """Everything one rank needs from the driver, passed as a pickled argument."""
+
+    context: WorkerContext
+    attempt: int
+    train_fn: str
+    config: dict
+    events_path: str  # node-local file the node actor tails (``cluster.layout.NodeScratch``)
+    staging_uri: str  # where this attempt's checkpoints are written before commit
+    restore_uri: str | None  # the committed checkpoint to resume from, if any
+    backend: str
+    collective_timeout_s: float = 600.0
+    # The spec's ``accelerate`` section: mixed_precision,
+    # gradient_accumulation_steps, dataloader {even_batches, ...}.
+    accelerate: dict = field(default_factory=dict)
+
+
+class EventKind(StrEnum):
+    """What a rank reports on its events file (one JSON object a line, with ``time`` and ``rank``)."""
+
+    ARRIVED = "arrived"  # at the rendezvous
+    JOINED = "joined"  # in the process group
+    METRICS = "metrics"  # ``step``, ``values``: one log call
+    RESOURCES = "resources"  # ``peak_*``: the rank's peak memory
+    CHECKPOINT = "checkpoint"  # ``step``, ``uri``, ``files``: its part of a checkpoint is written
+    PREEMPT_NOTICE = "preempt_notice"  # it got SIGTERM and will checkpoint at the next step
+    PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing
+
+
+class NodeState(StrEnum):
+    """The life of one node's ranks, as its actor (or, for ``LOST``, the driver) sees it."""
+
+    IDLE = "idle"  # no ranks started yet
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # every local rank returned
+    FAILED = "failed"  # a local rank failed; torch's launcher ended the others
+    STOPPED = "stopped"  # the driver stopped them
+    LOST = "lost"  # the actor died, or stopped answering for timeouts.heartbeat_s
+
+    @property
+    def is_terminal(self) -> bool:
+        return self is not NodeState.RUNNING and self is not NodeState.IDLE
+
+
+class RunStatus(StrEnum):
+    """A run's status in ``result.json`` (and what ``raylaunch run`` prints at the end)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank that ended badly: its exception (grouped by ``message`` across ranks), or the signal that ended it."""
+
+    rank: int
+    exitcode: int
+    message: str  # the exception line, or the signal that ended the process
+    traceback: str
+    signal: str | None = None  # "SIGTERM", "SIGKILL", ... when a signal ended the process
+
+    @classmethod
+    def killed(cls, rank: int, exitcode: int, signal: str) -> "RankFailure":
+        return cls(rank, exitcode, f"killed by signal {signal}", "", signal)
+
+
+@dataclass
+class NodePoll:
+    """What happened on a node since the previous poll."""
+
+    events: list[dict] = field(default_factory=list)
+    logs: list[tuple[int, str, str]] = field(default_factory=list)  # (rank, stream, line)
+    state: NodeState = NodeState.IDLE
+    failures: list[RankFailure] = field(default_factory=list)
+    returns: dict[int, Any] = field(default_factory=dict)  # world rank -> return value
+    # world rank -> seconds since the rank's heartbeat (absent before it started beating)
+    beat_age_s: dict[int, float] = field(default_factory=dict)
+    # state LOST only: how long the node had not answered when it was given up on
+    # (its host or its link is down); None when its actor was seen to die
+    silent_s: float | None = None
+
+
+_PROGRESS = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
+_ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
+_RESTARTS = re.compile(r"\((\d+) of (\d+) restarts\)")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training is, as the driver prints it and ``jobs.progress`` shows it.
+
+    The driver hands it to a progress view directly (``raylaunch run``) and prints it as a
+    line, which the view of ``submit --follow`` reads back from the job's logs with ``parse``.
+
+    >>> p = Progress(step=5, values={"loss": "0.5"})
+    >>> p.line()
+    'raylaunch: step 5 loss=0.5'
+    >>> Progress.parse(p.line()) == p
+    True
+    """
+
+    step: int | None  # None: a record logged without a step
+    values: dict[str, str] = field(default_factory=dict)  # metric -> as printed
+
+    def line(self) -> str:
+        shown = " ".join(f"{k}={v}" for k, v in self.values.items())
+        return f"raylaunch: step {self.step} {shown}"
+
+    @classmethod
+    def of(cls, step: Any, values: dict) -> "Progress":
+        """From a metrics record's step and values (floats shown with 4 significant digits)."""
+        return cls(step, {k: f"{v:.4g}" if isinstance(v, float) else f"{v}" for k, v in values.items()})
+
+    @classmethod
+    def parse(cls, text: str) -> "Progress | None":
+        m = _PROGRESS.match(text)
+        if not m:
+            return None
+        values = {}
+        for kv in (m.group(2) or "").split():
+            k, _, v = kv.partition("=")
+            values[k] = v
+        return cls(int(m.group(1)), values)
+
+
+def attempt_started(text: str) -> int | None:
+    """The attempt number a driver line announces (``raylaunch: attempt N ...``), or None."""
+    m = _ATTEMPT.match(text)
+    return int(m.group(1)) if m else None
+
+
+def restarts_used(text: str) -> int | None:
+    """The restarts used so far that a driver line states (``(N of M restarts)``), or None."""
+    m = _RESTARTS.search(text)
+    return int(m.group(1)) if m else None

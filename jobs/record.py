@@ -1,0 +1,146 @@
+"""What a run did, written down: ``result.json``, metrics and logs, TensorBoard, the timeline, the progress line
+and the driver's messages, every one with ``env.secrets`` masked.
+
+The driver (``jobs.driver``) decides; a ``Recorder`` writes. Storage that fails while
+ranks train (full, say) is said once and the run goes on: the ranks' own errors say more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+from cluster.protocol import Progress, RunStatus
+from jobs.board import Board
+from jobs.environment import Secrets
+from jobs.storage import RECORD_KEYS, RunDir
+
+__all__ = ["Recorder", "RunResult"]
+
+
+@dataclass
+class RunResult:
+    """The run as ``result.json`` holds it, written when each attempt starts and at the end."""
+
+    status: RunStatus
+    run_dir: str
+    attempts: int = 0
+    restarts: int = 0
+    preemptions: int = 0
+    num_nodes: int = 0
+    world_size: int = 0
+    last_step: int | None = None
+    last_metrics: dict = field(default_factory=dict)
+    checkpoints: list[str] = field(default_factory=list)
+    start_time: float = 0.0
+    end_time: float = 0.0
+    error: str | None = None
+    return_value: Any = None  # rank 0's
+    rank_results: dict = field(default_factory=dict)  # every rank's return value
+    nodes: list[dict] = field(default_factory=list)
+    # When the first attempt got where (Unix times): process_start, driver_ready (imports and
+    # ray.init done), reserved, ranks_started, arrived, joined (last rank), first_step (rank 0).
+    timeline: dict = field(default_factory=dict)
+    # While the run runs: how `raylaunch stacks` reaches its node actors (ray_address,
+    # namespace, node_actors: their names in node order, ranks: each node's world ranks).
+    live: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """Writes one run's outcome, metrics, logs and messages into its run directory and onto ``out``."""
+
+    def __init__(self, run_dir: RunDir, out: TextIO | None = None,
+                 on_progress: Callable[[Progress], None] | None = None) -> None:
+        self.run_dir = run_dir
+        self.out = out
+        self.on_progress = on_progress
+        self.secrets = Secrets()  # env.secrets' values, read in the driver's preflight
+        self.result = RunResult(status=RunStatus.FAILED, run_dir=run_dir.uri)
+        self.board: Board | None = None
+        self._last_print = 0.0
+        self._store_errors: set[str] = set()
+
+    # --- messages -----------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        self._print(self.secrets.mask(text))
+
+    def _print(self, masked: str) -> None:
+        print(masked, file=self.out or sys.stdout, flush=True)
+
+    def mask(self, value: Any) -> Any:
+        """``value`` with every secret masked in its strings, however deep."""
+        if isinstance(value, str):
+            return self.secrets.mask(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.mask(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.mask(v) for k, v in value.items()}
+        return value
+
+    # --- the run directory ----------------------------------------------------------
+
+    def open_board(self) -> None:
+        self.board = Board(self.run_dir)
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """The first time the run got to ``phase`` (the first attempt's start-up, for `show` and the bench)."""
+        self.result.timeline.setdefault(phase, at or time.time())
+
+    def write_result(self) -> None:
+        """``result.json`` as the run stands: written when each attempt starts, and at the end."""
+        try:
+            self.result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+        except OSError as exc:  # the outcome is still recorded, with the checkpoints last seen
+            self.say(f"raylaunch: could not list the committed checkpoints: {exc}")
+        self.run_dir.write_result(dataclasses.asdict(self.result))
+
+    def logs(self, node_rank: int, logs: list[tuple[int, str, str]]) -> None:
+        """Print one node's rank output and append it to each rank's log, masked once."""
+        by_rank: dict[int, list[str]] = defaultdict(list)
+        for rank, _, line in logs:
+            line = self.secrets.mask(line)  # before it is stored too
+            self._print(f"[node {node_rank} rank {rank}] {line}")
+            by_rank[rank].append(line)
+        for rank, lines in by_rank.items():
+            self._store(self.run_dir.append_log, rank, lines)
+
+    def metrics(self, records: list[dict]) -> None:
+        self._store(self.run_dir.append_metrics, records)
+        self.board.add(records)
+
+    def _store(self, write, *args) -> None:
+        """Write metrics or logs; storage that fails (full, say) is reported, and the driver
+        keeps supervising the ranks, whose own errors say more."""
+        try:
+            write(*args)
+        except OSError as exc:
+            if str(exc) not in self._store_errors:
+                self._store_errors.add(str(exc))
+                self.say(f"raylaunch: could not write to the run directory {self.run_dir.uri}: {exc}")
+
+    # --- progress --------------------------------------------------------------------
+
+    def progress(self, record: dict) -> None:
+        """Rank 0's metrics record: the result's last step and metrics, and at most one progress
+        line a second (never dropping an evaluation)."""
+        r = self.result
+        if record.get("step") is not None:
+            r.last_step = max(r.last_step or 0, int(record["step"]))
+        values = {k: v for k, v in record.items() if k not in RECORD_KEYS}
+        r.last_metrics.update(values)
+        now = time.monotonic()
+        if now - self._last_print < 1.0 and not any("eval" in k for k in values):
+            return
+        self._last_print = now
+        shown = Progress.of(record.get("step"), values)
+        if self.on_progress is None or shown.step is None:  # a step of None is a plain line to a view too
+            self.say(shown.line())
+        else:
+            self.on_progress(Progress(shown.step, {self.secrets.mask(k): self.secrets.mask(v)
+                                                   for k, v in shown.values.items()}))
+
