@@ -38,7 +38,7 @@ def test_auto_counts_the_gpus_and_each_rank_gets_its_own_device(gpu_nodes, tmp_p
         def payload(ctx, events_path):
             return WorkerPayload(context=ctx, attempt=1, train_fn="fns:gpu_probe", config={},
                                  events_path=events_path, staging_uri=str(tmp_path / "staging"), restore_uri=None,
-                                 backend="gloo", rendezvous_timeout_s=120)
+                                 backend="gloo")
 
         group.start(payload, 1, 120, None)
         returns: dict[int, dict] = {}

@@ -310,7 +310,7 @@ def test_a_restore_reads_the_checkpoint_once_per_node_however_many_ranks_it_has(
         node_dir = tmp_path / f"node-{ranks}"
         sessions = [Session(WorkerPayload(
             context=ctx, attempt=2, train_fn="fns:steady", config={}, events_path=str(node_dir / f"events-rank{i}.jsonl"),
-            staging_uri=run.staging_uri(2), restore_uri=c.uri, backend="gloo", rendezvous_timeout_s=10))
+            staging_uri=run.staging_uri(2), restore_uri=c.uri, backend="gloo"))
             for i, ctx in enumerate(assign_ranks([ranks]))]
         loaders = [LoadsRecorded() for _ in sessions]
         s3.checkpoint_reads = 0
