@@ -8,7 +8,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo demo-stream test clean bench bench-scale
+.PHONY: install demo demo-stream test clean bench bench-scale gpu-check
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,12 @@ bench: install
 # training per size>, default 40, for longer): its cores, peak memory and the lag to metrics.jsonl.
 bench-scale: install
 	$(BIN)/python -m bench.scale
+
+# On a machine with 1 to 8 GPUs, in under five minutes: the bench's GPU mode (raylaunch against torchrun and
+# Ray Train with NCCL, workers_per_node: auto), then FSDP against DDP in fp32, bf16 and fp16 with each rank's
+# peak GPU memory. Writes bench/results-gpu.md. (Not run yet: no GPU was available to this project.)
+gpu-check: install
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(BIN)/python -c "import torch, sys; n = torch.cuda.device_count(); print(f'gpu-check: {n} GPU(s)'); sys.exit(0 if n else 'gpu-check: torch sees no CUDA GPU (a CPU build of torch, or no driver)')"
+	BENCH_GPU=1 BENCH_REPS=1 $(BIN)/python bench/run.py
+	$(BIN)/python bench/strategies.py --gpu

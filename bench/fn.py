@@ -57,6 +57,16 @@ def _steady_marker(pid_dir: str | None):
     return mark
 
 
+def _held_mb(optimizer) -> float:
+    """Parameters and optimizer state this rank holds (its shards under FSDP), in MiB."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20
+
+
 def train(config: dict) -> dict:
     steps = int(config.get("steps", 60))
     block = int(config.get("log_block", 10))
@@ -150,7 +160,7 @@ def train(config: dict) -> dict:
         warm = [t for s, t in times if s > steps // 4]
         return statistics.median(warm) if warm else None
 
-    result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet),
+    result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet), "held_mb": _held_mb(optimizer),
               "steady_logged_s": steady(logged), "steady_quiet_s": steady(quiet),
               "steady_paced_s": steady(with_pace) if paced else None,
               "steady_unpaced_s": steady(without_pace) if paced else None,

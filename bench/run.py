@@ -40,7 +40,7 @@ BIN = Path(sys.executable).parent
 FULL = os.environ.get("BENCH_FULL") == "1"
 # BENCH_GPU=1: the same comparison on this machine's GPUs, one rank each, NCCL (under five minutes).
 GPU = os.environ.get("BENCH_GPU") == "1"
-REPS = 3 if FULL else 2 if GPU else 1
+REPS = int(os.environ.get("BENCH_REPS") or (3 if FULL else 2 if GPU else 1))
 STEPS = 240 if FULL or GPU else 60
 
 
@@ -261,7 +261,9 @@ def main() -> int:
     base = {"steps": STEPS, "log_block": 10, "storage": storage, "steps_after_restart": 5,
             "checkpoint_at": [STEPS // 3, STEPS // 2, 2 * STEPS // 3, 5 * STEPS // 6],
             "world_size": world, "use_gpu": GPU}
-    scaling = ["--set", f"scaling.workers_per_node={world}", "--set", f"scaling.use_gpu={str(GPU).lower()}"]
+    # On GPUs raylaunch counts them itself (workers_per_node: auto); fn.py reports the world size it saw.
+    scaling = ["--set", f"scaling.workers_per_node={'auto' if GPU else world}", "--set",
+               f"scaling.use_gpu={str(GPU).lower()}"]
     # Ray Train and raylaunch warm restart the whole world once after a rank dies. torchrun
     # --max-restarts=1 is left out of that: on this machine (torch 2.13, gloo) its restarted
     # world failed every time, connecting to the previous round's gloo address.

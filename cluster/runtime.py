@@ -38,6 +38,7 @@ from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.protocol import EventKind, WorkerPayload
+from cluster.sharding import Resolved
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
@@ -88,9 +89,11 @@ class Session:
         self._cooperative = False  # the function calls preempted()
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
-        self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved)
+        self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
+                                               context=payload.context, node_dir=str(Path(payload.events_path).parent))
                              if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
+        self.strategy: Resolved | None = None  # set by the worker (cluster.sharding.install)
 
     @property
     def under_runner(self) -> bool:
@@ -116,10 +119,10 @@ class Session:
             "dataloader_config": DataLoaderConfiguration(
                 **{k: None if v == "auto" else v for k, v in opts.get("dataloader", {}).items()}),
         }
-        if "mixed_precision" in opts:
-            kwargs["mixed_precision"] = opts["mixed_precision"]
-        if "gradient_accumulation_steps" in opts:
-            kwargs["gradient_accumulation_steps"] = opts["gradient_accumulation_steps"]
+        if self.strategy is not None:  # the spec merged over its accelerate config file
+            kwargs["mixed_precision"] = self.strategy.mixed_precision
+            if self.strategy.distributed_type != "DEEPSPEED":  # DeepSpeed takes it from its own config
+                kwargs["gradient_accumulation_steps"] = self.strategy.gradient_accumulation_steps
         kwargs.update(overrides)
         return kwargs
 

@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cluster.protocol import EventKind, WorkerPayload
+from cluster.sharding import install as install_strategy
 from cluster.layout import heartbeat_file, stack_dump_file
 from cluster.pace import install as install_pace
 from cluster.stacks import install_signal_dump
@@ -32,12 +33,10 @@ def run_worker(payload: WorkerPayload) -> Any:
     # rank's own variables were applied: apply the rank's bound now.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     session = runtime.install(payload)
-    # The Accelerate boundary: a plain Accelerator() honours these too.
-    acc = payload.accelerate
-    if "mixed_precision" in acc:
-        os.environ["ACCELERATE_MIXED_PRECISION"] = str(acc["mixed_precision"])
-    if "gradient_accumulation_steps" in acc:
-        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(acc["gradient_accumulation_steps"])
+    # The Accelerate boundary: precision, accumulation and strategy (FSDP, DeepSpeed) as
+    # `accelerate launch` exports them, so a plain Accelerator() honours them too.
+    session.strategy = install_strategy(payload.accelerate, use_gpu=payload.backend == "nccl",
+                                        rank=payload.context.world_rank, world=payload.context.world_size)
     fn = resolve_train_fn(payload.train_fn)
     # We create the process group ourselves, against the store node 0 already
     # holds, so the join has our bound instead of torch's 30 minutes.

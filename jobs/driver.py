@@ -30,6 +30,7 @@ from jobs.record import Recorder, RunResult
 from jobs.routing import AttemptRouter, AttemptState, group_failures
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import CheckpointError, RunDir, StorageError
+from jobs.strategy import AccelerateConfig, read_accelerate_config
 
 __all__ = ["Driver", "RunResult", "group_failures"]
 
@@ -71,6 +72,7 @@ class Driver:
         self.recorder = Recorder(self.run_dir, out, on_progress)
         self._token: str | None = None
         self.group: NodeGroup | None = None  # the nodes of the current attempt
+        self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
 
     @property
     def secrets(self) -> Secrets:
@@ -93,6 +95,9 @@ class Driver:
         # before anything is written: a missing one is a spec error
         self.recorder.secrets = Secrets.read(self.spec.env)
         check_train_fn(self.spec.train_fn)
+        self.accelerate = read_accelerate_config(self.spec)
+        if note := self.accelerate.note():
+            self._say(note)
         if warning := check_requirements(self.spec.env.requirements):
             self._say(warning)
         if self.fresh and self.run_dir.exists():
@@ -123,7 +128,10 @@ class Driver:
                 f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
             )
             self._say(f"raylaunch: run directory {self.run_dir.uri}")
-            self._attempts(placement)
+            if refused := self.accelerate.device_problem(placement.use_gpu):  # DeepSpeed on CPU nodes
+                r.status, r.error = RunStatus.FAILED, refused
+            else:
+                self._attempts(placement)
         except (PlacementError, RendezvousError, StorageError, CheckpointError) as exc:
             r.status, r.error = RunStatus.FAILED, str(exc)
         except KeyboardInterrupt as exc:
@@ -209,7 +217,7 @@ class Driver:
                 restore_uri=restore_uri,
                 backend="nccl" if use_gpu else "gloo",
                 collective_timeout_s=spec.timeouts.collective_s,
-                accelerate=dataclasses.asdict(spec.accelerate),
+                accelerate=self.accelerate.section,
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)

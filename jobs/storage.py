@@ -43,6 +43,7 @@ from cluster.layout import (
 from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
+from cluster.sharding import missing_shards
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -294,6 +295,8 @@ class RunDir:
                 f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
                 "it was not committed"
             )
+        if lacking := missing_shards(files, world_size):  # a sharded (FSDP) checkpoint needs every rank's shards
+            raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")
         manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
                                "created": time.time(), "files": files}, indent=1).encode()
         name = checkpoint_name(step)

@@ -44,12 +44,15 @@ class S3Server:
 
         self.slow_staging_s = 0.0
         self.staging_reads = 0  # GETs of an object in .staging/ (listings are GETs of the bucket)
+        self.checkpoint_reads = 0  # GETs of an object in a committed checkpoint
         moto_app = DomainDispatcherApplication(create_backend_app)
 
         def app(environ, start_response):
             path = environ.get("PATH_INFO", "")
             if environ["REQUEST_METHOD"] == "GET" and "/.staging/" in path:
                 self.staging_reads += 1
+            if environ["REQUEST_METHOD"] == "GET" and "/checkpoints/checkpoint-" in path:
+                self.checkpoint_reads += 1
             if (self.slow_staging_s and environ["REQUEST_METHOD"] == "PUT"
                     and "/.staging/" in path and not path.endswith("/")):  # not a folder marker
                 time.sleep(self.slow_staging_s)  # a slow link to the store: each upload of data
@@ -359,3 +362,35 @@ def test_a_run_on_the_bucket_with_small_segments_reads_back_whole_in_runs_show_a
     (curve,) = plot(storage_uri, ["segrun"], "loss", str(tmp_path / "segrun.png"))
     assert curve.steps == list(range(1, 31))
     assert "loss" in format_show(storage_uri, "segrun").split("checkpoints")[0]  # its last metrics, read back
+
+
+def test_a_restore_reads_the_checkpoint_once_per_node_however_many_ranks_it_has(s3, tmp_path):
+    """The ranks of one node (threads here, each its own session) restore at once: one of them
+    downloads and verifies, the others load that copy. GETs do not grow with ranks per node."""
+    from cluster.context import assign_ranks
+    from cluster.protocol import WorkerPayload
+    from cluster.runtime import Session
+
+    reads = {}
+    for ranks in (1, 3):
+        run = RunDir(s3.uri("unit"), f"pernode{ranks}")
+        run.prepare({"name": f"pernode{ranks}"})
+        c = run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1, 2]), 5, 1, world_size=ranks, keep=2)  # same files
+        node_dir = tmp_path / f"node-{ranks}"
+        sessions = [Session(WorkerPayload(
+            context=ctx, attempt=2, train_fn="fns:steady", config={}, events_path=str(node_dir / f"events-rank{i}.jsonl"),
+            staging_uri=run.staging_uri(2), restore_uri=c.uri, backend="gloo"))
+            for i, ctx in enumerate(assign_ranks([ranks]))]
+        loaders = [LoadsRecorded() for _ in sessions]
+        s3.checkpoint_reads = 0
+        threads = [threading.Thread(target=s.restore, args=(a,)) for s, a in zip(sessions, loaders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        reads[ranks] = s3.checkpoint_reads
+        for a in loaders:  # every rank loaded the verified bytes
+            ((path, files),) = a.loaded
+            assert files["model.safetensors"] == b"weights 5"
+        assert not any(node_dir.glob("restore-checkpoint-*/*"))  # the node's copy is gone after the last load
+    assert reads[3] == reads[1] > 0, reads

@@ -99,10 +99,14 @@ def build_model(cfg: dict):
     return BertForSequenceClassification(config)
 
 
-def weights_digest(model) -> str:
-    """A short fingerprint of every weight, to compare runs exactly."""
+def weights_digest(state_dict: dict) -> str:
+    """A short fingerprint of every weight, to compare runs exactly.
+
+    Give it ``accelerator.get_state_dict(model)`` on every rank: with FSDP that gathers the
+    shards (a collective), and only the main process gets the weights.
+    """
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, p in sorted(state_dict.items()):
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -171,7 +175,7 @@ def train(config: dict) -> dict:
 
     # 3. Resume from the latest committed checkpoint, if the runner has one.
     restored = session.restore(accelerator)
-    restored_digest = weights_digest(accelerator.unwrap_model(model)) if restored is not None else None
+    restored_digest = weights_digest(accelerator.get_state_dict(model)) if restored is not None else None
     if restored is not None:
         accelerator.print(f"resumed at step {progress.step}")
 
@@ -231,13 +235,14 @@ def train(config: dict) -> dict:
     # 6. Save the final state (a committed checkpoint under the runner).
     if last_saved != progress.step:
         session.save(accelerator, progress.step)
+    weights = weights_digest(accelerator.get_state_dict(model))  # a collective under FSDP: before the end
     accelerator.end_training()
     return {
         "eval_accuracy": accuracy,
         "steps": progress.step,
         "world_size": accelerator.num_processes,
         "rank": accelerator.process_index,
-        "weights": weights_digest(accelerator.unwrap_model(model)),
+        "weights": weights,
         "restored_step": restored,
         "restored_weights": restored_digest,
         "seen_epoch0": sorted(seen) if cfg["record_samples"] else None,
