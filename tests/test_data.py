@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import defaultdict
 from pathlib import Path
 
 import psutil

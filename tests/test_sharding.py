@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.sharding import FSDP_DEFAULTS, missing_shards, resolve, strategy_env
+from cluster.sharding import missing_shards, resolve, strategy_env
 from conftest import ROOT, cli_env
 from jobs.driver import Driver
 from jobs.spec import SpecError, load_spec, load_spec_text
