@@ -87,7 +87,9 @@ def steady(config: dict) -> dict:
     pid_dir = Path(config["pid_dir"])
     pid_dir.mkdir(parents=True, exist_ok=True)
     attempt = session.payload.attempt if session.payload else 0
-    (pid_dir / f"rank-{accelerator.process_index}.pid").write_text(f"{attempt} {os.getpid()}")
+    pid_file = pid_dir / f"rank-{accelerator.process_index}.pid"
+    pid_file.with_suffix(".tmp").write_text(f"{attempt} {os.getpid()}")
+    pid_file.with_suffix(".tmp").replace(pid_file)  # whole or absent: a test may read it at any moment
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     y = x @ torch.arange(8.0) + 1
