@@ -46,9 +46,11 @@ bench-scale: install
 
 # On a machine with 1 to 8 GPUs, in under five minutes: the bench's GPU mode (raylaunch against torchrun and
 # Ray Train with NCCL, workers_per_node: auto), then FSDP against DDP in fp32, bf16 and fp16 with each rank's
-# peak GPU memory. Writes bench/results-gpu.md. (Not run yet: no GPU was available to this project.)
+# peak GPU memory. Writes bench/results-gpu.md. Then tests/test_gpu.py (2+ GPUs: a hung NCCL collective leaves
+# every rank's stack and its Flight Recorder dump) and the GPU plumbing tests. (Not run yet: no GPU was available.)
 gpu-check: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -c "import torch, sys; n = torch.cuda.device_count(); print(f'gpu-check: {n} GPU(s)'); sys.exit(0 if n else 'gpu-check: torch sees no CUDA GPU (a CPU build of torch, or no driver)')"
 	BENCH_GPU=1 BENCH_REPS=1 $(BIN)/python bench/run.py
 	$(BIN)/python bench/strategies.py --gpu
+	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_gpu_plumbing.py

@@ -188,7 +188,7 @@ def hang_in_data(config: dict) -> dict:
     data = _SlowOnRank1(accelerator.process_index, config.get("block_at", 3))
     for i in range(len(data)):
         batch = data[i]
-        accelerator.reduce(batch, "sum")
+        accelerator.reduce(batch.to(accelerator.device), "sum")  # NCCL reduces on the GPU
     return {}
 
 
