@@ -552,6 +552,8 @@ def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             if not scratch:
                 return out
     elif origin is Literal:
+        if value is False and "no" in typing.get_args(tp):  # YAML reads an unquoted `no` as false
+            return "no"
         if value in typing.get_args(tp) and type(value) is type(
             next(a for a in typing.get_args(tp) if a == value)
         ):

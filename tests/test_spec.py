@@ -100,3 +100,12 @@ def test_socket_interface_defaults_to_auto_and_takes_a_name():
     assert problems(MINIMAL + "rendezvous: {socket_ifnam: eth1}\n") == [
         "rendezvous.socket_ifnam: unknown key; did you mean 'socket_ifname'?"
     ]
+
+
+def test_an_unquoted_no_is_the_mixed_precision_no_in_a_file_and_in_set():
+    """YAML reads a bare `no` as false; `mixed_precision: no` means the string "no"."""
+    assert load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: no}\n").accelerate.mixed_precision == "no"
+    spec = load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: bf16}\n", ["accelerate.mixed_precision=no"])
+    assert spec.accelerate.mixed_precision == "no"
+    with pytest.raises(SpecError, match="accelerate.mixed_precision"):
+        load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: true}\n")
