@@ -137,9 +137,10 @@ def train(config: dict) -> dict:
     # 6. The final state, committed under the runner.
     if last_saved != position.step:
         session.save(accelerator, position.step)
+    weights = weights_digest(accelerator.get_state_dict(model))  # a collective under FSDP: before the end
     accelerator.end_training()
     return {"eval_accuracy": accuracy, "steps": position.step, "world_size": accelerator.num_processes,
-            "restored_step": restored, "weights": weights_digest(accelerator.unwrap_model(model))}
+            "restored_step": restored, "weights": weights}
 
 
 if __name__ == "__main__":
