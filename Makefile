@@ -8,7 +8,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo test clean bench
+.PHONY: install demo demo-stream test clean bench bench-scale gpu-check
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: install
 	$(BIN)/raylaunch plot $(DEMO_RUN) --metric loss --storage $(STORAGE) -o $(STORAGE)/$(DEMO_RUN)/loss.png
 	$(BIN)/raylaunch runs --storage $(STORAGE)
 
+# The second example: the same model trained from a stream of parquet shards, each rank reading its own.
+demo-stream: install
+	$(BIN)/raylaunch run jobs/examples/digits-stream.yaml --local-nodes 2 --storage $(STORAGE) --name digits-stream-$(shell date +%Y%m%d-%H%M%S)
+
 test: install
 	$(BIN)/python -m pytest -q
 
@@ -34,3 +38,19 @@ clean:
 bench: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python bench/run.py
+
+# The driver at 16, 128 and 1,024 ranks against simulated nodes (about 4 minutes; SCALE_BENCH_S=<seconds of
+# training per size>, default 40, for longer): its cores, peak memory and the lag to metrics.jsonl.
+bench-scale: install
+	$(BIN)/python -m bench.scale
+
+# On a machine with 1 to 8 GPUs, in under five minutes: the bench's GPU mode (raylaunch against torchrun and
+# Ray Train with NCCL, workers_per_node: auto), then FSDP against DDP in fp32, bf16 and fp16 with each rank's
+# peak GPU memory. Writes bench/results-gpu.md. Then tests/test_gpu.py (2+ GPUs: a hung NCCL collective leaves
+# every rank's stack and its Flight Recorder dump) and the GPU plumbing tests. (Not run yet: no GPU was available.)
+gpu-check: install
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(BIN)/python -c "import torch, sys; n = torch.cuda.device_count(); print(f'gpu-check: {n} GPU(s)'); sys.exit(0 if n else 'gpu-check: torch sees no CUDA GPU (a CPU build of torch, or no driver)')"
+	BENCH_GPU=1 BENCH_REPS=1 $(BIN)/python bench/run.py
+	$(BIN)/python bench/strategies.py --gpu
+	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_gpu_plumbing.py

@@ -7,6 +7,10 @@ One run measures everything a launcher is compared on:
 - steady step times, with metrics logged in alternating blocks of ``log_block``
   steps (``accelerator.log`` + ``session.log`` every step) and not at all, so the
   cost of metrics is a ratio within one run;
+- under raylaunch, the cost of measuring each rank's pace (``cluster/pace.py``) the same way:
+  blocks that read the batch through the prepared dataloader (timed) and train the prepared
+  DDP model (its all-reduce timed), alternating with blocks that read it through Accelerate's
+  own untimed iterator and train an identical DDP model without the timing hook;
 - at each step of ``checkpoint_at``, ``session.save`` and Accelerate's plain
   ``save_state`` to local disk, in alternating order (whichever goes first pays
   first-write costs);
@@ -53,6 +57,16 @@ def _steady_marker(pid_dir: str | None):
     return mark
 
 
+def _held_mb(optimizer) -> float:
+    """Parameters and optimizer state this rank holds (its shards under FSDP), in MiB."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20
+
+
 def train(config: dict) -> dict:
     steps = int(config.get("steps", 60))
     block = int(config.get("log_block", 10))
@@ -76,29 +90,50 @@ def train(config: dict) -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                     torch.nn.ReLU(), torch.nn.Linear(1024, 512))
         x, y = torch.randn(32, 512).to(accelerator.device), torch.randn(32, 512).to(accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    import copy
 
-    def compute_loss():
+    twin = copy.deepcopy(model)  # the same weights, for the blocks without pace measurement
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    n = accelerator.num_processes  # each rank's batch from the prepared loader is the same x and y
+    data = torch.utils.data.TensorDataset(x.cpu().repeat(n, *[1] * (x.dim() - 1)), y.cpu().repeat(n, *[1] * (y.dim() - 1)))
+    loader = torch.utils.data.DataLoader(data, batch_size=len(x))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    paced = session.under_runner  # the runner measures data_wait and sync_wait; others do not
+    if paced:
+        if accelerator.num_processes > 1:
+            twin = torch.nn.parallel.DistributedDataParallel(twin.to(accelerator.device))
+        twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-4)
+        untimed = type(loader).__iter__.__wrapped__  # Accelerate's own iterator, without the clock
+
+    def batch(timed: bool):
+        for xb, yb in (loader if timed else untimed(loader)):
+            return xb, yb
+
+    def compute_loss(net, xb, yb):
         if config.get("model") == "digits_bert":
-            return model(input_ids=x, labels=y).loss
-        return torch.nn.functional.mse_loss(model(x), y)
+            return net(input_ids=xb, labels=yb).loss
+        return torch.nn.functional.mse_loss(net(xb), yb)
 
     logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
+    with_pace, without_pace = [], []
     mark = _steady_marker(pid_dir if rank == 0 and not restarted else None)
     for step in range(1, steps + 1):
         if step == steps // 4 + 1:
             mark("begin")
         log = block > 0 and (step // block) % 2 == 0
+        timed = not paced or block <= 0 or (step // (2 * block)) % 2 == 0
+        net, opt = (model, optimizer) if timed else (twin, twin_optimizer)
         began = time.perf_counter()
-        loss = compute_loss()
+        loss = compute_loss(net, *batch(timed)) if paced else compute_loss(model, x, y)
         accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        opt.step()
+        opt.zero_grad()
         if log:
             accelerator.log({"loss": loss.item()}, step=step)
             session.log({"rank_loss": loss.item()}, step=step)
-        (logged if log else quiet).append((step, time.perf_counter() - began))
+        took = time.perf_counter() - began
+        (logged if log else quiet).append((step, took))
+        (with_pace if timed else without_pace).append((step, took))
         if first_step_at is None:
             first_step_at = time.time()
             if pid_dir:
@@ -125,8 +160,10 @@ def train(config: dict) -> dict:
         warm = [t for s, t in times if s > steps // 4]
         return statistics.median(warm) if warm else None
 
-    result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet),
+    result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet), "held_mb": _held_mb(optimizer),
               "steady_logged_s": steady(logged), "steady_quiet_s": steady(quiet),
+              "steady_paced_s": steady(with_pace) if paced else None,
+              "steady_unpaced_s": steady(without_pace) if paced else None,
               "world_size": accelerator.num_processes, "save_s": saves, "local_save_s": local_saves,
               "restarted": restarted}
     if rank == 0 and config.get("result_path") and not restarted:

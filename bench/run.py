@@ -40,7 +40,7 @@ BIN = Path(sys.executable).parent
 FULL = os.environ.get("BENCH_FULL") == "1"
 # BENCH_GPU=1: the same comparison on this machine's GPUs, one rank each, NCCL (under five minutes).
 GPU = os.environ.get("BENCH_GPU") == "1"
-REPS = 3 if FULL else 2 if GPU else 1
+REPS = int(os.environ.get("BENCH_REPS") or (3 if FULL else 2 if GPU else 1))
 STEPS = 240 if FULL or GPU else 60
 
 
@@ -261,7 +261,9 @@ def main() -> int:
     base = {"steps": STEPS, "log_block": 10, "storage": storage, "steps_after_restart": 5,
             "checkpoint_at": [STEPS // 3, STEPS // 2, 2 * STEPS // 3, 5 * STEPS // 6],
             "world_size": world, "use_gpu": GPU}
-    scaling = ["--set", f"scaling.workers_per_node={world}", "--set", f"scaling.use_gpu={str(GPU).lower()}"]
+    # On GPUs raylaunch counts them itself (workers_per_node: auto); fn.py reports the world size it saw.
+    scaling = ["--set", f"scaling.workers_per_node={'auto' if GPU else world}", "--set",
+               f"scaling.use_gpu={str(GPU).lower()}"]
     # Ray Train and raylaunch warm restart the whole world once after a rank dies. torchrun
     # --max-restarts=1 is left out of that: on this machine (torch 2.13, gloo) its restarted
     # world failed every time, connecting to the previous round's gloo address.
@@ -334,6 +336,7 @@ def report(rows: dict[str, list[dict]]) -> None:
             figures[name]["background_top"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:4])
     ours = rows["raylaunch_cold"] + rows["raylaunch_warm"]
     figures["metrics_every_step_ratio"] = summary([r["steady_logged_s"] / r["steady_quiet_s"] for r in ours])
+    figures["pace_ratio"] = summary([r["steady_paced_s"] / r["steady_unpaced_s"] for r in ours])
     figures["checkpoint_stall_ratio"] = summary(
         [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ours])
     figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ours])
@@ -379,6 +382,8 @@ def report(rows: dict[str, list[dict]]) -> None:
               f"recovery against Ray Train's: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
               f"- metrics every step (`accelerator.log` + `session.log`) against none, alternating blocks of 10 steps "
               f"within each raylaunch run: {cell(figures['metrics_every_step_ratio'], '.3f')} x step time",
+              f"- measuring each rank's pace (`data_wait`, `sync_wait`) against not, alternating blocks of 20 "
+              f"steps within each raylaunch run: {cell(figures['pace_ratio'], '.3f')} x step time",
               f"- checkpoint stall: `session.save` {cell(figures['checkpoint_save_s'], '.3f')} s against "
               f"Accelerate's `save_state` to local disk {cell(figures['local_save_state_s'], '.3f')} s, "
               f"in alternating order: {cell(figures['checkpoint_stall_ratio'], '.2f')} x",

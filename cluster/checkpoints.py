@@ -10,7 +10,6 @@ Imports nothing from Ray.
 from __future__ import annotations
 
 import errno
-import json
 import shutil
 import sys
 import tempfile
@@ -20,9 +19,13 @@ from typing import Any, Callable
 
 from pyarrow import fs as pafs
 
+from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
-from cluster.storage_io import CheckpointError, check_manifest, describe_files, is_local, join_uri, open_uri, split_query
-from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, rank_part_file, run_of_staging
+from cluster.loaderstate import load_loader_states, save_loader_states
+from cluster.restore import node_verified
+from cluster.sharding import seed_missing_rng
+from cluster.storage_io import CheckpointError, describe_files, is_local, join_uri, open_uri, split_query
+from cluster.layout import CHECKPOINTS, checkpoint_name, run_of_staging
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "StagedCheckpoints"]
 
@@ -34,9 +37,10 @@ OnSaved = Callable[[int, str, "dict[str, dict] | None"], None]
 class StagedCheckpoints:
     """Under the runner: save into the attempt's staging folder, restore the committed checkpoint it was given."""
 
-    def __init__(self, staging_uri: str, restore_uri: str | None, on_saved: OnSaved, rank: int = 0) -> None:
+    def __init__(self, staging_uri: str, restore_uri: str | None, on_saved: OnSaved, *,
+                 context: WorkerContext, node_dir: str) -> None:
         self.staging_uri, self.restore_uri = staging_uri, restore_uri
-        self.rank = rank  # this process's world rank
+        self._context, self._node_dir = context, node_dir  # the ranks of a node verify a restore once
         self._on_saved = on_saved
         self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
 
@@ -73,23 +77,14 @@ class StagedCheckpoints:
         run = run_of_staging(open_uri(self.staging_uri)[1])
         if not path.startswith(f"{run}/{CHECKPOINTS}/"):
             raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
-        try:
-            with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-                manifest = json.loads(f.read())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{uri}/{MANIFEST} cannot be read: {str(exc)[:200]}") from None
-        if is_local(fs):
-            check_manifest(fs, path, manifest, path)
-            accelerator.load_state(path)
-        else:
-            with tempfile.TemporaryDirectory(prefix="raylaunch-ckpt-") as tmp:
-                _copy_down(uri, tmp)
-                check_manifest(pafs.LocalFileSystem(), tmp, manifest, split_query(uri)[0])
-                accelerator.load_state(tmp)
-        # Saved at another world size: this rank's RNGs get a defined state if it had none, and
-        # accumulation counts from the checkpoint's optimizer step.
-        seed_missing_rng(manifest["files"], self.rank, int(manifest["step"]))
-        align_accumulation(accelerator)
+        # Read and verified (on object storage: downloaded) once per node, in the node's scratch folder.
+        ctx = self._context
+        with node_verified(uri, self._node_dir, ctx.local_world_size) as (ready, manifest):
+            accelerator.load_state(ready)
+            load_loader_states(accelerator, ready)
+        # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
+        seed_missing_rng(manifest["files"], ctx.world_rank, int(manifest["step"]))
+        align_accumulation(accelerator)  # accumulation counts from the checkpoint's optimizer step
         return int(manifest["step"])
 
 
@@ -107,23 +102,6 @@ def align_accumulation(accelerator: Any) -> None:
         accelerator.step -= accelerator.step % steps
 
 
-def seed_missing_rng(files: Any, rank: int, step: int) -> int | None:
-    """A defined RNG state for a rank that the checkpoint has none for (it was saved by fewer ranks).
-
-    Accelerate's ``load_state`` then leaves the rank's RNGs as they were; this seeds Python's,
-    NumPy's and torch's with ``step * 1000 + rank`` (``accelerate.utils.set_seed``) and says so.
-    Returns the seed, or None when the checkpoint holds the rank's own state.
-    """
-    if rank_part_file(rank) in set(files):
-        return None
-    from accelerate.utils import set_seed
-
-    seed = step * 1000 + rank
-    set_seed(seed)
-    print(f"raylaunch: rank {rank}: the checkpoint of step {step} has no RNG state for this rank (it was saved by "
-          f"fewer ranks); its RNGs are seeded with {seed} (step * 1000 + rank)", file=sys.stderr, flush=True)
-    return seed
-
 
 class CheckpointSaveError(RaylaunchError, RuntimeError):
     """A checkpoint could not be written or uploaded; the previous committed one is kept."""
@@ -133,6 +111,7 @@ def _save_state(accelerator: Any, path: str, step: int) -> None:
     """``save_state`` with model weights as safetensors; a full disk is said in plain words."""
     try:
         accelerator.save_state(path, safe_serialization=True)
+        save_loader_states(accelerator, path)  # each rank's own stream position
     except Exception as exc:
         if not _out_of_space(exc, path):
             raise
@@ -192,6 +171,3 @@ class _Upload:
             ) from self.error
 
 
-def _copy_down(uri: str, local: str) -> None:
-    fs, path = open_uri(uri)
-    pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())

@@ -196,6 +196,29 @@ def collect_stacks(actors: list, ranks: list[list[int]], timeout_s: float = SAMP
     return sorted(stacks, key=lambda s: s.rank), dumps
 
 
+# The node actors the driver polls a second, at most, in all: each answer costs the driver about
+# a millisecond (the call, its reply, unpickling it), so 128 nodes are polled once a second and
+# the events of their ranks reach metrics.jsonl within about that (bench/scale.py).
+NODE_POLLS_PER_S = 128.0
+
+
+def _get_each(refs: list) -> dict[Any, Any]:
+    """``ray.get`` of ready references at once (one call, not one each: at 128 nodes the calls'
+    own cost dominated); the value of a reference whose actor died is None."""
+    if not refs:
+        return {}
+    try:
+        return dict(zip(refs, ray.get(refs)))
+    except ray.exceptions.RayActorError:
+        out = {}
+        for ref in refs:
+            try:
+                out[ref] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                out[ref] = None
+        return out
+
+
 class NodeGroup:
     """One placement group and one ``NodeActor`` per bundle, in node-rank order."""
 
@@ -374,6 +397,7 @@ class NodeGroup:
                     self._lost.add(i)
         refs = [ref for ref, _ in self._inflight.values()]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0]) if refs else set()
+        answers = _get_each([ref for ref, _ in self._inflight.values() if ref in ready])
         now = time.monotonic()
         out = []
         for i in range(len(self.actors)):
@@ -383,12 +407,12 @@ class NodeGroup:
             ref, sent = self._inflight[i]
             if ref in ready:
                 del self._inflight[i]
-                try:
-                    p = ray.get(ref)
-                    self._answered[i], self._states[i] = True, p.state
-                except ray.exceptions.RayActorError:
+                p = answers[ref]
+                if p is None:  # its actor died
                     self._lost.add(i)
                     p = NodePoll(state=NodeState.LOST)
+                else:
+                    self._answered[i], self._states[i] = True, p.state
             elif self._answered[i] and now - sent > lost_after_s:
                 del self._inflight[i]
                 self._lost.add(i)
@@ -397,6 +421,12 @@ class NodeGroup:
                 p = NodePoll(state=self._states[i])
             out.append(p)
         return out
+
+    def poll_period(self, floor_s: float) -> float:
+        """How often to poll: every ``floor_s``, or less often on a cluster of more than
+        ``NODE_POLLS_PER_S`` x ``floor_s`` nodes, so the driver's polling costs the same at 128
+        nodes as at 32."""
+        return max(floor_s, len(self.actors) / NODE_POLLS_PER_S)
 
     @property
     def states(self) -> list[NodeState]:

@@ -45,6 +45,7 @@ class EventKind(StrEnum):
     JOINED = "joined"  # in the process group
     METRICS = "metrics"  # ``step``, ``values``: one log call
     RESOURCES = "resources"  # ``peak_*``: the rank's peak memory
+    PACE = "pace"  # ``data_wait``, ``sync_wait``, ``batch_s``: where its step time went (cluster/pace.py)
     CHECKPOINT = "checkpoint"  # ``step``, ``uri``, ``files``: its part of a checkpoint is written
     PREEMPT_NOTICE = "preempt_notice"  # it got SIGTERM and will checkpoint at the next step
     PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing

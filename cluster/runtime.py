@@ -36,7 +36,9 @@ from accelerate.tracking import GeneralTracker
 from cluster.checkpoints import CheckpointError, CheckpointSaveError, StagedCheckpoints
 from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
+from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.protocol import EventKind, WorkerPayload
+from cluster.sharding import Resolved
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
@@ -88,8 +90,10 @@ class Session:
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
-                                               payload.context.world_rank) if payload is not None else None)
+                                               context=payload.context, node_dir=str(Path(payload.events_path).parent))
+                             if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
+        self.strategy: Resolved | None = None  # set by the worker (cluster.sharding.install)
 
     @property
     def under_runner(self) -> bool:
@@ -111,12 +115,14 @@ class Session:
         opts = self.payload.accelerate if self.payload else _LOCAL_ACCELERATE
         kwargs: dict[str, Any] = {
             "log_with": [self.tracker()],
-            "dataloader_config": DataLoaderConfiguration(**opts.get("dataloader", {})),
+            # "auto" in the spec is Accelerate's None: its own default.
+            "dataloader_config": DataLoaderConfiguration(
+                **{k: None if v == "auto" else v for k, v in opts.get("dataloader", {}).items()}),
         }
-        if "mixed_precision" in opts:
-            kwargs["mixed_precision"] = opts["mixed_precision"]
-        if "gradient_accumulation_steps" in opts:
-            kwargs["gradient_accumulation_steps"] = opts["gradient_accumulation_steps"]
+        if self.strategy is not None:  # the spec merged over its accelerate config file
+            kwargs["mixed_precision"] = self.strategy.mixed_precision
+            if self.strategy.distributed_type != "DEEPSPEED":  # DeepSpeed takes it from its own config
+                kwargs["gradient_accumulation_steps"] = self.strategy.gradient_accumulation_steps
         kwargs.update(overrides)
         return kwargs
 
@@ -199,6 +205,7 @@ class Session:
         if self._checkpoints is None:
             target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
             accelerator.save_state(str(target), safe_serialization=True)
+            save_loader_states(accelerator, str(target))
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 (self._local_dir / CHECKPOINTS / "latest").write_text(target.name)
@@ -229,6 +236,7 @@ class Session:
                 return None
             name = latest.read_text().strip()
             accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
+            load_loader_states(accelerator, str(self._local_dir / CHECKPOINTS / name))
             return checkpoint_step(name)
         return self._checkpoints.restore(accelerator)
 

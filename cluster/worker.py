@@ -6,7 +6,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cluster.protocol import EventKind, WorkerPayload
+from cluster.sharding import install as install_strategy
 from cluster.layout import heartbeat_file, stack_dump_file
+from cluster.pace import install as install_pace
 from cluster.stacks import install_signal_dump
 from cluster.train_function import resolve_train_fn
 
@@ -31,18 +33,17 @@ def run_worker(payload: WorkerPayload) -> Any:
     # rank's own variables were applied: apply the rank's bound now.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     session = runtime.install(payload)
-    # The Accelerate boundary: a plain Accelerator() honours these too.
-    acc = payload.accelerate
-    if "mixed_precision" in acc:
-        os.environ["ACCELERATE_MIXED_PRECISION"] = str(acc["mixed_precision"])
-    if "gradient_accumulation_steps" in acc:
-        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(acc["gradient_accumulation_steps"])
+    # The Accelerate boundary: precision, accumulation and strategy (FSDP, DeepSpeed) as
+    # `accelerate launch` exports them, so a plain Accelerator() honours them too.
+    session.strategy = install_strategy(payload.accelerate, use_gpu=payload.backend == "nccl",
+                                        rank=payload.context.world_rank, world=payload.context.world_size)
     fn = resolve_train_fn(payload.train_fn)
     # We create the process group ourselves, against the store node 0 already
     # holds, so the join has our bound instead of torch's 30 minutes.
     # Accelerate adopts an existing group unchanged.
     _start_heartbeat(heartbeat_file(payload.events_path), session)
     install_signal_dump(stack_dump_file(payload.events_path))  # where this rank is, when asked
+    pace = install_pace(lambda window: session.emit(EventKind.PACE, **window))  # data_wait, sync_wait
     session.emit(EventKind.ARRIVED)  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,
@@ -54,6 +55,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
     session.wait_for_upload()
+    pace.report()
     session.emit(EventKind.RESOURCES, **peak_memory())
     if session.stopped_for_preemption:
         session.emit(EventKind.PREEMPTED)

@@ -4,8 +4,8 @@
 "run" per run directory). Each numeric metric is written as the mean across
 the ranks that logged it, once every one of those ranks has moved past that
 step (or the attempt ends); per-rank throughput and peak memory go under
-``rank_<R>/`` so an imbalance or an out-of-memory risk shows before it
-happens. A resumed attempt opens a new event file with ``purge_step`` at the
+``rank_<R>/`` (a point per rank at each flush) so an imbalance or an
+out-of-memory risk shows before it happens. A resumed attempt opens a new event file with ``purge_step`` at the
 resumed step, so the curve shows the steps the final model saw, once.
 
 On object storage the event files are written to a local folder; a flush
@@ -26,8 +26,8 @@ from jobs.storage import RunDir, numeric_metrics, rewrite_due
 
 __all__ = ["Board", "PER_RANK"]
 
-# Metrics also written per rank (``rank_<R>/<name>``): throughput and memory.
-PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb")
+# Metrics also written per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/pace.py.
+PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb", "data_wait", "sync_wait")
 
 
 class Board:
@@ -92,9 +92,14 @@ class Board:
             self._rank_step[rank] = max(step, self._rank_step.get(rank, step))
 
     def flush(self, final: bool = False) -> None:
-        """Write every step that all its ranks have passed (all of them when ``final``)."""
+        """Write every step that all its ranks have passed (all of them when ``final``).
+
+        The ``PER_RANK`` series get the newest of those steps only: one point per rank and
+        flush (every 2 s while an attempt runs), so a thousand ranks logging at every step
+        do not cost the driver 20,000 TensorBoard events a second."""
         if self._writer is None:
             return
+        per_rank: dict[str, tuple[int, dict[int, float]]] = {}
         for step in sorted(self._pending):
             metrics = self._pending[step]
             for name in list(metrics):
@@ -103,11 +108,13 @@ class Board:
                     continue
                 self._scalar(name, sum(by_rank.values()) / len(by_rank), step)
                 if name in PER_RANK:
-                    for rank, v in by_rank.items():
-                        self._scalar(f"rank_{rank}/{name}", v, step)
+                    per_rank[name] = (step, by_rank)
                 del metrics[name]
             if not metrics:
                 del self._pending[step]
+        for name, (step, by_rank) in per_rank.items():
+            for rank, v in by_rank.items():
+                self._scalar(f"rank_{rank}/{name}", v, step)
         self._writer.flush()
         self._upload(final)
 

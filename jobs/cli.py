@@ -51,6 +51,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"environment: vars {', '.join(env.vars) or '-'}; secrets {', '.join(env.secrets) or '-'}"
               + (f" (not set in this shell: {', '.join(unset)})" if unset else " (set in this shell)")
               + f"; packages {', '.join(env.requirements) or '-'}")
+    if spec.accelerate.fsdp is not None or spec.accelerate.config_file:
+        from jobs.strategy import read_accelerate_config
+
+        accelerate = read_accelerate_config(spec)
+        if note := accelerate.note():
+            print(note)
+        print("accelerate (resolved, as every rank gets it):\n  " + accelerate.describe().replace("\n", "\n  "))
     return 0
 
 

@@ -30,6 +30,7 @@ from jobs.record import Recorder, RunResult
 from jobs.routing import AttemptRouter, AttemptState, group_failures
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.storage import CheckpointError, RunDir, StorageError
+from jobs.strategy import AccelerateConfig, read_accelerate_config
 
 __all__ = ["Driver", "RunResult", "group_failures"]
 
@@ -77,6 +78,7 @@ class Driver:
         # An elastic run's world sizes, largest first (one size when it is not elastic), and the current one.
         self.sizes: list[WorldSize] = []
         self.size: WorldSize | None = None
+        self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
 
     @property
     def secrets(self) -> Secrets:
@@ -99,6 +101,9 @@ class Driver:
         # before anything is written: a missing one is a spec error
         self.recorder.secrets = Secrets.read(self.spec.env)
         check_train_fn(self.spec.train_fn)
+        self.accelerate = read_accelerate_config(self.spec)
+        if note := self.accelerate.note():
+            self._say(note)
         if warning := check_requirements(self.spec.env.requirements):
             self._say(warning)
         if self.fresh and self.run_dir.exists():
@@ -129,7 +134,10 @@ class Driver:
                 f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
             )
             self._say(f"raylaunch: run directory {self.run_dir.uri}")
-            self._attempts(placement)
+            if refused := self.accelerate.device_problem(placement.use_gpu):  # DeepSpeed on CPU nodes
+                r.status, r.error = RunStatus.FAILED, refused
+            else:
+                self._attempts(placement)
         except (PlacementError, RendezvousError, StorageError, CheckpointError) as exc:
             r.status, r.error = RunStatus.FAILED, str(exc)
         except KeyboardInterrupt as exc:
@@ -265,7 +273,7 @@ class Driver:
                 restore_uri=restore_uri,
                 backend="nccl" if use_gpu else "gloo",
                 collective_timeout_s=spec.timeouts.collective_s,
-                accelerate={**dataclasses.asdict(spec.accelerate), "gradient_accumulation_steps": accumulation},
+                accelerate={**self.accelerate.section, "gradient_accumulation_steps": accumulation},
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
@@ -280,6 +288,7 @@ class Driver:
         failures: list[RankFailure] = []
         lost: list[int] = []
         while True:
+            round_start = time.monotonic()
             polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s)
             for node_rank, p in enumerate(polls):
                 route.forward(node_rank, p)
@@ -322,7 +331,7 @@ class Driver:
             if time.monotonic() - last_board > BOARD_FLUSH_S:
                 rec.board.flush()
                 last_board = time.monotonic()
-            time.sleep(self.poll_interval_s)
+            time.sleep(max(0.0, group.poll_period(self.poll_interval_s) - (time.monotonic() - round_start)))
         if failures:
             # The same bug usually fails every rank within moments: wait briefly for the
             # other nodes to report theirs, so the error is grouped, not one rank's alone.

@@ -22,6 +22,9 @@ from cluster.protocol import Progress, attempt_started, restarts_used
 
 __all__ = ["ProgressView"]
 
+# Ranks named by the driver's pace verdict (jobs/pace.py): the ranks the others wait for, those starved for data.
+PACE = ("straggler", "starved")
+
 
 def _clock(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -111,6 +114,8 @@ class ProgressView:
         """Where training is: the bar moves, or a plain line is due."""
         now = time.monotonic()
         step = progress.step
+        for key in PACE:  # said only while it holds
+            self.metrics.pop(key, None)
         self.metrics.update(progress.values)
         if "total_steps" in self.metrics:
             try:
@@ -142,6 +147,7 @@ class ProgressView:
         post = {"loss": self.metrics.get("loss", "-")}
         if "samples_per_s" in self.metrics:
             post["samples/s"] = self.metrics["samples_per_s"]
+        post.update({key: self.metrics[key] for key in PACE if key in self.metrics})
         post["attempt"], post["restarts"] = self.attempt, self.restarts
         if "world_size" in self.metrics:
             post["world"] = self.metrics["world_size"]

@@ -17,6 +17,7 @@ from cluster.layout import checkpoint_name
 from cluster.node import NodeInfo
 from cluster.protocol import EventKind, NodePoll, NodeState, RankFailure
 from jobs.hangs import HEARTBEAT_LOST
+from jobs.pace import PACE_KEYS, PaceTracker
 from jobs.record import Recorder
 from jobs.storage import RunDir
 
@@ -67,6 +68,7 @@ class AttemptRouter:
         self.run_dir = run_dir
         self.keep = keep  # checkpoint.keep
         self.heartbeat_s = heartbeat_s
+        self.pace_tracker = PaceTracker()  # who starves for data, who the others wait for, this attempt
 
     def forward(self, node_rank: int, p: NodePoll) -> None:
         """Print and store one node's logs; handle its events."""
@@ -99,12 +101,14 @@ class AttemptRouter:
                     a.steps[rank] = max(int(record["step"]), a.steps.get(rank, 0))
                 if rank == 0:
                     rec.mark("first_step", e["time"])
-                    rec.progress(record)
+                    rec.progress(record, self.pace_tracker.verdict.tokens())
             elif kind == EventKind.RESOURCES and rank in a.steps:
                 # Peak memory, at the rank's latest step, beside its metrics.
                 records.append({"step": a.steps[rank], "rank": rank, "node": a.node_of.get(rank),
                                 "attempt": a.number, "world_size": a.world, "time": e["time"],
                                 **{k: v for k, v in e.items() if k.startswith("peak_")}})
+            elif kind == EventKind.PACE:
+                records.extend(self.pace(rank, e))
             elif kind == EventKind.CHECKPOINT:
                 step = int(e["step"])
                 a.parts[step][rank] = e.get("files") or {}
@@ -116,6 +120,19 @@ class AttemptRouter:
                     rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
                     a.last_commit = (step, time.time())
         rec.metrics(records)
+
+    def pace(self, rank: int, e: dict) -> list[dict]:
+        """A rank's data_wait and sync_wait, at its latest step (or rank 0's, for a rank that logs
+        none); said when the ranks starved for data or waited for change."""
+        a = self.a
+        if verdict := self.pace_tracker.add(rank, e):
+            for line in verdict.lines or ["no rank is starved for data or waited for any more"]:
+                self.recorder.say(f"raylaunch: {line}")
+        step = a.steps.get(rank, a.steps.get(0))
+        if step is None:
+            return []
+        return [{"step": step, "rank": rank, "node": a.node_of.get(rank), "attempt": a.number, "time": e["time"],
+                 **{k: e[k] for k in PACE_KEYS if k in e}}]
 
     def silent(self, node_rank: int, info: NodeInfo, p: NodePoll, known: set[int]) -> list[RankFailure]:
         """The ranks of a node that is lost, or that stopped beating, as failures (not those in ``known``)."""

@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from cluster.errors import RaylaunchError
+from jobs.pace import judge, pace_of_records
 from jobs.spec import run_name_problem
 from jobs.storage import RunDir, numeric_metrics
 
@@ -218,6 +219,7 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     for metric in metric_names(records):
         for s in series(records, metric, per_rank=per_rank, label=metric):
             lines.append(f"    {s.label:<28} {s.values[-1]:.6g} at step {s.steps[-1]}")
+    lines.extend(_format_pace(records))
     checkpoints = run.committed_checkpoints()
     lines.append(f"  checkpoints ({len(checkpoints)} committed):")
     for c in checkpoints:
@@ -230,6 +232,18 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     lines.append("  spec:")
     lines.extend("    " + line for line in yaml.safe_dump(run.read_spec(), sort_keys=False).splitlines())
     return "\n".join(lines)
+
+
+def _format_pace(records: list[dict]) -> list[str]:
+    """Each rank's waits over the last attempt, and who is starved for data or waited for."""
+    pace = pace_of_records(records)
+    if not pace:
+        return []
+    lines = ["  pace (last attempt, mean share of each rank's step time spent waiting):"]
+    lines.extend(f"    rank {rank:<4} for its data {100 * p['data_wait']:3.0f}%   for the other ranks "
+                 f"{100 * p['sync_wait']:3.0f}%" for rank, p in pace.items())
+    lines.extend(f"  {line}" for line in judge(pace).lines)
+    return lines
 
 
 def plot(storage: str, names: list[str], metric: str, out: str, per_rank: bool = False) -> list[Series]:

@@ -29,6 +29,7 @@ from typing import Any, Literal, Mapping, Union
 import yaml
 
 from cluster.errors import RaylaunchError
+from cluster.sharding import FSDP_DEFAULTS
 from cluster.storage_io import storage_credentials
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "DataLoaderSpec",
     "EnvSpec",
     "FailureSpec",
+    "FsdpSpec",
     "JobSpec",
     "RendezvousSpec",
     "ScalingSpec",
@@ -119,6 +121,26 @@ class DataLoaderSpec:
     even_batches: bool = True
     use_seedable_sampler: bool = True
     split_batches: bool = False
+    # auto: Accelerate's choice (rank 0 reads an IterableDataset and sends each rank its batch;
+    # every rank reads its own shard of a map-style one).
+    dispatch_batches: Union[bool, Literal["auto"]] = "auto"
+    # torchdata's StatefulDataLoader underneath: its position is saved in every checkpoint.
+    use_stateful_dataloader: bool = False
+
+
+@dataclass(frozen=True)
+class FsdpSpec:
+    """``accelerate.fsdp``: its presence shards the model (FSDP); passed on as ``accelerate launch`` would."""
+
+    version: Literal[1, 2] = FSDP_DEFAULTS["version"]  # 2: torch's fully_shard
+    reshard_after_forward: bool = FSDP_DEFAULTS["reshard_after_forward"]
+    state_dict_type: Literal["sharded", "full"] = FSDP_DEFAULTS["state_dict_type"]  # of checkpoints
+    # What to wrap: transformer layer classes by name, or modules over a size; neither: the model as one.
+    transformer_layer_cls_to_wrap: Union[list[str], None] = FSDP_DEFAULTS["transformer_layer_cls_to_wrap"]
+    min_num_params: Union[int, None] = _within(1, 1e15, FSDP_DEFAULTS["min_num_params"])
+    activation_checkpointing: bool = FSDP_DEFAULTS["activation_checkpointing"]
+    cpu_ram_efficient_loading: bool = FSDP_DEFAULTS["cpu_ram_efficient_loading"]
+    offload_params: bool = FSDP_DEFAULTS["offload_params"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,8 @@ class AccelerateSpec:
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     gradient_accumulation_steps: int = _within(1, 1_000_000, 1)
     dataloader: DataLoaderSpec = field(default_factory=DataLoaderSpec)
+    fsdp: Union[FsdpSpec, None] = None  # present (even {}): FSDP
+    config_file: Union[str, None] = None  # an `accelerate config` YAML; the spec's own keys win
 
 
 @dataclass(frozen=True)
@@ -446,6 +470,13 @@ def _cross_checks(spec: JobSpec) -> list[str]:
                    f"set it to at most {s.num_nodes} (--set scaling.min_nodes={s.num_nodes})")
     if s.use_gpu is False and spec.accelerate.mixed_precision == "fp16":
         out.append("accelerate.mixed_precision: fp16 needs GPUs; use bf16 or 'no' with scaling.use_gpu: false")
+    fsdp = spec.accelerate.fsdp
+    if fsdp is not None and fsdp.transformer_layer_cls_to_wrap and fsdp.min_num_params:
+        out.append("accelerate.fsdp: transformer_layer_cls_to_wrap and min_num_params are two ways to wrap; "
+                   "keep one of them")
+    if fsdp is not None and fsdp.cpu_ram_efficient_loading and s.use_gpu is False:
+        out.append("accelerate.fsdp.cpu_ram_efficient_loading: needs GPUs (rank 0's weights are broadcast from "
+                   "its device); leave it false with scaling.use_gpu: false")
     if not spec.storage.strip():
         out.append("storage: must be a path or a URI such as s3://bucket/runs")
     secret = storage_credentials(spec.storage)
@@ -508,6 +539,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0]).replace('an ', '').replace('a ', '')}s"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
             dict: "a mapping", type(None): "null (unset)"}.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -523,13 +556,21 @@ def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
             problems.append(f"{path}: expected a mapping, got {_kind(value)}")
             return _MISSING
         return _build(tp, value, path + ".", problems)
-    if origin in (Union, types.UnionType):
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin in (Union, types.UnionType):
+        nested = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if nested and isinstance(value, dict):  # its own keys' problems, with their paths
+            return _check(nested[0], value, path, problems)
         for arg in typing.get_args(tp):
             scratch: list[str] = []
             out = _check(arg, value, path, scratch)
             if not scratch:
                 return out
     elif origin is Literal:
+        if value is False and "no" in typing.get_args(tp):  # YAML reads an unquoted `no` as false
+            return "no"
         if value in typing.get_args(tp) and type(value) is type(
             next(a for a in typing.get_args(tp) if a == value)
         ):

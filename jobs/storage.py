@@ -8,6 +8,8 @@ The names that ranks and node actors share with it (checkpoints, staging, manife
     <storage>/<run name>/
       spec.yaml      the resolved spec that ran
       metrics.jsonl  one JSON object a line: step, rank, node, attempt, time, then the metrics
+                     (on an object store, a long run's rows continue in metrics.jsonl.000001, ...:
+                     ``segments``)
       result.json    status, attempts, world size, last step and metrics, checkpoints, times, error
       checkpoints/   committed checkpoints only, each with manifest.json written last,
                      and latest.json naming the newest
@@ -41,6 +43,7 @@ from cluster.layout import (
 from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
+from cluster.sharding import missing_shards
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -59,6 +62,36 @@ OBJECT_FLUSH_S = 2.0
 # A growing object (metrics, logs, event files) is rewritten whole: at most this many bytes a
 # second on average, so a long run's 50 MB metrics.jsonl goes out every 50 s, not every 2 s.
 OBJECT_REWRITE_BYTES_PER_S = 1 << 20
+
+
+# On an object store a growing file is written as segments (``_ObjectLog``): a new object once
+# the last one holds SEGMENT_BYTES or is SEGMENT_S old, so the driver holds and rewrites at most
+# one segment of each file, and a crash loses at most its last rewrite interval (about 4 s at
+# 4 MiB). Every object-store file held together stays under HELD_BYTES: past it, all roll.
+SEGMENT_BYTES = 4 << 20
+SEGMENT_S = 600.0
+HELD_BYTES = 64 << 20
+
+
+def segment_path(path: str, index: int) -> str:
+    """Segment ``index`` of a growing file: the file's own name first, then ``<name>.000001``, ..."""
+    return path if index == 0 else f"{path}.{index:06d}"
+
+
+def segments(fs: pafs.FileSystem, path: str) -> list[str]:
+    """The segments of the growing file ``path`` on storage, in order (one on a local path)."""
+    folder, base = path.rsplit("/", 1)
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True)):
+        name = info.base_name
+        if info.type != pafs.FileType.File or not name.startswith(base):
+            continue
+        suffix = name[len(base):]
+        if suffix == "":
+            found.append((0, info.path))
+        elif suffix[0] == "." and len(suffix) == 7 and suffix[1:].isdigit():
+            found.append((int(suffix[1:]), info.path))
+    return [p for _, p in sorted(found)]
 
 
 def rewrite_due(size: int, written_at: float) -> bool:
@@ -106,6 +139,7 @@ class RunDir:
         self._query = split_query(storage)[1]
         self._streams: dict[str, Any] = {}
         self._objects: dict[str, _ObjectLog] = {}
+        self._held = 0  # bytes the _ObjectLogs hold in memory
 
     # --- paths -----------------------------------------------------------------
 
@@ -178,7 +212,12 @@ class RunDir:
             log = self._objects.get(rel)
             if log is None:
                 log = self._objects[rel] = _ObjectLog(self.fs, path)
-            log.append(text.encode())
+                self._held += len(log.data)
+            self._held += log.append(text.encode())
+            if self._held > HELD_BYTES:  # many files each holding part of a segment: all of them roll
+                for log in self._objects.values():
+                    log.roll()
+                self._held = 0
             return
         stream = self._streams.get(rel)
         if stream is None:
@@ -197,6 +236,7 @@ class RunDir:
             s.close()
         self._streams.clear()
         self._objects.clear()
+        self._held = 0
 
     def write_result(self, result: dict) -> None:
         self.flush()
@@ -255,6 +295,8 @@ class RunDir:
                 f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
                 "it was not committed"
             )
+        if lacking := missing_shards(files, world_size):  # a sharded (FSDP) checkpoint needs every rank's shards
+            raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")
         manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
                                "created": time.time(), "files": files}, indent=1).encode()
         name = checkpoint_name(step)
@@ -372,12 +414,22 @@ class RunDir:
 
     def read_metrics(self) -> list[dict]:
         """Every record of ``metrics.jsonl``; a line being written (no newline yet) is left out."""
-        try:
-            with self.fs.open_input_stream(f"{self.path}/metrics.jsonl") as f:
-                text = f.read().decode("utf-8", "replace")
-        except FileNotFoundError:
-            return []
         rows, bad = [], 0
+        for path in segments(self.fs, f"{self.path}/metrics.jsonl"):
+            try:
+                with self.fs.open_input_stream(path) as f:
+                    text = f.read().decode("utf-8", "replace")
+            except FileNotFoundError:  # removed since it was listed
+                continue
+            bad += self._parse_rows(text, rows)
+        if bad:
+            self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/metrics.jsonl cannot be read; skipped")
+        return rows
+
+    @staticmethod
+    def _parse_rows(text: str, rows: list[dict]) -> int:
+        """Append the JSON objects of ``text``'s complete lines to ``rows``; the number that were not."""
+        bad = 0
         for line in text.split("\n")[:-1]:
             if line.strip():
                 try:
@@ -388,9 +440,7 @@ class RunDir:
                     rows.append(row)
                 else:
                     bad += 1
-        if bad:
-            self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/metrics.jsonl cannot be read; skipped")
-        return rows
+        return bad
 
     def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
         """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
@@ -436,34 +486,57 @@ class RunDir:
 
 
 class _ObjectLog:
-    """A growing file (metrics, logs) on an object store, which cannot append.
+    """A growing file (metrics, logs) on an object store, which cannot append, as segments.
 
-    An output stream kept open shows nothing until it is closed, so a crash of
-    the driver would lose the whole file. Instead the file is held in memory and
-    the whole object is rewritten, at most every ``OBJECT_FLUSH_S`` (less often as
-    it grows: ``rewrite_due``) and on ``flush``; each PUT replaces the object
-    whole. A rerun of the same run starts from what the object holds.
+    An output stream kept open shows nothing until it is closed, so a crash of the driver
+    would lose the whole file. Instead the last segment is held in memory and rewritten whole,
+    at most every ``OBJECT_FLUSH_S`` (less often as it grows: ``rewrite_due``) and on
+    ``flush``; each PUT replaces that object whole. Once the segment holds ``SEGMENT_BYTES``
+    or is ``SEGMENT_S`` old, a new one starts (``segment_path``): the driver's memory and
+    each rewrite stay bounded however long the run. A rerun of the same run continues the
+    last segment if it has room.
     """
 
     def __init__(self, fs: pafs.FileSystem, path: str) -> None:
         self.fs, self.path = fs, path
-        try:
-            with fs.open_input_stream(path) as f:
+        existing = segments(fs, path)
+        self.index = 0
+        self.data = bytearray()
+        if existing:
+            self.index = 0 if existing[-1] == path else int(existing[-1].rsplit(".", 1)[1])
+            with fs.open_input_stream(existing[-1]) as f:
                 self.data = bytearray(f.read())
-        except FileNotFoundError:
-            self.data = bytearray()
+            if len(self.data) >= SEGMENT_BYTES:
+                self.index, self.data = self.index + 1, bytearray()
         self.dirty = False
+        self.started = time.monotonic()
         self.written_at = 0.0  # the first rows go out at once
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes) -> int:
+        """Add ``data``; returns how much more memory this holds (less than ``len(data)`` after a roll)."""
+        before = len(self.data)
+        if self.data and (len(self.data) + len(data) > SEGMENT_BYTES
+                          or time.monotonic() - self.started >= SEGMENT_S):
+            self.roll()
         self.data += data
         self.dirty = True
         if rewrite_due(len(self.data), self.written_at):
             self.flush()
+        return len(self.data) - before
+
+    def roll(self) -> None:
+        """Write the segment out and start the next one (nothing to do while it is empty)."""
+        if not self.data:
+            return
+        self.flush()
+        self.index += 1
+        self.data = bytearray()
+        self.started = time.monotonic()
+        self.written_at = 0.0
 
     def flush(self) -> None:
         if self.dirty:
-            with self.fs.open_output_stream(self.path) as f:
+            with self.fs.open_output_stream(segment_path(self.path, self.index)) as f:
                 f.write(bytes(self.data))
             self.dirty = False
             self.written_at = time.monotonic()

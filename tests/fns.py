@@ -48,12 +48,29 @@ class _Progress:
         self.step = state["step"]
 
 
+class _SlowItems(torch.utils.data.Dataset):
+    """A dataset whose every item takes ``sleep_s`` to read: an input pipeline that cannot keep up."""
+
+    def __init__(self, data, sleep_s: float) -> None:
+        self.data, self.sleep_s = data, sleep_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        import time
+
+        time.sleep(self.sleep_s)
+        return self.data[i]
+
+
 def steady(config: dict) -> dict:
     """A small regression that takes ``step_s`` a step and checkpoints every ``every`` steps.
 
     Each rank writes ``<pid_dir>/rank-<R>.pid`` (attempt, pid) when it starts, so tests can
     kill or stop it from outside. With ``fail_at``, rank 1 raises at that step in attempt 1; with
-    ``slow_rank``, that rank sleeps ``slow_s`` more before every step.
+    ``slow_rank``, that rank sleeps ``slow_s`` more before every step; with ``slow_data_rank``,
+    that rank's dataset sleeps ``slow_data_s`` in every ``__getitem__``.
     """
     import time
     from pathlib import Path
@@ -70,11 +87,16 @@ def steady(config: dict) -> dict:
     pid_dir = Path(config["pid_dir"])
     pid_dir.mkdir(parents=True, exist_ok=True)
     attempt = session.payload.attempt if session.payload else 0
-    (pid_dir / f"rank-{accelerator.process_index}.pid").write_text(f"{attempt} {os.getpid()}")
+    pid_file = pid_dir / f"rank-{accelerator.process_index}.pid"
+    pid_file.with_suffix(".tmp").write_text(f"{attempt} {os.getpid()}")
+    pid_file.with_suffix(".tmp").replace(pid_file)  # whole or absent: a test may read it at any moment
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     y = x @ torch.arange(8.0) + 1
-    dl = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, y)
+    if accelerator.process_index == config.get("slow_data_rank"):
+        data = _SlowItems(data, config["slow_data_s"])
+    dl = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
     hidden = config.get("hidden")  # a bigger checkpoint: 10 x hidden parameters
     model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1)) if hidden \
         else torch.nn.Linear(8, 1)
@@ -166,7 +188,7 @@ def hang_in_data(config: dict) -> dict:
     data = _SlowOnRank1(accelerator.process_index, config.get("block_at", 3))
     for i in range(len(data)):
         batch = data[i]
-        accelerator.reduce(batch, "sum")
+        accelerator.reduce(batch.to(accelerator.device), "sum")  # NCCL reduces on the GPU
     return {}
 
 
@@ -296,3 +318,77 @@ def elastic(config: dict) -> dict:
         final = torch.nn.functional.mse_loss(accelerator.unwrap_model(model)(x).squeeze(-1), y).item()
     return {"restored_step": restored, "steps": progress.step, "final_loss": final,
             "world_size": accelerator.num_processes, "accumulation": accumulation}
+
+
+def sharded(config: dict) -> dict:
+    """An MLP trained through ``session.save``/``restore`` with whatever strategy the spec chose.
+
+    Deterministic data (seeded by step and rank), ``steps`` optimizer steps, a checkpoint every
+    ``every``; with ``fail_at`` rank 1 dies at that step in attempt 1 (after the checkpoint).
+    Returns digests of the full weights and optimizer state (gathered: collectives on every rank),
+    as loaded and at the end, and how many parameters this rank holds.
+    """
+    import hashlib
+
+    from accelerate.utils import set_seed
+    from torch.distributed.tensor import DTensor
+
+    from cluster.sharding import shard_info
+
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    set_seed(0)
+    width = int(config.get("width", 64))
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    progress = _Progress()
+    accelerator.register_for_checkpointing(progress)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def digest() -> dict:
+        h_model, h_opt = hashlib.sha256(), hashlib.sha256()
+        for name, p in model.named_parameters():
+            h_model.update(name.encode() + full(p.detach()).cpu().contiguous().numpy().tobytes())
+            for key, value in sorted(optimizer.optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(value):
+                    h_opt.update(key.encode() + full(value).cpu().contiguous().numpy().tobytes())
+        return {"model": h_model.hexdigest()[:16], "optimizer": h_opt.hexdigest()[:16]}
+
+    restored = session.restore(accelerator)
+    loaded = digest() if restored is not None else None
+    rank, world = accelerator.process_index, accelerator.num_processes
+    while progress.step < int(config["steps"]):
+        gen = torch.Generator().manual_seed(progress.step * 100 + rank)
+        x = torch.randn(8, 16, generator=gen)
+        y = torch.randn(8, 4, generator=gen) + 0.01 * torch.randn(8, 4)  # the global RNG: restored or seeded
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.step += 1
+        session.log({"loss": loss.item()}, step=progress.step)
+        if progress.step % int(config["every"]) == 0:
+            session.save(accelerator, progress.step)
+            if config.get("fail_at") == progress.step and rank == 1 and session.payload.attempt == 1:
+                import time
+
+                time.sleep(float(config.get("fail_delay_s", 3.0)))  # the commit happens first
+                os._exit(7)
+    info = shard_info(model)
+    return {"rank": rank, "world_size": world, "distributed_type": str(accelerator.distributed_type),
+            "model_class": type(model).__name__, "local_params": info.local_params,
+            "total_params": info.total_params, "restored_step": restored, "loaded": loaded, "final": digest(),
+            "rng_seed": torch.initial_seed(), "mixed_precision": accelerator.mixed_precision}
+
+
+GPU_KEYS = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "NCCL_SOCKET_IFNAME",
+            "GLOO_SOCKET_IFNAME", "ACCELERATE_USE_CPU", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
+
+
+def gpu_probe(config: dict) -> dict:
+    """What a rank on a GPU node was given, and nothing it worked out itself."""
+    return {k: os.environ.get(k) for k in GPU_KEYS}

@@ -44,12 +44,15 @@ class S3Server:
 
         self.slow_staging_s = 0.0
         self.staging_reads = 0  # GETs of an object in .staging/ (listings are GETs of the bucket)
+        self.checkpoint_reads = 0  # GETs of an object in a committed checkpoint
         moto_app = DomainDispatcherApplication(create_backend_app)
 
         def app(environ, start_response):
             path = environ.get("PATH_INFO", "")
             if environ["REQUEST_METHOD"] == "GET" and "/.staging/" in path:
                 self.staging_reads += 1
+            if environ["REQUEST_METHOD"] == "GET" and "/checkpoints/checkpoint-" in path:
+                self.checkpoint_reads += 1
             if (self.slow_staging_s and environ["REQUEST_METHOD"] == "PUT"
                     and "/.staging/" in path and not path.endswith("/")):  # not a folder marker
                 time.sleep(self.slow_staging_s)  # a slow link to the store: each upload of data
@@ -290,3 +293,104 @@ def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committ
     (curve,) = plot(storage, ["slow"], "loss", str(png))
     assert png.stat().st_size > 10_000 and curve.steps == list(range(1, 21))
     assert [k for k in s3.keys("runs/slow/tensorboard") if "events.out.tfevents" in k]
+
+
+def test_a_long_run_on_the_bucket_writes_rolled_segments_that_readers_see_whole_and_in_order(s3, monkeypatch):
+    """The driver holds one segment of each file, not the whole file; readers list them in order."""
+    monkeypatch.setattr(storage, "SEGMENT_BYTES", 2_000)  # 4 MiB in production
+    run = RunDir(s3.uri("unit"), "segments")
+    run.prepare({"name": "segments"})
+    for step in range(1, 101):  # ~45 bytes a row: a new segment every ~44 rows
+        run.append_metrics([{"step": step, "rank": 0, "loss": 1.0 / step}])
+        run.append_log(0, [f"step {step}"])
+    run.flush()  # the driver dies here, without close(): what was flushed is on the bucket
+    keys = s3.keys("unit/segments")
+    metrics = [k for k in keys if "/metrics.jsonl" in k]
+    assert metrics[:3] == ["unit/segments/metrics.jsonl", "unit/segments/metrics.jsonl.000001",
+                           "unit/segments/metrics.jsonl.000002"]
+    assert all(len(s3.read(k)) <= 2_000 for k in metrics)
+    assert [r["step"] for r in RunDir(s3.uri("unit"), "segments").read_metrics()] == list(range(1, 101))
+    # a rerun of the same run continues the last segment, and the readers still see every row once
+    rerun = RunDir(s3.uri("unit"), "segments")
+    rerun.append_metrics([{"step": step, "rank": 0, "loss": 0.5} for step in range(101, 121)])
+    rerun.close()
+    assert [r["step"] for r in RunDir(s3.uri("unit"), "segments").read_metrics()] == list(range(1, 121))
+    # a segment also rolls when it is old, however small
+    monkeypatch.setattr(storage, "SEGMENT_S", 0.2)  # 10 minutes in production
+    aged = RunDir(s3.uri("unit"), "aged")
+    aged.prepare({"name": "aged"})
+    aged.append_metrics([{"step": 1}])
+    time.sleep(0.4)
+    aged.append_metrics([{"step": 2}])
+    aged.close()
+    assert [k for k in s3.keys("unit/aged") if "/metrics" in k] == \
+        ["unit/aged/metrics.jsonl", "unit/aged/metrics.jsonl.000001"]
+    assert [r["step"] for r in aged.read_metrics()] == [1, 2]
+
+
+def test_many_rank_logs_on_the_bucket_roll_together_once_they_hold_too_much(s3, monkeypatch):
+    """A thousand ranks' logs each holding part of a segment: the driver's memory stays bounded."""
+    monkeypatch.setattr(storage, "HELD_BYTES", 5_000)  # 64 MiB in production
+    run = RunDir(s3.uri("unit"), "held")
+    run.prepare({"name": "held"})
+    for _ in range(4):
+        for rank in range(40):  # 40 ranks x 41 bytes a round: past 5 KB early in round 4, every file rolls
+            run.append_log(rank, [f"rank {rank:02d} says something of fifty bytes..."])
+    run.close()
+    logs = s3.keys("unit/held/logs")
+    # rank 39 wrote its fourth line after the roll: into its second segment
+    assert "unit/held/logs/rank-39.log" in logs and "unit/held/logs/rank-39.log.000001" in logs
+    text = b"".join(s3.read(k) for k in logs if k.startswith("unit/held/logs/rank-39.log"))
+    assert text.decode().splitlines() == ["rank 39 says something of fifty bytes..."] * 4
+
+
+def test_a_run_on_the_bucket_with_small_segments_reads_back_whole_in_runs_show_and_plot(
+        ray_cluster, s3, tmp_path, monkeypatch):
+    from jobs.runs import format_runs, format_show, plot
+
+    monkeypatch.setattr(storage, "SEGMENT_BYTES", 1_500)  # a few rows a segment
+    result = run_steady(s3, tmp_path, "segrun", steps=30)
+    assert result.status == "succeeded", result.error
+    keys = s3.keys("runs/segrun")
+    assert len([k for k in keys if k.startswith("runs/segrun/metrics.jsonl")]) >= 3
+    rows = RunDir(s3.uri("runs"), "segrun").read_metrics()
+    assert [r["step"] for r in rows if r["rank"] == 0 and "loss" in r] == list(range(1, 31))
+    assert {r["rank"] for r in rows} == {0, 1}
+    storage_uri = s3.uri("runs")
+    row = next(line.split() for line in format_runs(storage_uri).splitlines() if line.startswith("segrun "))
+    assert row[1] == "succeeded" and row[5] == "30"
+    (curve,) = plot(storage_uri, ["segrun"], "loss", str(tmp_path / "segrun.png"))
+    assert curve.steps == list(range(1, 31))
+    assert "loss" in format_show(storage_uri, "segrun").split("checkpoints")[0]  # its last metrics, read back
+
+
+def test_a_restore_reads_the_checkpoint_once_per_node_however_many_ranks_it_has(s3, tmp_path):
+    """The ranks of one node (threads here, each its own session) restore at once: one of them
+    downloads and verifies, the others load that copy. GETs do not grow with ranks per node."""
+    from cluster.context import assign_ranks
+    from cluster.protocol import WorkerPayload
+    from cluster.runtime import Session
+
+    reads = {}
+    for ranks in (1, 3):
+        run = RunDir(s3.uri("unit"), f"pernode{ranks}")
+        run.prepare({"name": f"pernode{ranks}"})
+        c = run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1, 2]), 5, 1, world_size=ranks, keep=2)  # same files
+        node_dir = tmp_path / f"node-{ranks}"
+        sessions = [Session(WorkerPayload(
+            context=ctx, attempt=2, train_fn="fns:steady", config={}, events_path=str(node_dir / f"events-rank{i}.jsonl"),
+            staging_uri=run.staging_uri(2), restore_uri=c.uri, backend="gloo"))
+            for i, ctx in enumerate(assign_ranks([ranks]))]
+        loaders = [LoadsRecorded() for _ in sessions]
+        s3.checkpoint_reads = 0
+        threads = [threading.Thread(target=s.restore, args=(a,)) for s, a in zip(sessions, loaders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        reads[ranks] = s3.checkpoint_reads
+        for a in loaders:  # every rank loaded the verified bytes
+            ((path, files),) = a.loaded
+            assert files["model.safetensors"] == b"weights 5"
+        assert not any(node_dir.glob("restore-checkpoint-*/*"))  # the node's copy is gone after the last load
+    assert reads[3] == reads[1] > 0, reads

@@ -120,3 +120,12 @@ def test_min_nodes_beyond_num_nodes_or_below_one_is_refused_with_the_fix():
         "scaling.min_nodes: must be at least 1, got 0"]
     assert problems(MINIMAL + "scaling: {min_nodes: two}\n") == [
         "scaling.min_nodes: expected an integer or null (unset), got a string 'two'"]
+
+
+def test_an_unquoted_no_is_the_mixed_precision_no_in_a_file_and_in_set():
+    """YAML reads a bare `no` as false; `mixed_precision: no` means the string "no"."""
+    assert load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: no}\n").accelerate.mixed_precision == "no"
+    spec = load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: bf16}\n", ["accelerate.mixed_precision=no"])
+    assert spec.accelerate.mixed_precision == "no"
+    with pytest.raises(SpecError, match="accelerate.mixed_precision"):
+        load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: true}\n")

@@ -99,10 +99,14 @@ def build_model(cfg: dict):
     return BertForSequenceClassification(config)
 
 
-def weights_digest(model) -> str:
-    """A short fingerprint of every weight, to compare runs exactly."""
+def weights_digest(state_dict: dict) -> str:
+    """A short fingerprint of every weight, to compare runs exactly.
+
+    Give it ``accelerator.get_state_dict(model)`` on every rank: with FSDP that gathers the
+    shards (a collective), and only the main process gets the weights.
+    """
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, p in sorted(state_dict.items()):
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -119,6 +123,22 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+
+def evaluate(accelerator, model, test_dl, step: int) -> float:
+    """Accuracy on the held-out images, logged at ``step``; gather_for_metrics drops even_batches' repeats."""
+    model.eval()
+    correct = total = 0
+    for batch in test_dl:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+        correct += (preds == labels).sum().item()
+        total += labels.numel()
+    accuracy = correct / total
+    accelerator.log({"eval_accuracy": accuracy}, step=step)
+    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+    return accuracy
 
 
 def train(config: dict) -> dict:
@@ -155,7 +175,7 @@ def train(config: dict) -> dict:
 
     # 3. Resume from the latest committed checkpoint, if the runner has one.
     restored = session.restore(accelerator)
-    restored_digest = weights_digest(accelerator.unwrap_model(model)) if restored is not None else None
+    restored_digest = weights_digest(accelerator.get_state_dict(model)) if restored is not None else None
     if restored is not None:
         accelerator.print(f"resumed at step {progress.step}")
 
@@ -209,29 +229,20 @@ def train(config: dict) -> dict:
             if progress.step >= total_steps:
                 break
 
-    # 5. Evaluate on held-out images; gather_for_metrics drops even_batches' repeats.
-    model.eval()
-    correct = total = 0
-    for batch in test_dl:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"]).logits
-        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
-        correct += (preds == labels).sum().item()
-        total += labels.numel()
-    accuracy = correct / total
-    accelerator.log({"eval_accuracy": accuracy}, step=progress.step)
-    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+    # 5. Evaluate on held-out images.
+    accuracy = evaluate(accelerator, model, test_dl, progress.step)
 
     # 6. Save the final state (a committed checkpoint under the runner).
     if last_saved != progress.step:
         session.save(accelerator, progress.step)
+    weights = weights_digest(accelerator.get_state_dict(model))  # a collective under FSDP: before the end
     accelerator.end_training()
     return {
         "eval_accuracy": accuracy,
         "steps": progress.step,
         "world_size": accelerator.num_processes,
         "rank": accelerator.process_index,
-        "weights": weights_digest(accelerator.unwrap_model(model)),
+        "weights": weights,
         "restored_step": restored,
         "restored_weights": restored_digest,
         "seen_epoch0": sorted(seen) if cfg["record_samples"] else None,

@@ -1,0 +1,118 @@
+"""Where each rank's step time goes (data_wait, sync_wait): input-starved ranks and the rank the
+others wait for are named in the progress lines and `raylaunch show`, from measurements taken
+around the prepared dataloader and DDP's all-reduce, with no change to the training function."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from conftest import ROOT, cli_env
+from jobs.pace import PaceTracker, judge, pace_of_records
+from jobs.progress import ProgressView
+from test_faults import rows, start
+
+
+def _mean(rows: list[dict], rank: int, key: str) -> float:
+    values = [r[key] for r in rows if r.get("rank") == rank and key in r]
+    assert values, f"rank {rank} reported no {key}"
+    return sum(values) / len(values)
+
+
+def test_a_rank_whose_dataset_is_slow_is_named_input_starved_on_that_rank_only(ray_cluster, tmp_path):
+    out = io.StringIO()
+    # rank 1 reads every item in 30 ms: 0.24 s a batch of 8, against about 0.05 s of work a step
+    driver, thread, box = start(tmp_path, "starved", steps=40, restarts=0, out=out,
+                                overrides=["config.slow_data_rank=1", "config.slow_data_s=0.03", "config.every=1000"])
+    thread.join(240)
+    assert box["result"].status == "succeeded", box["result"].error
+    metrics = rows(tmp_path, "starved")
+    assert _mean(metrics, 1, "data_wait") > 0.5
+    assert _mean(metrics, 0, "data_wait") < 0.2
+    # rank 0 waits for rank 1 in the all-reduce; rank 1 waits for nobody
+    assert _mean(metrics, 0, "sync_wait") > 0.4 and _mean(metrics, 1, "sync_wait") < 0.2
+    said = out.getvalue()
+    assert "raylaunch: input-starved: rank 1 waits for the next batch (rank 1 " in said, said
+    assert "(only these: look at their nodes' disks and CPUs" in said and "raise the DataLoader's num_workers" in said
+    assert "starved=1" in said  # on the progress lines
+    assert "input-starved: rank 0" not in said and "starved=0" not in said and "starved=1,0" not in said
+    shown = subprocess.run([sys.executable, "-m", "jobs.cli", "show", "starved", "--storage", str(tmp_path / "runs")],
+                           capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "  pace (last attempt, mean share of each rank's step time spent waiting):" in shown.stdout
+    assert "\n  input-starved: rank 1 waits for the next batch" in shown.stdout, shown.stdout
+    assert "\n  straggler: rank 1; the others wait for it (rank 0 " in shown.stdout
+    assert "; waiting for its data" in shown.stdout
+    # TensorBoard has both waits per rank
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "runs" / "starved" / "tensorboard"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"rank_0/data_wait", "rank_1/data_wait", "rank_0/sync_wait", "rank_1/sync_wait"} <= tags
+
+
+def test_a_straggler_is_named_in_show(ray_cluster, tmp_path):
+    """Rank 1 sleeps a little every step in its own loop (not its data): step rates are equal
+    everywhere, but rank 0 waits for it in the all-reduce."""
+    out = io.StringIO()
+    driver, thread, box = start(tmp_path, "straggler", steps=40, restarts=0, out=out,
+                                overrides=["config.slow_rank=1", "config.slow_s=0.2", "config.every=1000"])
+    thread.join(240)
+    assert box["result"].status == "succeeded", box["result"].error
+    said = out.getvalue()
+    assert "raylaunch: straggler: rank 1; the others wait for it (rank 0 " in said, said
+    assert "its own work is slower, not its data" in said and "straggler=1" in said
+    assert "input-starved" not in said
+    shown = subprocess.run([sys.executable, "-m", "jobs.cli", "show", "straggler", "--storage", str(tmp_path / "runs")],
+                           capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "\n  straggler: rank 1; the others wait for it (rank 0 " in shown.stdout, shown.stdout
+    assert "input-starved" not in shown.stdout
+
+
+def test_the_verdict_names_the_few_ranks_the_others_wait_for():
+    calm = {r: {"data_wait": 0.02, "sync_wait": 0.1} for r in range(4)}
+    assert judge(calm).lines == ()
+    one = {**calm, 2: {"data_wait": 0.01, "sync_wait": 0.0}, 0: {"data_wait": 0.0, "sync_wait": 0.7}}
+    assert judge(one).stragglers == ()  # rank 0 waits 0.7, ranks 1-3 0.1 and less: most "lag", none named
+    slow = {0: {"data_wait": 0.0, "sync_wait": 0.6}, 1: {"data_wait": 0.0, "sync_wait": 0.55},
+            2: {"data_wait": 0.0, "sync_wait": 0.02}, 3: {"data_wait": 0.0, "sync_wait": 0.58}}
+    assert judge(slow).stragglers == (2,)
+    assert judge(slow).lines[0].startswith("straggler: rank 2; the others wait for it (rank 0 60%, rank 3 58%, rank 1 55%")
+    starved = {0: {"data_wait": 0.9, "sync_wait": 0.0}, 1: {"data_wait": 0.8, "sync_wait": 0.05}}
+    v = judge(starved)
+    assert v.starved == (0, 1) and v.stragglers == ()
+    assert "only these" not in v.lines[0]  # every rank starves: the pipeline, not a node
+
+
+def test_the_driver_says_a_verdict_once_and_when_it_clears():
+    tracker = PaceTracker(keep=1)
+    assert tracker.add(0, {"data_wait": 0.0, "sync_wait": 0.6}) is None  # one rank: no one is behind
+    changed = tracker.add(1, {"data_wait": 0.0, "sync_wait": 0.0})
+    assert changed is not None and changed.stragglers == (1,)
+    assert tracker.add(1, {"data_wait": 0.0, "sync_wait": 0.01}) is None  # the same verdict is not said again
+    tracker.add(0, {"data_wait": 0.0, "sync_wait": 0.05})
+    assert tracker.verdict.stragglers == () and tracker.verdict.tokens() == ""
+
+
+def test_show_uses_the_last_attempt_only():
+    rows = [{"attempt": 1, "rank": 0, "step": 5, "data_wait": 0.0, "sync_wait": 0.9},
+            {"attempt": 1, "rank": 1, "step": 5, "data_wait": 0.0, "sync_wait": 0.0},
+            {"attempt": 2, "rank": 0, "step": 9, "data_wait": 0.1, "sync_wait": 0.1},
+            {"attempt": 2, "rank": 1, "step": 9, "data_wait": 0.1, "sync_wait": 0.05},
+            {"attempt": 2, "rank": 1, "step": 9, "loss": 1.0}]
+    pace = pace_of_records(rows)
+    assert pace == {0: {"data_wait": 0.1, "sync_wait": 0.1}, 1: {"data_wait": 0.1, "sync_wait": 0.05}}
+    assert judge(pace).lines == ()
+
+
+def test_the_progress_line_names_ranks_only_while_the_verdict_holds():
+    out = io.StringIO()
+    view = ProgressView(out, "plain", every_s=0)
+    print("raylaunch: step 5 loss=0.5 total_steps=10 straggler=1", file=view)
+    print("raylaunch: step 6 loss=0.4 total_steps=10", file=view)
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("raylaunch: step 5/10 (50%) loss=0.5 straggler=1 |")
+    assert second.startswith("raylaunch: step 6/10 (60%) loss=0.4 |")

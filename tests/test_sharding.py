@@ -1,0 +1,274 @@
+"""Sharded training chosen by configuration: accelerate.fsdp, accelerate.config_file, DeepSpeed.
+
+Pure tests first (the spec, the variables Accelerate reads, the commit rule for shards), then
+real FSDP runs on the shared two-node Ray cluster (gloo, CPU): sharded, committed with every
+rank's shards, resumed exactly, and resumed at another world size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.sharding import missing_shards, resolve, strategy_env
+from conftest import ROOT, cli_env
+from jobs.driver import Driver
+from jobs.spec import SpecError, load_spec, load_spec_text
+from jobs.storage import CheckpointError, RunDir
+from jobs.strategy import read_accelerate_config
+
+MINIMAL = "name: t\ntrain_fn: fns:sharded\n"
+
+# What `accelerate config` writes for FSDP on one machine (Accelerate 1.x), topology included.
+FSDP_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: SIZE_BASED_WRAP
+  fsdp_min_num_params: 100
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_sync_module_states: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: {precision}
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+DEEPSPEED_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  gradient_accumulation_steps: 4
+  offload_optimizer_device: none
+  zero_stage: 2
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+"""
+
+
+def section(spec_text: str, tmp_path: Path):
+    return read_accelerate_config(load_spec_text(spec_text), base=tmp_path)
+
+
+# --- the spec and the variables -------------------------------------------------------------
+
+
+def test_fsdp_in_the_spec_is_checked_like_every_key():
+    spec = load_spec_text(MINIMAL + "accelerate: {fsdp: {}}\n")
+    assert spec.accelerate.fsdp.version == 2 and spec.accelerate.fsdp.state_dict_type == "sharded"
+    assert load_spec_text(MINIMAL).accelerate.fsdp is None  # absent: plain data parallel
+    with pytest.raises(SpecError) as info:
+        load_spec_text(MINIMAL + "accelerate:\n  fsdp: {reshard_after_foward: false, version: 3}\n")
+    assert info.value.problems == [
+        "accelerate.fsdp.reshard_after_foward: unknown key; did you mean 'reshard_after_forward'?",
+        "accelerate.fsdp.version: expected 1 or 2, got an integer 3",
+    ]
+    with pytest.raises(SpecError) as info:
+        load_spec_text(MINIMAL + "accelerate: {fsdp: {transformer_layer_cls_to_wrap: [BertLayer], min_num_params: 9}}\n")
+    assert "keep one of them" in info.value.problems[0]
+
+
+def test_spec_fsdp_becomes_the_variables_accelerate_launch_exports(monkeypatch):
+    spec = load_spec_text(MINIMAL + "accelerate:\n  fsdp: {transformer_layer_cls_to_wrap: [BertLayer],"
+                          " state_dict_type: full, activation_checkpointing: true}\n")
+    import dataclasses
+
+    env = strategy_env(dataclasses.asdict(spec.accelerate), use_gpu=False)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
+    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "BertLayer"
+    assert env["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    # Accelerate's own plugin, built from the environment as an unchanged Accelerator() builds it
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.activation_checkpointing is True
+    assert plugin.transformer_cls_names_to_wrap == ["BertLayer"]
+    assert "FULL_STATE_DICT" in str(plugin.state_dict_type)
+    # without fsdp: only precision and accumulation, nothing of a strategy
+    plain = strategy_env(dataclasses.asdict(load_spec_text(MINIMAL).accelerate), use_gpu=False)
+    assert plain == {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1"}
+
+
+def test_a_config_file_is_honoured_and_the_spec_wins_where_both_set(tmp_path):
+    (tmp_path / "fsdp.yaml").write_text(FSDP_CONFIG.format(precision="bf16"))
+    cfg = section(MINIMAL + "accelerate: {config_file: fsdp.yaml}\n", tmp_path)
+    assert cfg.ignored == ("num_machines", "num_processes", "machine_rank", "rdzv_backend", "same_network",
+                           "use_cpu", "main_training_function")
+    assert cfg.note().startswith("raylaunch: accelerate.config_file: num_machines, num_processes,")
+    r = resolve(cfg.section)
+    assert (r.distributed_type, r.mixed_precision) == ("FSDP", "bf16")
+    assert r.fsdp_config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP" and r.fsdp_config["fsdp_min_num_params"] == 100
+    # the spec's own keys win: precision, and an fsdp key set away from its default
+    cfg = section(MINIMAL + "accelerate: {config_file: fsdp.yaml, mixed_precision: fp16,"
+                  " fsdp: {state_dict_type: full}}\n", tmp_path)
+    r = resolve(cfg.section)
+    assert r.mixed_precision == "fp16"
+    assert r.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    assert r.fsdp_config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP"  # left at its default in the spec
+    env = strategy_env(cfg.section, use_gpu=True)
+    assert env["FSDP_MIN_NUM_PARAMS"] == "100" and env["ACCELERATE_MIXED_PRECISION"] == "fp16"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == env["FSDP_SYNC_MODULE_STATES"] == "true"
+    # on CPU nodes every rank loads the weights itself (Accelerate would broadcast from rank 0's GPU)
+    cpu = strategy_env(cfg.section, use_gpu=False)
+    assert cpu["FSDP_CPU_RAM_EFFICIENT_LOADING"] == cpu["FSDP_SYNC_MODULE_STATES"] == "false"
+    # a file that is not there, or not an accelerate config, is a spec error naming the key
+    with pytest.raises(SpecError, match=r"accelerate.config_file: cannot read nope.yaml"):
+        section(MINIMAL + "accelerate: {config_file: nope.yaml}\n", tmp_path)
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(SpecError, match="is not an accelerate config file"):
+        section(MINIMAL + "accelerate: {config_file: list.yaml}\n", tmp_path)
+
+
+def test_deepspeed_passes_through_on_gpu_nodes_and_is_refused_on_cpu_nodes(tmp_path):
+    (tmp_path / "ds.yaml").write_text(DEEPSPEED_CONFIG)
+    with pytest.raises(SpecError, match="asks for DeepSpeed, which needs GPUs"):
+        section(MINIMAL + "accelerate: {config_file: ds.yaml}\nscaling: {use_gpu: false}\n", tmp_path)
+    cfg = section(MINIMAL + "accelerate: {config_file: ds.yaml}\n", tmp_path)  # use_gpu: auto
+    with pytest.raises(ValueError, match="Run it on a cluster with GPUs"):
+        cfg.check_devices(use_gpu=False)
+    cfg.check_devices(use_gpu=True)
+    env = strategy_env(cfg.section, use_gpu=True)
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    with pytest.raises(SpecError, match="keep one of the two strategies"):
+        section(MINIMAL + "accelerate: {config_file: ds.yaml, fsdp: {}}\n", tmp_path)
+
+
+def test_validate_prints_the_resolved_configuration(tmp_path):
+    (tmp_path / "fsdp.yaml").write_text(FSDP_CONFIG.format(precision="'no'"))
+    (tmp_path / "job.yaml").write_text("name: t\ntrain_fn: train_fn.digits:train\n"
+                                       "accelerate: {config_file: fsdp.yaml, fsdp: {version: 1}}\n")
+    done = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", "job.yaml"], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "accelerate.config_file: num_machines, num_processes" in done.stdout
+    assert "distributed_type: FSDP" in done.stdout
+    assert "fsdp_version=1" in done.stdout and "fsdp_min_num_params=100" in done.stdout
+
+
+# --- the commit rule for shards ------------------------------------------------------------------
+
+
+def test_a_sharded_checkpoint_commits_only_with_every_ranks_shards_and_its_metadata(tmp_path):
+    assert missing_shards(["model.safetensors", "random_states_0.pkl"], 2) == []  # not sharded
+    assert missing_shards(["m/__0_0.distcp", "m/__1_0.distcp"], 2) == ["m/.metadata"]
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    staging = Path(run._path(run.staging_uri(1))) / "checkpoint-00000004"
+    for rel in ["random_states_0.pkl", "random_states_1.pkl", "pytorch_model_fsdp_0/__0_0.distcp",
+                "pytorch_model_fsdp_0/.metadata"]:
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"lacks pytorch_model_fsdp_0/__1_\*.distcp; it was not committed"):
+        run.commit_checkpoint(run.staging_uri(1) + "/checkpoint-00000004", 4, 1, 2, keep=2)
+    assert run.committed_checkpoints() == []
+
+
+# --- real FSDP on two Ray nodes ------------------------------------------------------------------
+
+SHARDED = """
+name: {name}
+train_fn: fns:sharded
+config: {{steps: {steps}, every: 4{extra}}}
+scaling: {{num_nodes: {nodes}, workers_per_node: {workers}, cpus_per_worker: {cpus}}}
+failure: {{max_restarts: 1}}
+storage: {storage}
+accelerate: {accelerate}
+"""
+
+
+def run(name, storage, *, steps, nodes=2, workers=1, cpus=1, extra="", accelerate="{fsdp: {}}", cwd=None):
+    out = io.StringIO()
+    text = SHARDED.format(name=name, steps=steps, nodes=nodes, workers=workers, cpus=cpus, extra=extra,
+                          storage=storage, accelerate=accelerate)
+    old = os.getcwd()
+    os.chdir(cwd or old)  # the config file is read relative to where the job is launched
+    try:
+        result = Driver(load_spec_text(text), can_grow=False, out=out).run()
+    finally:
+        os.chdir(old)
+    assert result.status == "succeeded", result.error + out.getvalue()[-3000:]
+    return result, out.getvalue()
+
+
+def manifest(storage, name, step) -> dict:
+    return json.loads((Path(storage) / name / "checkpoints" / f"checkpoint-{step:08d}" / "manifest.json").read_text())
+
+
+def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_cluster, tmp_path):
+    whole, log = run("whole", tmp_path, steps=8)
+    ranks = whole.rank_results
+    assert {r["distributed_type"] for r in ranks.values()} == {"DistributedType.FSDP"}
+    assert {r["model_class"] for r in ranks.values()} == {"FSDPSequential"}
+    total = ranks["0"]["total_params"]
+    assert sum(r["local_params"] for r in ranks.values()) == total  # each holds its half, nothing twice
+    assert all(abs(r["local_params"] - total / 2) <= total * 0.05 for r in ranks.values())
+    assert f"rank 1: model sharded with FSDP over 2 ranks: this rank holds {ranks['1']['local_params']:,} " \
+           f"of {total:,} parameters" in log
+    files = manifest(tmp_path, "whole", 8)["files"]
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(files)
+    assert RunDir(str(tmp_path), "whole").loadable_checkpoint().step == 8  # every byte matches its manifest
+
+    # killed after the commit of step 4, resumed there: the same weights and optimizer state, bit for bit
+    cut, _ = run("cut", tmp_path, steps=8, extra=", fail_at: 4")
+    assert cut.restarts == 1
+    assert cut.rank_results["0"]["restored_step"] == 4
+    assert cut.rank_results["0"]["final"] == ranks["0"]["final"]
+
+
+def test_a_sharded_checkpoint_from_a_config_file_resumes_at_another_world_size(ray_cluster, tmp_path):
+    (tmp_path / "fsdp.yaml").write_text(FSDP_CONFIG.format(precision="'no'"))
+    acc = "{config_file: fsdp.yaml}"
+    two, log = run("grow", tmp_path, steps=4, accelerate=acc, cwd=tmp_path)
+    assert "accelerate.config_file: num_machines, num_processes" in log
+    assert "fsdp_cpu_ram_efficient_loading is off on CPU nodes" in log
+    assert two.rank_results["0"]["distributed_type"] == "DistributedType.FSDP"
+    # 2 -> 3 ranks: the model and optimizer are resharded; rank 2 had no RNG state and gets a defined one
+    three, log = run("grow", tmp_path, steps=8, nodes=1, workers=3, cpus=0.5, accelerate=acc, cwd=tmp_path)
+    r = three.rank_results
+    assert [r[k]["restored_step"] for k in "012"] == [4, 4, 4]
+    assert r["0"]["loaded"] == two.rank_results["0"]["final"]
+    assert r["2"]["rng_seed"] == 4 * 1000 + 2 and "rank 2: the checkpoint of step 4 has no RNG state" in log
+    assert "over 3 ranks" in log
+    assert manifest(tmp_path, "grow", 8)["world_size"] == 3
+    # 3 -> 2 ranks
+    back, _ = run("grow", tmp_path, steps=12, accelerate=acc, cwd=tmp_path)
+    assert back.rank_results["0"]["restored_step"] == 8
+    assert back.rank_results["0"]["loaded"] == r["0"]["final"]
+
+
+def test_the_transformers_example_trains_with_fsdp_by_changing_only_the_spec(ray_cluster, tmp_path):
+    spec = load_spec(ROOT / "jobs/examples/digits.yaml", [
+        "accelerate.fsdp={transformer_layer_cls_to_wrap: [BertLayer]}", f"storage={tmp_path}",
+        "config.epochs=1", "config.train_samples=128", "config.batch_size=16"])
+    out = io.StringIO()
+    result = Driver(spec, can_grow=False, out=out).run()
+    assert result.status == "succeeded", result.error
+    assert result.world_size == 2 and result.rank_results["0"]["steps"] == 4
+    assert "model sharded with FSDP over 2 ranks" in out.getvalue()
+    files = manifest(tmp_path, spec.name, 4)["files"]
+    assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= set(files)
