@@ -35,14 +35,18 @@ class Verdict:
     stragglers: tuple[int, ...] = ()
     lines: tuple[str, ...] = ()
 
-    def tokens(self) -> str:
-        """For the progress line: ``straggler=1 starved=1,3`` (empty when all is well)."""
-        out = []
+    def values(self) -> dict[str, str]:
+        """For the progress line: ``{"straggler": "1", "starved": "1,3"}`` (empty when all is well)."""
+        out = {}
         if self.stragglers:
-            out.append("straggler=" + ",".join(map(str, self.stragglers)))
+            out["straggler"] = ",".join(map(str, self.stragglers))
         if self.starved:
-            out.append("starved=" + ",".join(map(str, self.starved)))
-        return " ".join(out)
+            out["starved"] = ",".join(map(str, self.starved))
+        return out
+
+    def tokens(self) -> str:
+        """As the progress line shows them: ``straggler=1 starved=1,3``."""
+        return " ".join(f"{k}={v}" for k, v in self.values().items())
 
 
 def judge(pace: dict[int, dict[str, float]]) -> Verdict:

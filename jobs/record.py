@@ -128,7 +128,7 @@ class Recorder:
 
     # --- progress --------------------------------------------------------------------
 
-    def progress(self, record: dict, pace: str = "") -> None:
+    def progress(self, record: dict, pace: dict[str, str] | None = None) -> None:
         """Rank 0's metrics record: the result's last step and metrics, and at most one progress
         line a second (never dropping an evaluation)."""
         r = self.result
@@ -141,8 +141,7 @@ class Recorder:
             return
         self._last_print = now
         # The ranks' pace verdict (jobs/pace.py) rides along while it holds: straggler=1 starved=1
-        extra = {**dict(kv.split("=", 1) for kv in pace.split()),
-                 **({"world_size": record["world_size"]} if "world_size" in record else {})}
+        extra = {**(pace or {}), **({"world_size": record["world_size"]} if "world_size" in record else {})}
         shown = Progress.of(record.get("step"), {**values, **extra})
         if self.on_progress is None or shown.step is None:  # a step of None is a plain line to a view too
             self.say(shown.line())

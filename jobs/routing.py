@@ -101,7 +101,7 @@ class AttemptRouter:
                     a.steps[rank] = max(int(record["step"]), a.steps.get(rank, 0))
                 if rank == 0:
                     rec.mark("first_step", e["time"])
-                    rec.progress(record, self.pace_tracker.verdict.tokens())
+                    rec.progress(record, self.pace_tracker.verdict.values())
             elif kind == EventKind.RESOURCES and rank in a.steps:
                 # Peak memory, at the rank's latest step, beside its metrics.
                 records.append({"step": a.steps[rank], "rank": rank, "node": a.node_of.get(rank),
