@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -88,9 +88,27 @@ def _fits(resources: dict, bundle: dict) -> bool:
     return all(resources.get(k, 0) >= v for k, v in bundle.items())
 
 
-def fitting_nodes(placement: "Placement") -> int:
-    """How many alive nodes could hold one of ``placement``'s bundles (by their total resources)."""
-    return sum(_fits(n.get("Resources", {}), placement.bundle) for n in _alive_nodes())
+def fitting_nodes(placement: "Placement", held: Collection[str] = ()) -> int:
+    """How many alive nodes can hold one of ``placement``'s bundles now: those whose free
+    resources fit it (a node other work holds does not count, though its total would), and the
+    nodes in ``held`` (node ids this run's own placement group holds already)."""
+    # Ray has no public per-node view of free resources; its autoscaler reads this one. Where a
+    # Ray lacks it, the totals are the fallback (a busy node then counts).
+    try:
+        from ray._private.state import available_resources_per_node
+        free = available_resources_per_node()
+    except Exception:  # noqa: BLE001 - an internal API that may move
+        free = None
+    count = 0
+    for n in _alive_nodes():
+        node_id = n.get("NodeID")
+        if node_id in held:
+            count += _fits(n.get("Resources", {}), placement.bundle)
+        elif free is None:
+            count += _fits(n.get("Resources", {}), placement.bundle)
+        else:
+            count += _fits(free.get(node_id, {}), placement.bundle)
+    return count
 
 
 def _describe_nodes(nodes: list[dict]) -> str:

@@ -36,7 +36,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from jobs.policy import world_sizes
 
         per_node = s.workers_per_node if isinstance(s.workers_per_node, int) else None
-        sizes = world_sizes(s, per_node or 1, spec.accelerate.gradient_accumulation_steps)
+        from jobs.strategy import read_accelerate_config
+
+        # the accumulation at num_nodes: the spec's, or a DeepSpeed config file's
+        sizes = world_sizes(s, per_node or 1, read_accelerate_config(spec).gradient_accumulation_steps)
         shown = [w.describe() if per_node else f"{w.nodes} node{'s' if w.nodes != 1 else ''} (gradient "
                  f"accumulation {w.accumulation})" for w in sizes]
         left_out = sorted(set(range(s.elastic_min, s.num_nodes + 1)) - {w.nodes for w in sizes}, reverse=True)

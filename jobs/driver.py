@@ -177,7 +177,7 @@ class Driver:
         rec = self.recorder
         r = rec.result
         s = self.spec.scaling
-        self.sizes = world_sizes(s, placement.workers_per_node, self.spec.accelerate.gradient_accumulation_steps)
+        self.sizes = world_sizes(s, placement.workers_per_node, self.accelerate.gradient_accumulation_steps)
         elastic = len(self.sizes) > 1 or s.elastic_min < s.num_nodes
         if elastic:
             self._say("raylaunch: elastic: can run at " + ", ".join(w.describe() for w in self.sizes)
@@ -252,7 +252,8 @@ class Driver:
         """A larger size the cluster's nodes allow now, if this elastic run is below num_nodes."""
         if self.size is None or len(self.sizes) < 2 or self.size == self.sizes[0]:
             return None
-        return grow_to(self.sizes, self.size, fitting_nodes(group.placement))
+        held = {i.node_id for i in group.infos}
+        return grow_to(self.sizes, self.size, fitting_nodes(group.placement, held=held))
 
     # --- one attempt ------------------------------------------------------------------
 
@@ -260,7 +261,7 @@ class Driver:
         spec = self.spec
         staging = self.run_dir.staging_uri(attempt)
         use_gpu = group.placement.use_gpu
-        accumulation = self.size.accumulation if self.size else spec.accelerate.gradient_accumulation_steps
+        accumulation = self.size.accumulation if self.size else self.accelerate.gradient_accumulation_steps
 
         def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
             return WorkerPayload(
@@ -273,7 +274,7 @@ class Driver:
                 restore_uri=restore_uri,
                 backend="nccl" if use_gpu else "gloo",
                 collective_timeout_s=spec.timeouts.collective_s,
-                accelerate={**self.accelerate.section, "gradient_accumulation_steps": accumulation},
+                accelerate=self.accelerate.at(accumulation),
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)

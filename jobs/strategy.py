@@ -45,6 +45,22 @@ class AccelerateConfig:
             return file_type
         return "FSDP" if self.section.get("fsdp") is not None or file_type == "FSDP" else "DDP"
 
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """The accumulation every rank starts from: the spec's, or where the spec leaves it at 1, a
+        DeepSpeed config file's number (as ``cluster.sharding.resolve`` reads it). An elastic run
+        multiplies this one."""
+        accum = int(self.section.get("gradient_accumulation_steps", 1))
+        config = self.section.get("config") or {}
+        from_file = (config.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
+        if accum == 1 and self.distributed_type == "DEEPSPEED" and from_file not in (None, "auto"):
+            return int(from_file)
+        return accum
+
+    def at(self, accumulation: int) -> dict:
+        """The section as the ranks get it, at this accumulation (an elastic run's, for its world size)."""
+        return {**self.section, "gradient_accumulation_steps": accumulation}
+
     def note(self) -> str | None:
         """The one line that says which fields of the file are not used, or None."""
         if not self.ignored:

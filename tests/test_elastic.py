@@ -66,6 +66,28 @@ def samples_by_step(tmp_path: Path, name: str) -> dict[int, list[int]]:
     return dict(out)
 
 
+class Background:
+    """A driver's run in a thread, as `raylaunch run` runs it, while the test changes the cluster."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver, self.box = driver, {}
+        self.thread = threading.Thread(target=lambda: self.box.setdefault("result", driver.run()))
+        self.thread.start()
+
+    def join(self, timeout_s: float = 240) -> None:
+        self.thread.join(timeout_s)
+
+    def result(self):
+        assert "result" in self.box, "the run did not end in time"
+        return self.box["result"]
+
+
+def each_sample_once_per_epoch(got: dict[int, list[int]], steps_per_epoch: int, samples: int) -> None:
+    for epoch in range(len(got) // steps_per_epoch):
+        steps = range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch + 1)
+        assert sorted(i for s in steps for i in got[s]) == list(range(samples)), epoch
+
+
 def committed(tmp_path: Path, name: str) -> int | None:
     latest = tmp_path / "runs" / name / "checkpoints" / "latest.json"
     return json.loads(latest.read_text())["step"] if latest.exists() else None
@@ -80,9 +102,7 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
 
     out = Shown()
     driver = Driver(spec(tmp_path, "elastic"), can_grow=True, out=out)
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
-    thread.start()
+    run = Background(driver)
     try:
         wait_for(lambda: (committed(tmp_path, "elastic") or 0) >= 3, 120, "a committed checkpoint")
         used = [i.node_id for i in driver.group.infos]
@@ -98,10 +118,9 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
         wait_for(lambda: max(r["step"] for r in rows(tmp_path, "elastic") if r.get("world_size") == 1)
                  >= step_at_one + 2, 60, "two more steps on one node")
         ray_cluster.add_node(num_cpus=2)  # the node returns
-        thread.join(240)
     finally:
-        thread.join(240)
-    result = box["result"]
+        run.join()
+    result = run.result()
     assert result.status == "succeeded", result.error
     assert shrunk_s < 60, shrunk_s
     text = out.getvalue()
@@ -131,13 +150,64 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
     got, want = samples_by_step(tmp_path, "elastic"), samples_by_step(tmp_path, "reference")
     assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
     assert {len(ids) for ids in got.values()} == {GLOBAL_BATCH}
-    for epoch in range(EPOCHS):
-        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
-        assert sorted(i for s in steps for i in got[s]) == list(range(SAMPLES)), epoch
+    each_sample_once_per_epoch(got, STEPS_PER_EPOCH, SAMPLES)
     assert {s: sorted(v) for s, v in got.items()} == {s: sorted(v) for s, v in want.items()}
     # the final loss is the uninterrupted run's, within float noise (sums in another order)
     final, ref = result.rank_results["0"]["final_loss"], reference.rank_results["0"]["final_loss"]
     assert abs(final - ref) <= 1e-4 * ref, (final, ref)
+
+
+@ray.remote(num_cpus=2)
+class OtherWork:
+    """Another job's work holding a node's CPUs (a busy cluster)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_frees(ray_cluster, tmp_path):
+    """Node 0 hosts the rendezvous store: losing it must not stop the run. The head is busy with
+    other work, so the run's two nodes are the two others and node 0 can be removed; when the
+    other work ends, the run grows back onto the head."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    head = ray_cluster.head_node.node_id
+    other = OtherWork.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
+    ray.get(other.ready.remote(), timeout=60)
+    out = Shown()
+    driver = Driver(spec(tmp_path, "node0"), can_grow=True, out=out)
+    run = Background(driver)
+    try:
+        wait_for(lambda: (committed(tmp_path, "node0") or 0) >= 3, 120, "a committed checkpoint")
+        used = [i.node_id for i in driver.group.infos]
+        assert head not in used, "the head is held by other work"
+        victim = next(n for n in ray_cluster.worker_nodes if n.node_id == used[0])
+        ray_cluster.remove_node(victim)
+        lost_at = time.monotonic()
+        wait_for(lambda: any(r.get("world_size") == 1 and "ids" in r for r in rows(tmp_path, "node0")), 90,
+                 "training on the node that is left")
+        shrunk_s = time.monotonic() - lost_at
+        ray.kill(other)  # the other work ends: the head can take a bundle
+        other = None
+    finally:
+        if other is not None:
+            ray.kill(other)
+        run.join()
+    result = run.result()
+    assert result.status == "succeeded", result.error
+    assert shrunk_s < 60, shrunk_s
+    text = out.getvalue()
+    assert "world size 2 -> 1 (node 0 lost); gradient accumulation 1 -> 2 keeps the global batch" in text
+    assert "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch" in text
+    assert [(z["old_world_size"], z["new_world_size"]) for z in result.resizes] == [(2, 1), (1, 2)]
+    assert result.restarts == 1 and result.attempts == 3
+    got = samples_by_step(tmp_path, "node0")
+    assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
+    assert {len(ids) for ids in got.values()} == {GLOBAL_BATCH}
+    each_sample_once_per_epoch(got, STEPS_PER_EPOCH, SAMPLES)
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the shared cluster: a head and one node again
 
 
 THREE = """
@@ -158,17 +228,15 @@ def lose_a_node_mid_run(ray_cluster, tmp_path: Path, name: str, keep: bool):
                                        storage=tmp_path / "runs"))
     out = Shown()
     driver = Driver(spec, can_grow=True, out=out)
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
-    thread.start()
+    run = Background(driver)
     try:
         wait_for(lambda: committed(tmp_path, name), 120, "a committed checkpoint")
         used = [i.node_id for i in driver.group.infos]
         victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)
         ray_cluster.remove_node(victim)
     finally:
-        thread.join(300)
-    return box["result"], out.getvalue(), used.index(victim.node_id)
+        run.join(300)
+    return run.result(), out.getvalue(), used.index(victim.node_id)
 
 
 def three_nodes(ray_cluster) -> None:
@@ -189,8 +257,7 @@ def test_three_nodes_with_two_left_keep_the_global_batch_on_one(ray_cluster, tmp
         (3, 1, True)]
     got = samples_by_step(tmp_path, "keep")
     assert {len(ids) for ids in got.values()} == {24} and len(got) == 12
-    for epoch in range(3):
-        assert sorted(i for s in range(4 * epoch + 1, 4 * epoch + 5) for i in got[s]) == list(range(96))
+    each_sample_once_per_epoch(got, 4, 96)
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the shared cluster: a head and one node again
 
 

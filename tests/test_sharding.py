@@ -21,6 +21,7 @@ from conftest import ROOT, cli_env
 from jobs.driver import Driver
 from jobs.spec import SpecError, load_spec, load_spec_text
 from jobs.storage import CheckpointError, RunDir
+from jobs.policy import world_sizes
 from jobs.strategy import read_accelerate_config
 
 MINIMAL = "name: t\ntrain_fn: fns:sharded\n"
@@ -155,6 +156,23 @@ def test_deepspeed_passes_through_on_gpu_nodes_and_is_refused_on_cpu_nodes(tmp_p
     assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     with pytest.raises(SpecError, match="keep one of the two strategies"):
         section(MINIMAL + "accelerate: {config_file: ds.yaml, fsdp: {}}\n", tmp_path)
+
+
+def test_an_elastic_run_scales_a_deepspeed_files_accumulation(tmp_path):
+    """The global batch an elastic run keeps is the one the config file gives: its accumulation of
+    3 at 4 nodes is 4 at 3 nodes (a size the spec's own 1 would not allow), as every rank gets it."""
+    (tmp_path / "ds.yaml").write_text(DEEPSPEED_CONFIG.replace("gradient_accumulation_steps: 4",
+                                                               "gradient_accumulation_steps: 3"))
+    text = MINIMAL + "accelerate: {config_file: ds.yaml}\nscaling: {num_nodes: 4, min_nodes: 1}\n"
+    cfg = section(text, tmp_path)
+    assert cfg.gradient_accumulation_steps == 3
+    sizes = world_sizes(load_spec_text(text).scaling, 1, cfg.gradient_accumulation_steps)
+    assert [(w.nodes, w.accumulation) for w in sizes] == [(4, 3), (3, 4), (2, 6), (1, 12)]
+    env = strategy_env(cfg.at(sizes[1].accumulation), use_gpu=True)
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    # the spec's own accumulation wins over the file's, as everywhere
+    assert section(text.replace("config_file: ds.yaml", "config_file: ds.yaml, gradient_accumulation_steps: 2"),
+                   tmp_path).gradient_accumulation_steps == 2
 
 
 def test_validate_prints_the_resolved_configuration(tmp_path):
