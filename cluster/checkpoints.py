@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import shutil
-import sys
 import tempfile
 import threading
 from pathlib import Path

@@ -478,7 +478,9 @@ class NodeGroup:
         earlier = self._finish_polls(timeout_s=10)
         out = []
         for i, p in enumerate(self._call_all("stop", 60, None)):
-            p = p if p is not None else NodePoll(state=NodeState.LOST)
+            if p is None:  # its actor is dead (or did not answer within a minute): the node is lost
+                self._lost.add(i)
+                p = NodePoll(state=NodeState.LOST)
             if i in earlier:  # the news of a poll that answered late comes first
                 p.events[:0], p.logs[:0] = earlier[i].events, earlier[i].logs
             out.append(p)

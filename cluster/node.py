@@ -395,6 +395,13 @@ class _ForkServer:
 
             self._thread.join(timeout=120)  # a server still starting is stopped once it runs
             self._thread = None
+            # Its ranks are stopped already; asked to stop, it would exit as Python does, unloading
+            # torch, which took 25 s on a loaded machine while the next attempt waited for this node.
+            if forkserver._forkserver._forkserver_pid is not None:
+                try:
+                    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             forkserver._forkserver._stop()
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
@@ -422,6 +429,23 @@ def _start_forkserver() -> None:
             os.environ.pop(_SAFE_PATH_MARK, None)
     # And what this actor needs itself (the store, start_processes), before it is asked.
     import torch.distributed.elastic.multiprocessing  # noqa: F401
+
+    _plain_elastic_log()
+
+
+def _plain_elastic_log() -> None:
+    """torch logs each rank failure it finds (and each process it closes) through the ``torch``
+    logger, whose formatter imports ``torch._dynamo`` (sympy and more) on first use: 10 to 25
+    seconds inside a poll on a loaded machine, while the driver waited on this node to stop its
+    ranks after a peer was lost. Those records go to this actor's stderr with a plain formatter
+    instead (the driver reports every failure itself, with the rank's traceback)."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
 
 
 def _die_with_parent() -> None:

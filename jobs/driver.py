@@ -25,7 +25,7 @@ from cluster.train_function import check_train_fn
 from jobs.environment import Secrets, check_requirements
 from jobs.hangs import is_hang, where_ranks_are
 from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, grow_to, resize_note, world_sizes
-from jobs.preflight import reserve, reserve_elastic
+from jobs.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.record import Recorder, RunResult
 from jobs.routing import AttemptRouter, AttemptState, group_failures
 from jobs.spec import JobSpec, spec_to_dict
@@ -79,6 +79,7 @@ class Driver:
         self.sizes: list[WorldSize] = []
         self.size: WorldSize | None = None
         self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
+        self.node_request: NodeRequest | None = None  # an elastic run's ask to the autoscaler while below num_nodes
 
     @property
     def secrets(self) -> Secrets:
@@ -161,6 +162,8 @@ class Driver:
             if self.group is not None:
                 self.group.shutdown()
                 self.group = None
+            if self.node_request is not None:
+                self.node_request.withdraw()
             r.end_time = time.time()
             # What the ranks returned or raised is written and printed with env.secrets masked.
             r.error, r.return_value, r.rank_results = rec.mask((r.error, r.return_value, r.rank_results))
@@ -190,6 +193,9 @@ class Driver:
                 if elastic:
                     self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
                                                             can_grow=self.can_grow, wait_full_s=wait_full_s)
+                    if self.can_grow:  # an autoscaler, if the cluster has one, adds what the run is short of
+                        self.node_request = self.node_request or NodeRequest(placement)
+                        self.node_request.ask(self.sizes[0].nodes if self.size != self.sizes[0] else 0)
                 else:
                     self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
                     self.size = self.sizes[0]
@@ -350,6 +356,9 @@ class Driver:
             # Stop everyone else now: a rank blocked in a collective would wait forever.
             for node_rank, p in enumerate(group.stop()):
                 route.forward(node_rank, p)
+            # A node whose death was known only after its peers failed (they lost their
+            # connections to it first) is lost all the same: the next attempt needs other nodes.
+            lost += [i for i, state in enumerate(group.states) if state == NodeState.LOST and i not in lost]
             error = self.secrets.mask(group_failures(failures) + (f"\n{where}" if where else ""))
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
             return _Outcome(False, error, lost, failure_kind(failures, lost_nodes=bool(lost)))

@@ -16,7 +16,7 @@ from jobs.record import Recorder
 from jobs.spec import JobSpec
 from jobs.storage import RunDir, StorageError
 
-__all__ = ["check_shared_storage", "reserve", "reserve_elastic"]
+__all__ = ["NodeRequest", "check_shared_storage", "reserve", "reserve_elastic"]
 
 
 def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str | None, *,
@@ -98,3 +98,29 @@ def reserve_elastic(spec: JobSpec, placement: Placement, sizes: list[WorldSize],
             time.sleep(1.0)
             continue
         return group, size
+
+
+class NodeRequest:
+    """What an elastic run below ``num_nodes`` asks the cluster's autoscaler for.
+
+    Its placement group holds only the nodes it runs on, so nothing else would tell an
+    autoscaler that the run wants more: it asks, through Ray's ``request_resources``, for
+    room for all of its bundles (the nodes it holds count towards them), and withdraws the
+    request when it is back at ``num_nodes`` or ends. Ray keeps one such request per cluster, the
+    newest; a run withdraws only a request it made.
+    """
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.nodes = 0  # the nodes asked for now (0: none)
+
+    def ask(self, nodes: int) -> None:
+        if nodes != self.nodes:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[dict(self.placement.bundle) for _ in range(nodes)])
+            self.nodes = nodes
+
+    def withdraw(self) -> None:
+        if self.nodes:
+            self.ask(0)

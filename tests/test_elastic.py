@@ -36,10 +36,19 @@ storage: {storage}
 
 
 class Shown(io.StringIO):
-    """The driver's output, kept for the test and printed too (pytest shows it when a test fails)."""
+    """The driver's output, kept for the test and printed too, each line with the time since the
+    run started (pytest shows it when a test fails: where the time went)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began = time.monotonic()
+        self._at_line_start = True
 
     def write(self, text: str) -> int:
-        sys.stdout.write(text)
+        stamp = f"[{time.monotonic() - self.began:6.1f}s] "
+        for line in text.splitlines(keepends=True):
+            sys.stdout.write((stamp if self._at_line_start else "") + line)
+            self._at_line_start = line.endswith("\n")
         return super().write(text)
 
 
@@ -86,6 +95,18 @@ def each_sample_once_per_epoch(got: dict[int, list[int]], steps_per_epoch: int, 
     for epoch in range(len(got) // steps_per_epoch):
         steps = range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch + 1)
         assert sorted(i for s in steps for i in got[s]) == list(range(samples)), epoch
+
+
+def autoscaler_request() -> list[dict]:
+    """The resources the cluster's autoscaler is asked to make room for (``request_resources``),
+    where Ray's autoscaler reads them on this cluster (v1: one key of the GCS's store)."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    assert not is_autoscaler_v2(), "this test reads the v1 autoscaler's request"
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
 
 
 def committed(tmp_path: Path, name: str) -> int | None:
@@ -186,9 +207,12 @@ def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_f
         victim = next(n for n in ray_cluster.worker_nodes if n.node_id == used[0])
         ray_cluster.remove_node(victim)
         lost_at = time.monotonic()
+        print(f"[{lost_at - out.began:6.1f}s] the test removed node 0")
         wait_for(lambda: any(r.get("world_size") == 1 and "ids" in r for r in rows(tmp_path, "node0")), 90,
                  "training on the node that is left")
         shrunk_s = time.monotonic() - lost_at
+        # below num_nodes, the run asks an autoscaler for room for its two nodes
+        assert autoscaler_request() == [driver.group.placement.bundle] * 2
         ray.kill(other)  # the other work ends: the head can take a bundle
         other = None
     finally:
@@ -202,6 +226,7 @@ def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_f
     assert "world size 2 -> 1 (node 0 lost); gradient accumulation 1 -> 2 keeps the global batch" in text
     assert "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch" in text
     assert [(z["old_world_size"], z["new_world_size"]) for z in result.resizes] == [(2, 1), (1, 2)]
+    assert autoscaler_request() == []  # withdrawn when the run was whole again
     assert result.restarts == 1 and result.attempts == 3
     got = samples_by_step(tmp_path, "node0")
     assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
