@@ -46,7 +46,8 @@ bench-scale: install
 
 # Node lost -> training again on fewer nodes: raylaunch's elastic run (min_nodes: 1, resize_s: 1) against Ray Train
 # V2's num_workers=(1, 2), interleaved on one local cluster of 2 one-CPU nodes (about 6 minutes; BENCH_REPS=<n>,
-# default 2; BENCH_GROW=0 skips growing back). Writes bench/results-elastic.md.
+# default 2; BENCH_GROW=0 skips growing back; BENCH_RT_START_TIMEOUT_S=<s> sets Ray Train's worker group start
+# timeout, 60 s by default). Writes bench/results-elastic.md.
 bench-elastic: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -m bench.elastic

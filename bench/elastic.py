@@ -181,25 +181,36 @@ def _raylaunch(job: Job, work: Path) -> None:
 
 
 def _raytrain_loop(config: dict) -> None:
-    """Each Ray Train worker: the same function, with Ray Train's checkpoints."""
+    """Each Ray Train worker: the same function, with Ray Train's checkpoints: rank 0 saves the model,
+    the optimizer and the step with ``torch.save`` and reports them; a restart loads them with
+    ``torch.load(weights_only=True)`` (no unpickling: Accelerate's ``load_state`` is kept for the
+    runner's checksummed checkpoints, see tests/test_checkpoints.py)."""
     import ray.train
+    import torch
     from ray.train import Checkpoint
 
     from bench.elastic_fn import Hooks, elastic_train
 
-    def save(accelerator, step: int) -> None:
-        os.makedirs(config["scratch"], exist_ok=True)
-        folder = tempfile.mkdtemp(dir=config["scratch"])
-        accelerator.save_state(folder)  # rank 0: model, optimizer, its RNG; every rank: its RNG
-        checkpoint = Checkpoint.from_directory(folder) if accelerator.is_main_process else None
-        ray.train.report({"step": step}, checkpoint=checkpoint)
-        shutil.rmtree(folder, ignore_errors=True)
+    def save(accelerator, model, optimizer, step: int) -> None:
+        checkpoint = None
+        if accelerator.is_main_process:
+            os.makedirs(config["scratch"], exist_ok=True)
+            folder = tempfile.mkdtemp(dir=config["scratch"])
+            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step}, os.path.join(folder, "state.pt"))
+            checkpoint = Checkpoint.from_directory(folder)
+        # every rank reports; rank 0's checkpoint is copied to the run's storage, then its folder removed
+        ray.train.report({"step": step}, checkpoint=checkpoint, delete_local_checkpoint_after_upload=True)
 
-    def restore(accelerator) -> None:
+    def restore(accelerator, model, optimizer) -> int | None:
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint:
-            with checkpoint.as_directory() as folder:
-                accelerator.load_state(folder)
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as folder:
+            state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
+        accelerator.unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
 
     elastic_train(config, Hooks({}, save, restore))
 
@@ -444,9 +455,10 @@ NOTES = [
     "group from the `AutoscalingCoordinator`'s reservation, which is computed from the totals of the nodes "
     "`ray.nodes()` listed at the coordinator's last tick (every 20 s, `TICK_INTERVAL_S`). When no tick fell "
     "between the loss and the restart decision, it still counts the lost node, asks for 2 workers, waits the "
-    "worker group start timeout (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, 60 s) for a placement that cannot "
-    "happen, retries that controller error (without limit) and only then starts 1 worker: the long repetitions "
-    "(\"first restart tried at world size 2\"). When a tick did fall in between, it starts 1 worker at once. It "
+    "worker group start timeout (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, 60 s by default) for a placement "
+    "that cannot happen, retries that controller error (without limit), asks for 2 again until a tick has "
+    "dropped the lost node, and only then starts 1 worker: the long repetitions (\"first restart tried at "
+    "world size 2\"). When a tick did fall in between, it starts 1 worker at once. It "
     "resumes from the latest checkpoint its controller has registered, with the same per-worker batch (the "
     "global batch halves; the function would have to change it).",
     "- It works on a static `ray.cluster_utils.Cluster` (no autoscaler): the coordinator's resource requests go "

@@ -31,11 +31,15 @@ __all__ = ["Hooks", "elastic_train", "train"]
 
 @dataclass(frozen=True)
 class Hooks:
-    """What a launcher gives the function: Accelerator arguments, a checkpoint save and restore."""
+    """What a launcher gives the function: Accelerator arguments, a checkpoint save and restore.
+
+    ``save(accelerator, model, optimizer, step)`` runs on every rank at an optimizer step;
+    ``restore(accelerator, model, optimizer)`` loads the latest checkpoint, if any, and returns its step.
+    """
 
     accelerator_kwargs: dict
-    save: Callable[[Accelerator, int], Any]  # every rank calls it, at an optimizer step
-    restore: Callable[[Accelerator], Any]  # loads the latest checkpoint, if any
+    save: Callable[[Accelerator, Any, Any, int], Any]
+    restore: Callable[[Accelerator, Any, Any], int | None]
 
 
 def _append(path: str, record: dict) -> None:
@@ -53,7 +57,7 @@ def elastic_train(config: dict, hooks: Hooks) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     progress = Progress()  # the optimizer step, saved with the checkpoint
     accelerator.register_for_checkpointing(progress)
-    hooks.restore(accelerator)
+    progress.step = hooks.restore(accelerator, model, optimizer) or 0
     accumulation = accelerator.gradient_accumulation_steps
     data = torch.Generator().manual_seed(1000 * progress.step + rank)
     every, step_s, max_steps = int(config.get("every", 5)), float(config.get("step_s", 0.1)), int(config["max_steps"])
@@ -72,7 +76,7 @@ def elastic_train(config: dict, hooks: Hooks) -> dict:
             _append(config["steps_file"], {"step": progress.step, "world_size": world, "began": began,
                                            "ended": time.time(), "accumulation": accumulation})
         if progress.step % every == 0:
-            hooks.save(accelerator, progress.step)
+            hooks.save(accelerator, model, optimizer, progress.step)
             if rank == 0:
                 _append(config["steps_file"], {"checkpoint": progress.step, "world_size": world, "at": time.time()})
         stop = torch.tensor([float(rank == 0 and os.path.exists(config["stop_file"]))])
@@ -87,4 +91,7 @@ def elastic_train(config: dict, hooks: Hooks) -> dict:
 def train(config: dict) -> dict:
     """raylaunch's entry point: the session gives the accumulation and keeps the checkpoints."""
     session = get_session()
-    return elastic_train(config, Hooks(session.accelerator_kwargs(), session.save, session.restore))
+    return elastic_train(config, Hooks(
+        session.accelerator_kwargs(),
+        save=lambda accelerator, _model, _optimizer, step: session.save(accelerator, step),
+        restore=lambda accelerator, _model, _optimizer: session.restore(accelerator)))
