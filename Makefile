@@ -8,7 +8,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo demo-stream test clean bench bench-scale gpu-check
+.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic gpu-check
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ bench: install
 # training per size>, default 40, for longer): its cores, peak memory and the lag to metrics.jsonl.
 bench-scale: install
 	$(BIN)/python -m bench.scale
+
+# Node lost -> training again on fewer nodes: raylaunch's elastic run (min_nodes: 1, resize_s: 1) against Ray Train
+# V2's num_workers=(1, 2), interleaved on one local cluster of 2 one-CPU nodes (about 6 minutes; BENCH_REPS=<n>,
+# default 2; BENCH_GROW=0 skips growing back; BENCH_RT_START_TIMEOUT_S=<s> sets Ray Train's worker group start
+# timeout, 60 s by default). Writes bench/results-elastic.md.
+bench-elastic: install
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(BIN)/python -m bench.elastic
 
 # On a machine with 1 to 8 GPUs, in under five minutes: the bench's GPU mode (raylaunch against torchrun and
 # Ray Train with NCCL, workers_per_node: auto), then FSDP against DDP in fp32, bf16 and fp16 with each rank's
