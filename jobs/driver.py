@@ -40,6 +40,8 @@ FAILURE_GRACE_S = 2.0
 BOARD_FLUSH_S = 2.0
 # How often an elastic run below num_nodes looks for nodes to grow back onto.
 GROW_CHECK_S = 2.0
+# Growing back, the least time to wait for all the nodes seen (released bundles free up within moments).
+GROW_SETTLE_S = 10.0
 
 
 @dataclass
@@ -224,7 +226,8 @@ class Driver:
                 # nodes; this is not a failure, and no budget is used.
                 self.group.shutdown()
                 self.group = None
-                resize_why, wait_full_s = "nodes came back", self.spec.timeouts.resize_s
+                # The nodes are there: wait long enough for the ones this run just released to show as free.
+                resize_why, wait_full_s = "nodes came back", max(self.spec.timeouts.resize_s, GROW_SETTLE_S)
                 r.error = None
                 continue
             resize_why = ("node" + ("s " if len(outcome.lost_nodes) > 1 else " ")

@@ -66,15 +66,17 @@ def reserve_elastic(spec: JobSpec, placement: Placement, sizes: list[WorldSize],
     ``wait_full_s`` for all of ``num_nodes``; fewer than ``min_nodes`` wait ``timeouts.placement_s``
     (or fail at once on a cluster that cannot grow), as a run that is not elastic does."""
     full, fewest = sizes[0], sizes[-1]
-    deadline = time.monotonic() + wait_full_s
-    give_up = time.monotonic() + wait_full_s + spec.timeouts.placement_s
+    began = time.monotonic()
+    deadline = began + wait_full_s
+    give_up = began + wait_full_s + spec.timeouts.placement_s
     said = False
     while True:
         there = fitting_nodes(placement)
         chosen = fit(sizes, there)
         size = chosen.size
         if size is not None and size is not full and time.monotonic() < deadline:
-            if not said:
+            # said after a second: nodes just released (this run's own, growing back) take a moment to show as free
+            if not said and time.monotonic() - began >= 1.0:
                 recorder.say(f"raylaunch: elastic: waiting up to {wait_full_s:g} s (timeouts.resize_s) for "
                              f"{full.nodes} nodes; {there} can hold the job now")
                 said = True
