@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -39,11 +40,14 @@ def ray_cluster():
     pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
              log_to_driver=False, configure_logging=False)
+    session_dir = cluster.head_node.get_session_dir_path()
     try:
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+        # Its logs and what its jobs installed (env.pip's test builds a 2 GB virtualenv there)
+        shutil.rmtree(session_dir, ignore_errors=True)
 
 
 def free_ports(n: int, consecutive: bool = False) -> list[int]:
