@@ -271,6 +271,7 @@ class NodeGroup:
         timeout_s: float,
         can_grow: bool,
         on_wait: Callable[[str], None] = print,
+        timeout_name: str = "timeouts.placement_s",
         socket_ifname: str = "auto",
         env: JobEnv | None = None,
     ) -> "NodeGroup":
@@ -288,7 +289,7 @@ class NodeGroup:
         deadline = time.monotonic() + timeout_s
         if fitting < placement.num_nodes:  # say so at once: an autoscaler may take minutes to add them
             on_wait(f"raylaunch: waiting for {placement.num_nodes} nodes with {placement.bundle}; {fitting} can "
-                    f"hold one now, the cluster may add the rest (up to {timeout_s:g} s, timeouts.placement_s)")
+                    f"hold one now, the cluster may add the rest (up to {timeout_s:g} s, {timeout_name})")
         while True:
             ready, _ = ray.wait([pg.ready()], timeout=min(10.0, max(0.0, deadline - time.monotonic())))
             if ready:
@@ -296,12 +297,12 @@ class NodeGroup:
             if time.monotonic() >= deadline:
                 remove_placement_group(pg)
                 raise PlacementError(
-                    f"gave up after {timeout_s:g} s (timeouts.placement_s): "
+                    f"gave up after {timeout_s:g} s ({timeout_name}): "
                     + _unplaceable(placement, _alive_nodes())
                 )
             on_wait(
                 f"raylaunch: waiting for {placement.num_nodes} nodes with {placement.bundle} "
-                f"({deadline - time.monotonic():.0f} s left of timeouts.placement_s)"
+                f"({deadline - time.monotonic():.0f} s left of {timeout_name})"
             )
         remote_cls = ray.remote(NodeActor)
         # Named, so `raylaunch stacks` can reach them from another process on the cluster.
@@ -478,9 +479,7 @@ class NodeGroup:
         earlier = self._finish_polls(timeout_s=10)
         out = []
         for i, p in enumerate(self._call_all("stop", 60, None)):
-            if p is None:  # its actor is dead (or did not answer within a minute): the node is lost
-                self._lost.add(i)
-                p = NodePoll(state=NodeState.LOST)
+            p = p if p is not None else NodePoll(state=NodeState.LOST)
             if i in earlier:  # the news of a poll that answered late comes first
                 p.events[:0], p.logs[:0] = earlier[i].events, earlier[i].logs
             out.append(p)

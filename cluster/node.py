@@ -442,6 +442,8 @@ def _plain_elastic_log() -> None:
     import logging
 
     log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not log.propagate:  # done already (the fork server starts again after a full release)
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)

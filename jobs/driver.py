@@ -42,6 +42,7 @@ BOARD_FLUSH_S = 2.0
 GROW_CHECK_S = 2.0
 # Growing back, the least time to wait for all the nodes seen (released bundles free up within moments).
 GROW_SETTLE_S = 10.0
+GREW = "nodes came back"  # the reason a resize records when the run grows back
 
 
 @dataclass
@@ -193,16 +194,20 @@ class Driver:
             if self.group is None:
                 old = self.size
                 if elastic:
+                    if self.can_grow and self.node_request is None:  # an autoscaler adds what the run is short of
+                        self.node_request = NodeRequest(placement)
                     self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
-                                                            can_grow=self.can_grow, wait_full_s=wait_full_s)
-                    if self.can_grow:  # an autoscaler, if the cluster has one, adds what the run is short of
-                        self.node_request = self.node_request or NodeRequest(placement)
-                        self.node_request.ask(self.sizes[0].nodes if self.size != self.sizes[0] else 0)
+                                                            can_grow=self.can_grow, wait_full_s=wait_full_s,
+                                                            request=self.node_request)
+                    if self.node_request is not None and self.size == self.sizes[0]:
+                        self.node_request.withdraw()
                 else:
                     self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
                     self.size = self.sizes[0]
                 r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
                 if old is not None and old != self.size:
+                    if resize_why == GREW and self.size.nodes < old.nodes:
+                        resize_why = "nodes left while it grew back"
                     self._resized(old, r.attempts + 1, resize_why)
             r.attempts += 1
             # Every rank of the previous attempt is stopped: what it left half-saved goes.
@@ -227,7 +232,7 @@ class Driver:
                 self.group.shutdown()
                 self.group = None
                 # The nodes are there: wait long enough for the ones this run just released to show as free.
-                resize_why, wait_full_s = "nodes came back", max(self.spec.timeouts.resize_s, GROW_SETTLE_S)
+                resize_why, wait_full_s = GREW, max(self.spec.timeouts.resize_s, GROW_SETTLE_S)
                 r.error = None
                 continue
             resize_why = ("node" + ("s " if len(outcome.lost_nodes) > 1 else " ")

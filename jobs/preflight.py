@@ -20,11 +20,12 @@ __all__ = ["NodeRequest", "check_shared_storage", "reserve", "reserve_elastic"]
 
 
 def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str | None, *,
-            can_grow: bool, timeout_s: float | None = None) -> NodeGroup:
+            can_grow: bool, timeout_s: float | None = None, timeout_name: str = "timeouts.placement_s") -> NodeGroup:
     """Reserve one bundle and start one actor per node; check the storage is shared."""
     env = spec.env
     group = NodeGroup.create(
-        placement, timeout_s=timeout_s or spec.timeouts.placement_s, can_grow=can_grow, on_wait=recorder.say,
+        placement, timeout_s=timeout_s or spec.timeouts.placement_s, timeout_name=timeout_name,
+        can_grow=can_grow, on_wait=recorder.say,
         socket_ifname=spec.rendezvous.socket_ifname,
         env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
                    secrets=recorder.secrets.values, pip=env.requirements),
@@ -61,19 +62,27 @@ def check_shared_storage(group: NodeGroup, run_dir: RunDir, token: str | None) -
 
 
 def reserve_elastic(spec: JobSpec, placement: Placement, sizes: list[WorldSize], recorder: Recorder,
-                    token: str | None, *, can_grow: bool, wait_full_s: float) -> tuple[NodeGroup, WorldSize]:
+                    token: str | None, *, can_grow: bool, wait_full_s: float,
+                    request: "NodeRequest | None" = None) -> tuple[NodeGroup, WorldSize]:
     """An elastic run's nodes: the largest of ``sizes`` the cluster holds, after waiting up to
     ``wait_full_s`` for all of ``num_nodes``; fewer than ``min_nodes`` wait ``timeouts.placement_s``
-    (or fail at once on a cluster that cannot grow), as a run that is not elastic does."""
+    (or fail at once on a cluster that cannot grow), as a run that is not elastic does.
+
+    While fewer than ``num_nodes`` can be had, ``request`` (on a cluster that can grow) asks an
+    autoscaler for the rest. A size whose reservation fails (a node counted as free was not: it
+    went away, or other work took it first) is not tried again: the next smaller one is."""
     full, fewest = sizes[0], sizes[-1]
     began = time.monotonic()
     deadline = began + wait_full_s
     give_up = began + wait_full_s + spec.timeouts.placement_s
     said = False
+    candidates = list(sizes)
     while True:
         there = fitting_nodes(placement)
-        chosen = fit(sizes, there)
+        chosen = fit(candidates, there)
         size = chosen.size
+        if size is not full and request is not None:
+            request.ask(full.nodes)
         if size is not None and size is not full and time.monotonic() < deadline:
             # said after a second: nodes just released (this run's own, growing back) take a moment to show as free
             if not said and time.monotonic() - began >= 1.0:
@@ -91,12 +100,12 @@ def reserve_elastic(spec: JobSpec, placement: Placement, sizes: list[WorldSize],
         try:
             group = reserve(spec, dataclasses.replace(placement, num_nodes=size.nodes), recorder, token,
                             can_grow=can_grow or size is not fewest,
-                            timeout_s=None if size is fewest else spec.timeouts.resize_s)
+                            timeout_s=None if size is fewest else spec.timeouts.resize_s,
+                            timeout_name="timeouts.placement_s" if size is fewest else "timeouts.resize_s")
         except PlacementError:
-            # A node counted here was not really free (it is going away, or other work holds it):
-            # count again, down to min_nodes, within placement_s.
             if size is fewest or time.monotonic() > give_up:
                 raise
+            candidates = [w for w in candidates if w.nodes < size.nodes]
             time.sleep(1.0)
             continue
         return group, size
@@ -124,5 +133,9 @@ class NodeRequest:
             self.nodes = nodes
 
     def withdraw(self) -> None:
+        """Withdraw the request this run made, if any (never raises: it runs as the run ends)."""
         if self.nodes:
-            self.ask(0)
+            try:
+                self.ask(0)
+            except Exception:  # noqa: BLE001 - the cluster may be gone; the request goes with it
+                self.nodes = 0
