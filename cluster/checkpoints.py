@@ -101,7 +101,6 @@ def align_accumulation(accelerator: Any) -> None:
         accelerator.step -= accelerator.step % steps
 
 
-
 class CheckpointSaveError(RaylaunchError, RuntimeError):
     """A checkpoint could not be written or uploaded; the previous committed one is kept."""
 

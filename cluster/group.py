@@ -102,12 +102,8 @@ def fitting_nodes(placement: "Placement", held: Collection[str] = ()) -> int:
     count = 0
     for n in _alive_nodes():
         node_id = n.get("NodeID")
-        if node_id in held:
-            count += _fits(n.get("Resources", {}), placement.bundle)
-        elif free is None:
-            count += _fits(n.get("Resources", {}), placement.bundle)
-        else:
-            count += _fits(free.get(node_id, {}), placement.bundle)
+        by_total = free is None or node_id in held  # the run's own node, or no view of free resources
+        count += _fits(n.get("Resources", {}) if by_total else free.get(node_id, {}), placement.bundle)
     return count
 
 

@@ -156,12 +156,13 @@ class ProgressView:
     def _show_plain(self, evals: dict | None = None) -> None:
         self._shown_step, self._last_shown = self.step, time.monotonic()
         of = f"/{self.total} ({100 * self.step / self.total:.0f}%)" if self.total else ""
-        values = {k: v for k, v in self._postfix().items() if k not in ("attempt", "restarts", "world")}
+        post = self._postfix()
+        values = {k: v for k, v in post.items() if k not in ("attempt", "restarts", "world")}
         shown = " ".join(f"{k}={v}" for k, v in {**values, **(evals or {})}.items())
         elapsed = time.monotonic() - self.started
         rate = self._rate()
         remaining = _clock((self.total - self.step) / rate) if rate and self.total else "?"
+        world = f" world {post['world']}" if "world" in post else ""
         print(f"raylaunch: step {self.step}{of} {shown} | elapsed {_clock(elapsed)} remaining {remaining} "
-              f"| attempt {self.attempt} restarts {self.restarts}"
-              + (f" world {self.metrics['world_size']}" if "world_size" in self.metrics else ""), file=self.out, flush=True)
+              f"| attempt {self.attempt} restarts {self.restarts}{world}", file=self.out, flush=True)
 

@@ -76,12 +76,20 @@ def samples_by_step(tmp_path: Path, name: str) -> dict[int, list[int]]:
 
 
 class Background:
-    """A driver's run in a thread, as `raylaunch run` runs it, while the test changes the cluster."""
+    """A driver's run of ``job`` in a thread, as `raylaunch run` runs it, while the test changes
+    the cluster; its output in ``out``."""
 
-    def __init__(self, driver: Driver) -> None:
-        self.driver, self.box = driver, {}
-        self.thread = threading.Thread(target=lambda: self.box.setdefault("result", driver.run()))
+    def __init__(self, job) -> None:
+        self.out = Shown()
+        self.driver, self.box = Driver(job, can_grow=True, out=self.out), {}
+        self.thread = threading.Thread(target=lambda: self.box.setdefault("result", self.driver.run()))
         self.thread.start()
+
+    def nodes_once_committed(self, tmp_path: Path, step: int) -> list[str]:
+        """The node ids of the run's nodes, in node-rank order, once it committed ``step``."""
+        name = self.driver.spec.name
+        wait_for(lambda: (committed(tmp_path, name) or 0) >= step, 120, "a committed checkpoint")
+        return [i.node_id for i in self.driver.group.infos]
 
     def join(self, timeout_s: float = 240) -> None:
         self.thread.join(timeout_s)
@@ -121,12 +129,9 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
     assert reference.status == "succeeded", reference.error
     assert reference.resizes == [] and reference.world_size == 2
 
-    out = Shown()
-    driver = Driver(spec(tmp_path, "elastic"), can_grow=True, out=out)
-    run = Background(driver)
+    run = Background(spec(tmp_path, "elastic"))
     try:
-        wait_for(lambda: (committed(tmp_path, "elastic") or 0) >= 3, 120, "a committed checkpoint")
-        used = [i.node_id for i in driver.group.infos]
+        used = run.nodes_once_committed(tmp_path, 3)
         victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)  # not the head: it runs the driver
         lost = used.index(victim.node_id)
         ray_cluster.remove_node(victim)
@@ -144,7 +149,7 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
     result = run.result()
     assert result.status == "succeeded", result.error
     assert shrunk_s < 60, shrunk_s
-    text = out.getvalue()
+    text = run.out.getvalue()
     assert f"world size 2 -> 1 (node {lost} lost); gradient accumulation 1 -> 2 keeps the global batch" in text
     assert "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch" in text
     # a lost node used the one restart allowed; growing back used none
@@ -197,22 +202,19 @@ def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_f
     head = ray_cluster.head_node.node_id
     other = OtherWork.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
     ray.get(other.ready.remote(), timeout=60)
-    out = Shown()
-    driver = Driver(spec(tmp_path, "node0"), can_grow=True, out=out)
-    run = Background(driver)
+    run = Background(spec(tmp_path, "node0"))
     try:
-        wait_for(lambda: (committed(tmp_path, "node0") or 0) >= 3, 120, "a committed checkpoint")
-        used = [i.node_id for i in driver.group.infos]
+        used = run.nodes_once_committed(tmp_path, 3)
         assert head not in used, "the head is held by other work"
         victim = next(n for n in ray_cluster.worker_nodes if n.node_id == used[0])
         ray_cluster.remove_node(victim)
         lost_at = time.monotonic()
-        print(f"[{lost_at - out.began:6.1f}s] the test removed node 0")
+        print(f"[{lost_at - run.out.began:6.1f}s] the test removed node 0")
         wait_for(lambda: any(r.get("world_size") == 1 and "ids" in r for r in rows(tmp_path, "node0")), 90,
                  "training on the node that is left")
         shrunk_s = time.monotonic() - lost_at
         # below num_nodes, the run asks an autoscaler for room for its two nodes
-        assert autoscaler_request() == [driver.group.placement.bundle] * 2
+        assert autoscaler_request() == [run.driver.group.placement.bundle] * 2
         ray.kill(other)  # the other work ends: the head can take a bundle
         other = None
     finally:
@@ -222,7 +224,7 @@ def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_f
     result = run.result()
     assert result.status == "succeeded", result.error
     assert shrunk_s < 60, shrunk_s
-    text = out.getvalue()
+    text = run.out.getvalue()
     assert "world size 2 -> 1 (node 0 lost); gradient accumulation 1 -> 2 keeps the global batch" in text
     assert "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch" in text
     assert [(z["old_world_size"], z["new_world_size"]) for z in result.resizes] == [(2, 1), (1, 2)]
@@ -251,17 +253,14 @@ def lose_a_node_mid_run(ray_cluster, tmp_path: Path, name: str, keep: bool):
     cluster gets no node back. Returns the result, the driver's output and the lost node's rank."""
     spec = load_spec_text(THREE.format(name=name, keep=str(keep).lower(), pid_dir=tmp_path / "pids",
                                        storage=tmp_path / "runs"))
-    out = Shown()
-    driver = Driver(spec, can_grow=True, out=out)
-    run = Background(driver)
+    run = Background(spec)
     try:
-        wait_for(lambda: committed(tmp_path, name), 120, "a committed checkpoint")
-        used = [i.node_id for i in driver.group.infos]
+        used = run.nodes_once_committed(tmp_path, 1)
         victim = next(n for n in ray_cluster.worker_nodes if n.node_id in used)
         ray_cluster.remove_node(victim)
     finally:
         run.join(300)
-    return run.result(), out.getvalue(), used.index(victim.node_id)
+    return run.result(), run.out.getvalue(), used.index(victim.node_id)
 
 
 def three_nodes(ray_cluster) -> None:
