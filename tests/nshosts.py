@@ -6,9 +6,14 @@ and removed by name, with names unique to the test session.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import signal
 import subprocess
+from pathlib import Path
 
-__all__ = ["add_host", "ip", "left_behind", "make_bridge", "remove_host"]
+__all__ = ["add_host", "clear_abandoned", "ip", "left_behind", "make_bridge", "remove_host"]
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -48,3 +53,54 @@ def left_behind(namespaces: list[str], links: list[str]) -> list[str]:
     names = ip("netns", "list").stdout
     shown = ip("-o", "link", "show").stdout
     return [ns for ns in namespaces if ns in names] + [n for n in links if f" {n}:" in shown or f" {n}@" in shown]
+
+
+def clear_abandoned(prefix: str) -> list[str]:
+    """Remove the namespaces and links an earlier test session of this tier left behind.
+
+    Names are ``<prefix><pid>...`` (the pid of the pytest that made them, modulo 100000). A session
+    killed before its teardown (a CI job stopped at its time limit) leaves its bridge routing the
+    tier's subnet, and every later run would fail on it. What belongs to a pytest that no longer
+    runs is removed, with the processes still inside its namespaces; what a running session owns
+    is left alone, and so are names of any other form. Returns what was removed."""
+    own = re.compile(rf"^{re.escape(prefix)}(\d+)(?:-h\d+|br|v\d+|e\d+)$")
+
+    def abandoned(name: str) -> bool:
+        match = own.match(name)
+        if not match:
+            return False
+        return not _runs(int(match.group(1)))
+
+    removed: list[str] = []
+    for ns in [line.split()[0] for line in ip("netns", "list").stdout.splitlines() if line.strip()]:
+        if abandoned(ns):
+            for pid in ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            ip("netns", "del", ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+            removed.append(ns)
+    for line in ip("-o", "link", "show").stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if abandoned(name):
+            ip("link", "del", name, check=False)
+            removed.append(name)
+    for pid in {own.match(name).group(1) for name in removed}:
+        for folder in Path("/tmp").glob(f"{prefix}{pid}-*"):  # the session's keys, logs and hosts' files
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
+
+
+def _runs(pid: int) -> bool:
+    """Whether a pytest with this pid (modulo 100000) still runs."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) % 100000 == pid:
+            try:
+                if b"pytest" in (proc / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+    return False

@@ -32,7 +32,7 @@ import pytest
 
 from cluster.connect import stop_processes_under
 from conftest import ROOT, cli_env
-from nshosts import add_host, ip, left_behind, make_bridge, remove_host
+from nshosts import add_host, clear_abandoned, ip, left_behind, make_bridge, remove_host
 
 H1, H2 = "10.77.0.1", "10.77.0.2"
 GCS_PORT = 6379  # each namespace has its own ports: no clash with another Ray on this machine
@@ -101,6 +101,7 @@ def hosts():
     ray_bin = str(Path(sys.executable).parent / "ray")
     common = ["--num-cpus=1", "--object-store-memory=200000000", "--disable-usage-stats"]
     try:
+        clear_abandoned("rl")  # what a killed earlier session left
         try:
             _make_hosts()
         except RuntimeError as exc:
@@ -213,3 +214,21 @@ def test_a_cut_link_is_a_lost_node_within_the_heartbeat_bound(hosts, tmp_path):
     assert took < heartbeat + 10 + 75, f"the run ended {took:.0f} s after the cut\n{text[-3000:]}"
     result = json.loads((tmp_path / name / "result.json").read_text())
     assert result["status"] == "failed" and result["attempts"] == 1 and result["restarts"] == 1
+
+
+def test_hosts_a_killed_session_left_are_removed_and_others_kept():
+    """A session killed before its teardown leaves its bridge and namespaces; the next one removes
+    them (they would route its subnet), and leaves alone names that are not a test session's."""
+    dead = next(pid for pid in range(99999, 90000, -1) if not Path(f"/proc/{pid}").exists())
+    stale, other = f"rl{dead}-h1", "rlkeep-h1"
+    try:
+        make_bridge(f"rl{dead}br")
+        add_host(stale, "10.76.0.1", f"rl{dead}e1", f"rl{dead}v1", f"rl{dead}br")
+        ip("netns", "add", other)
+        removed = clear_abandoned("rl")
+        assert set(removed) >= {stale, f"rl{dead}br"}, removed
+        assert left_behind([stale, other], [f"rl{dead}br", f"rl{dead}v1"]) == [other]
+    finally:
+        remove_host(stale, f"rl{dead}v1")
+        ip("link", "del", f"rl{dead}br", check=False)
+        ip("netns", "del", other, check=False)

@@ -46,7 +46,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, cli_env, free_ports
-from nshosts import add_host, ip, left_behind, make_bridge, remove_host
+from nshosts import add_host, clear_abandoned, ip, left_behind, make_bridge, remove_host
 
 TAG = f"ru{os.getpid() % 100000}"  # interface names <= 15 characters
 NET = "10.78.0"
@@ -210,8 +210,9 @@ def cluster():
         shutil.copy(root / "key.pub", root / "authorized_keys")
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation folder
         Path("/tmp/ray").mkdir(exist_ok=True)  # the mount point of each host's own /tmp/ray
+        clear_abandoned("ru")  # a killed earlier session's bridge would still route NET
         if f"{NET}.0/24" in ip("route").stdout:
-            pytest.fail(f"{NET}.0/24 is already routed on this machine (hosts an earlier run left behind?)")
+            pytest.fail(f"{NET}.0/24 is already routed on this machine (another test session running?)")
         try:
             _make_network()
         except RuntimeError as exc:
