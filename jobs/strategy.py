@@ -119,4 +119,10 @@ def read_accelerate_config(spec: JobSpec, base: str | Path = ".") -> AccelerateC
             raise SpecError([f"accelerate.config_file: {exc}"]) from None
     if out.distributed_type == "DEEPSPEED" and spec.accelerate.fsdp is not None:
         raise SpecError(["accelerate.fsdp: the config file asks for DeepSpeed; keep one of the two strategies"])
+    if out.distributed_type == "DEEPSPEED" and spec.scaling.elastic_min < spec.scaling.num_nodes:
+        raise SpecError([
+            f"scaling.min_nodes: {spec.scaling.min_nodes} makes the run elastic, but accelerate.config_file asks for "
+            "DeepSpeed, whose ZeRO checkpoints load only at the world size that saved them (another size needs "
+            "DeepSpeed's offline ds_to_universal conversion), so the run could not resume after a resize. Shard "
+            "with accelerate.fsdp instead (its checkpoints load at any world size), or leave scaling.min_nodes out"])
     return out

@@ -26,6 +26,7 @@ from cluster.connect import AuthTokenMissing, check_auth_token
 from cluster.upload import UploadPlan, plan_upload
 from jobs.spec import JobSpec, SpecError, load_spec
 from jobs.environment import Secrets
+from jobs.strategy import read_accelerate_config
 
 __all__ = [
     "JobsError",
@@ -94,6 +95,7 @@ def plan_submit(
     spec = load_spec(spec_path, overrides, literals=literals)
     job_secrets = Secrets.read(spec.env)  # from this shell; a missing one stops here, before anything is sent
     check_train_fn(spec.train_fn)
+    read_accelerate_config(spec, base=cwd)  # its config file is read where the job runs too: refuse it here first
     spec_abs = Path(spec_path).resolve()
     try:
         spec_rel = spec_abs.relative_to(cwd)

@@ -158,21 +158,30 @@ def test_deepspeed_passes_through_on_gpu_nodes_and_is_refused_on_cpu_nodes(tmp_p
         section(MINIMAL + "accelerate: {config_file: ds.yaml, fsdp: {}}\n", tmp_path)
 
 
-def test_an_elastic_run_scales_a_deepspeed_files_accumulation(tmp_path):
-    """The global batch an elastic run keeps is the one the config file gives: its accumulation of
-    3 at 4 nodes is 4 at 3 nodes (a size the spec's own 1 would not allow), as every rank gets it."""
+def test_an_elastic_deepspeed_run_is_refused_where_it_is_launched_and_a_fixed_size_keeps_the_files_accumulation(tmp_path):
+    """DeepSpeed's ZeRO checkpoints load only at the world size that saved them: an elastic spec with
+    DeepSpeed is refused by validate and by submit (before anything is sent), naming what to change.
+    At a fixed size the file's accumulation is the one every rank gets."""
     (tmp_path / "ds.yaml").write_text(DEEPSPEED_CONFIG.replace("gradient_accumulation_steps: 4",
                                                                "gradient_accumulation_steps: 3"))
     text = MINIMAL + "accelerate: {config_file: ds.yaml}\nscaling: {num_nodes: 4, min_nodes: 1}\n"
-    cfg = section(text, tmp_path)
-    assert cfg.gradient_accumulation_steps == 3
-    sizes = world_sizes(load_spec_text(text).scaling, 1, cfg.gradient_accumulation_steps)
-    assert [(w.nodes, w.accumulation) for w in sizes] == [(4, 3), (3, 4), (2, 6), (1, 12)]
-    env = strategy_env(cfg.at(sizes[1].accumulation), use_gpu=True)
-    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    with pytest.raises(SpecError, match=r"ZeRO checkpoints load only at the world size that saved them.*"
+                                        r"accelerate\.fsdp instead.*or leave scaling\.min_nodes out"):
+        section(text, tmp_path)
+    (tmp_path / "job.yaml").write_text(text.replace("fns:sharded", "train_fn.digits:train"))
+    for verb in (["validate", "job.yaml"], ["submit", "job.yaml", "--address", "http://127.0.0.1:1"]):
+        done = subprocess.run([sys.executable, "-m", "jobs.cli", *verb], cwd=tmp_path, env=cli_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "scaling.min_nodes: 1 makes the run elastic" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and "submitted" not in done.stdout
+    fixed = section(text.replace(", min_nodes: 1", ""), tmp_path)
+    assert fixed.gradient_accumulation_steps == 3
+    sizes = world_sizes(load_spec_text(text.replace(", min_nodes: 1", "")).scaling, 1, fixed.gradient_accumulation_steps)
+    assert [(w.nodes, w.accumulation) for w in sizes] == [(4, 3)]
+    assert strategy_env(fixed.at(sizes[0].accumulation), use_gpu=True)["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "3"
     # the spec's own accumulation wins over the file's, as everywhere
-    assert section(text.replace("config_file: ds.yaml", "config_file: ds.yaml, gradient_accumulation_steps: 2"),
-                   tmp_path).gradient_accumulation_steps == 2
+    assert section(text.replace(", min_nodes: 1", "").replace("config_file: ds.yaml", "config_file: ds.yaml, "
+                   "gradient_accumulation_steps: 2"), tmp_path).gradient_accumulation_steps == 2
 
 
 def test_validate_prints_the_resolved_configuration(tmp_path):
