@@ -20,6 +20,7 @@ import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cluster.protocol import NodePoll, NodeState, RankFailure, WorkerPayload
@@ -366,6 +367,10 @@ class _ForkServer:
     ``/tmp/pymp-*`` and remove only at a normal exit, never reached by an actor Ray ends:
     that folder is removed with the server. Only multiprocessing's folder is moved, not
     ``tempfile``'s default, so other temporary folders of the process stay where they were.
+    An actor killed outright (its node's memory monitor, a lost job) cannot remove its folder:
+    the folder is named for its process (``raylaunch-mp-<pid namespace>-<pid>-*``), and the next
+    server started on the machine removes those of processes that no longer run (in its own PID
+    namespace only: a container beside it with the same /tmp has pids of its own).
     """
 
     def __init__(self) -> None:
@@ -382,7 +387,10 @@ class _ForkServer:
 
                 config = process.current_process()._config
                 if config.get("tempdir") is None:
-                    self._folder = config["tempdir"] = tempfile.mkdtemp(prefix="raylaunch-mp-")  # short: the socket path has 107 bytes at most
+                    prefix = f"raylaunch-mp-{_pid_namespace()}-"
+                    _remove_abandoned(prefix)
+                    # short: the socket path has 107 bytes at most
+                    self._folder = config["tempdir"] = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
                 self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
                 self._thread.start()
 
@@ -409,6 +417,28 @@ class _ForkServer:
                 if config.get("tempdir") == self._folder:
                     config["tempdir"] = None
                 self._folder = None
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace, as a number (the inode of ``/proc/self/ns/pid``)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # not Linux
+        return "0"
+
+
+def _remove_abandoned(prefix: str) -> None:
+    """Remove the fork-server folders (``<prefix><pid>-*`` in the temp folder) of processes that no longer run."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        pid = folder.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # runs, as another user
+            pass
 
 
 def _start_forkserver() -> None:

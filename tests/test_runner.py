@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -128,7 +129,9 @@ def test_two_stores_starting_at_once_never_take_the_same_port():
 
 def test_the_rank_fork_server_and_its_folder_go_with_the_last_node_actor():
     """A node actor Ray ends never reaches multiprocessing's exit hooks: without this, every node
-    and job left a /tmp/pymp-* folder. Two actors in one process share the server."""
+    and job left a /tmp/pymp-* folder. Two actors in one process share the server. The folder of
+    an actor killed outright goes when the next one starts; a running process's folder and another
+    PID namespace's stay."""
     probe = """
 import os, sys, time
 from multiprocessing import forkserver, process
@@ -146,6 +149,13 @@ print(folder, server is not None, kept, os.path.exists(folder), forkserver._fork
 """
     # A short TMPDIR of its own (a socket's path has at most 107 bytes; pytest's tmp_path is long).
     tmp = Path(tempfile.mkdtemp(prefix="rl-"))
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    dead = next(pid for pid in range(99999, 90000, -1) if not Path(f"/proc/{pid}").exists())
+    killed, running, elsewhere = (tmp / f"raylaunch-mp-{ns}-{dead}-a", tmp / f"raylaunch-mp-{ns}-{os.getpid()}-b",
+                                  tmp / f"raylaunch-mp-1-{dead}-c")
+    for folder in (killed, running, elsewhere):
+        folder.mkdir()
+        (folder / "listener-x").touch()
     try:
         proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**cli_env(), "TMPDIR": str(tmp)},
                               capture_output=True, text=True, timeout=200)
@@ -155,6 +165,8 @@ print(folder, server is not None, kept, os.path.exists(folder), forkserver._fork
         assert kept == "True"  # the second actor still uses it
         assert (exists, pid) == ("False", "None")  # gone with the last one
         assert not list(tmp.glob("pymp-*"))
+        assert not killed.exists() and running.exists() and elsewhere.exists()
+        assert folder.startswith(f"{tmp}/raylaunch-mp-{ns}-")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
