@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from importlib import metadata
 from typing import Mapping
 
 from jobs.spec import EnvSpec, SpecError
 
-__all__ = ["MASK", "Secrets", "check_requirements"]
+__all__ = ["MASK", "RUNNER_PACKAGES", "Secrets", "check_requirements", "with_runner_pins"]
 
 MASK = "***"
 
@@ -51,17 +52,51 @@ class Secrets:
         return text
 
 
-def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str | None:
-    """Resolve ``env.pip``'s requirements here with pip (nothing is installed).
+# What every rank imports for the runner: a job's packages must not replace them (a package that
+# pins another torch would make pip install a second, several-GB torch over the nodes' own, CUDA
+# build included, and the ranks would train on it).
+RUNNER_PACKAGES = ("torch", "accelerate")
 
-    Raises ``SpecError`` quoting pip when one cannot be found: Ray would otherwise try to build
-    the environment three times on every node (minutes) before it gives up. Returns a warning
-    when pip could not finish within ``timeout_s`` (the nodes will try anyway), else None.
+
+def with_runner_pins(requirements: list[str]) -> list[str]:
+    """``requirements`` and ``name==version`` of each runner package installed here that they do
+    not name themselves (naming one chooses its version). Here is where the job runs (the
+    driver), so the versions are the cluster's. Nothing is added to an empty list."""
+    if not requirements:
+        return []
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    named = set()
+    for line in requirements:
+        try:
+            named.add(canonicalize_name(Requirement(line).name))
+        except InvalidRequirement:  # an option line of a requirements file (-i ..., --extra-index-url ...)
+            pass
+    pins = []
+    for name in RUNNER_PACKAGES:
+        if name not in named:
+            try:
+                pins.append(f"{name}=={metadata.version(name)}")
+            except metadata.PackageNotFoundError:
+                pass
+    return [*requirements, *pins]
+
+
+def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str | None:
+    """Resolve ``env.pip``'s requirements here with pip (nothing is installed), with the runner's
+    packages held at the versions installed here (``with_runner_pins``), as the nodes install them.
+
+    Raises ``SpecError`` quoting pip when one cannot be found or would need another torch or
+    Accelerate: Ray would otherwise try to build the environment three times on every node
+    (minutes) before it gives up. Returns a warning when pip could not finish within
+    ``timeout_s`` (the nodes will try anyway), else None.
     """
     if not requirements:
         return None
+    pinned = with_runner_pins(requirements)
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-input",
-           "--disable-pip-version-check", *requirements]
+           "--disable-pip-version-check", *pinned]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -69,6 +104,9 @@ def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str
     if done.returncode != 0:
         errors = [ln.strip() for ln in done.stderr.splitlines() if ln.startswith("ERROR")] or \
             done.stderr.strip().splitlines()[-2:]
+        held = [pin for pin in pinned[len(requirements):] if pin.split("==")[0] in done.stderr]
         raise SpecError([f"env.pip: {requirements} cannot be installed (pip, checked where the job is launched "
-                         f"before any node starts): {' | '.join(errors)[:800]}"])
+                         f"before any node starts): {' | '.join(errors)[:800]}"
+                         + (f". The job's packages are installed with {', '.join(held)} kept (the versions the "
+                            "runner uses here); name one in env.pip to choose its version yourself" if held else "")])
     return None

@@ -11,6 +11,7 @@ import time
 import ray
 
 from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, fitting_nodes
+from jobs.environment import with_runner_pins
 from jobs.policy import WorldSize, fit
 from jobs.record import Recorder
 from jobs.spec import JobSpec
@@ -28,7 +29,7 @@ def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str 
         can_grow=can_grow, on_wait=recorder.say,
         socket_ifname=spec.rendezvous.socket_ifname,
         env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
-                   secrets=recorder.secrets.values, pip=env.requirements),
+                   secrets=recorder.secrets.values, pip=with_runner_pins(env.requirements)),
     )
     recorder.mark("reserved")
     r = recorder.result

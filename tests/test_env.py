@@ -7,12 +7,14 @@ import io
 import secrets
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, cli_env
 from jobs.driver import Driver
+from jobs.environment import with_runner_pins
 from jobs.spec import SpecError, load_spec_text
 
 SECRET_NAME = "RAYLAUNCH_TEST_HF_TOKEN"
@@ -85,7 +87,7 @@ def test_an_unset_secret_stops_the_run_before_anything_starts(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_one_fails_first(
+def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_or_torch_replacing_one_fails_first(
         ray_cluster, tmp_path, monkeypatch):
     """`humanize` is not in the project's environment; Ray installs it for the job on each node.
 
@@ -106,3 +108,17 @@ def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_one_fails_
     assert "env.pip: ['raylaunch-no-such-package-xyz'] cannot be installed" in str(refused.value)
     assert "No matching distribution found for raylaunch-no-such-package-xyz" in str(refused.value)
     assert not (tmp_path / "runs" / "pip-bad").exists()  # nothing started, nothing written
+
+    # A package that needs another torch would install a second one over the nodes' own: refused,
+    # naming the version kept and how to choose another.
+    torch_pin = f"torch=={metadata.version('torch')}"
+    other = Driver(load_spec_text(_spec(tmp_path, "pip-torch", pip="[torchvision==0.20.0]", nodes=1)),
+                   can_grow=False, out=io.StringIO())
+    with pytest.raises(SpecError) as refused:
+        other.run()
+    assert f"Cannot install {torch_pin} and torchvision==0.20.0" in str(refused.value)
+    assert f"installed with {torch_pin} kept" in str(refused.value) and "name one in env.pip" in str(refused.value)
+    assert not (tmp_path / "runs" / "pip-torch").exists()
+    assert with_runner_pins(["humanize"]) == ["humanize", torch_pin, f"accelerate=={metadata.version('accelerate')}"]
+    assert with_runner_pins(["Torch>=2", "--extra-index-url https://example.org"])[-1].startswith("accelerate==")
+    assert with_runner_pins([]) == []
