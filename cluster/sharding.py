@@ -323,9 +323,40 @@ def _fsdp_on_cpu() -> None:
             self.fsdp_plugin = plugin
             self.distributed_type = DistributedType.FSDP
             PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            if getattr(plugin, "fsdp_version", 1) == 1:
+                # Accelerate's multi-CPU device is "cpu:0", which FSDP1 passes on as device_id;
+                # FSDP1 computes on "cpu" and refuses the pair ("Inconsistent compute device").
+                import torch
+
+                self.device = PartialState._shared_state["device"] = torch.device("cpu")
+                _fsdp1_full_state_on_cpu()
 
     __init__._raylaunch_fsdp = True  # type: ignore[attr-defined]
     AcceleratorState.__init__ = __init__
+
+
+def _fsdp1_full_state_on_cpu() -> None:
+    """FSDP1's full state dict with ``offload_to_cpu`` crashes the process when the parameters are on
+    the CPU already (torch 2.13: SIGSEGV in its post-state-dict hook, or "setStorage ... out of bounds"
+    with ``use_orig_params=False``); Accelerate asks for it in ``get_state_dict`` and for
+    ``state_dict_type: full`` saves. On a CPU node the offload is a copy onto the same device, so
+    the configs are passed on without it. Idempotent."""
+    import dataclasses
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if getattr(FSDP.set_state_dict_type, "_raylaunch_cpu", False):
+        return
+    original = FSDP.set_state_dict_type
+
+    def set_state_dict_type(module: Any, state_dict_type: Any, state_dict_config: Any = None,
+                            optim_state_dict_config: Any = None) -> Any:
+        configs = [c if not getattr(c, "offload_to_cpu", False) else dataclasses.replace(c, offload_to_cpu=False)
+                   for c in (state_dict_config, optim_state_dict_config)]
+        return original(module, state_dict_type, *configs)
+
+    set_state_dict_type._raylaunch_cpu = True  # type: ignore[attr-defined]
+    FSDP.set_state_dict_type = staticmethod(set_state_dict_type)
 
 
 def _report_shards(rank: int, world: int) -> None:

@@ -379,7 +379,12 @@ def sharded(config: dict) -> dict:
                 time.sleep(float(config.get("fail_delay_s", 3.0)))  # the commit happens first
                 os._exit(7)
     info = shard_info(model)
+    # The whole model as a user saves it at the end (a collective: every rank; rank 0 gets it all).
+    gathered = accelerator.get_state_dict(model) if config.get("gather") else {}
+    whole = hashlib.sha256(b"".join(k.encode() + v.cpu().contiguous().numpy().tobytes()
+                                    for k, v in sorted(gathered.items()))).hexdigest()[:16] if gathered else None
     return {"rank": rank, "world_size": world, "distributed_type": str(accelerator.distributed_type),
+            "gathered": whole,
             "model_class": type(model).__name__, "local_params": info.local_params,
             "total_params": info.total_params, "restored_step": restored, "loaded": loaded, "final": digest(),
             "rng_seed": torch.initial_seed(), "mixed_precision": accelerator.mixed_precision}
