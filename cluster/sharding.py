@@ -168,6 +168,8 @@ def _env_for(r: Resolved, use_gpu: bool) -> dict[str, str]:
         setattr(args, key, value)  # as accelerate launch copies a config file's section onto its flags
     if not use_gpu:  # Accelerate loads on rank 0 and broadcasts from its GPU: every rank loads itself on CPU
         args.fsdp_cpu_ram_efficient_loading = args.fsdp_sync_module_states = "false"
+        # The parameters are in CPU memory already; asked to offload them, FSDP looks for an accelerator
+        args.fsdp_offload_params = "false"
     before = dict(os.environ)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its port check is about its own launcher, not ours
@@ -294,6 +296,10 @@ def install(accelerate: Mapping[str, Any], *, use_gpu: bool, rank: int = 0, worl
             if str(r.fsdp_config.get("fsdp_cpu_ram_efficient_loading")).lower() == "true" and rank == 0:
                 print("raylaunch: fsdp_cpu_ram_efficient_loading is off on CPU nodes (Accelerate broadcasts rank 0's "
                       "weights from its GPU): every rank loads the weights itself", file=sys.stderr, flush=True)
+            if str(r.fsdp_config.get("fsdp_offload_params")).lower() == "true" and rank == 0:
+                print("raylaunch: fsdp_offload_params is off on CPU nodes: the parameters are in CPU memory already "
+                      "(FSDP would look for a GPU to compute on); it takes effect on GPU nodes", file=sys.stderr,
+                      flush=True)
             _fsdp_on_cpu()
         _report_shards(rank, world)
     return r

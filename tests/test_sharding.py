@@ -98,6 +98,9 @@ def test_spec_fsdp_becomes_the_variables_accelerate_launch_exports(monkeypatch):
     assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "BertLayer"
     assert env["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"
     assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    offload = dataclasses.replace(spec.accelerate, fsdp=dataclasses.replace(spec.accelerate.fsdp, offload_params=True))
+    assert strategy_env(dataclasses.asdict(offload), use_gpu=True)["FSDP_OFFLOAD_PARAMS"] == "true"
+    assert strategy_env(dataclasses.asdict(offload), use_gpu=False)["FSDP_OFFLOAD_PARAMS"] == "false"
     # Accelerate's own plugin, built from the environment as an unchanged Accelerator() builds it
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -309,12 +312,15 @@ def test_a_sharded_checkpoint_from_a_config_file_resumes_at_another_world_size(r
 
 def test_the_transformers_example_trains_with_fsdp_by_changing_only_the_spec(ray_cluster, tmp_path):
     spec = load_spec(ROOT / "jobs/examples/digits.yaml", [
-        "accelerate.fsdp={transformer_layer_cls_to_wrap: [BertLayer]}", f"storage={tmp_path}",
+        "accelerate.fsdp={transformer_layer_cls_to_wrap: [BertLayer], offload_params: true}", f"storage={tmp_path}",
         "config.epochs=1", "config.train_samples=128", "config.batch_size=16"])
     out = io.StringIO()
     result = Driver(spec, can_grow=False, out=out).run()
     assert result.status == "succeeded", result.error
     assert result.world_size == 2 and result.rank_results["0"]["steps"] == 4
     assert "model sharded with FSDP over 2 ranks" in out.getvalue()
+    # a spec written for GPUs runs on CPU nodes: offloading to the CPU is left out there, and said
+    # (FSDP asked to offload failed every rank: "Cannot access accelerator device")
+    assert "fsdp_offload_params is off on CPU nodes" in out.getvalue()
     files = manifest(tmp_path, spec.name, 4)["files"]
     assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= set(files)
