@@ -368,7 +368,7 @@ class _ForkServer:
     that folder is removed with the server. Only multiprocessing's folder is moved, not
     ``tempfile``'s default, so other temporary folders of the process stay where they were.
     An actor killed outright (its node's memory monitor, a lost job) cannot remove its folder:
-    the folder is named for its process (``raylaunch-mp-<pid namespace>-<pid>-*``), and the next
+    the folder is named for its process (``raylaunch-mp-<pid namespace>-<pid>``, both in hex), and the next
     server started on the machine removes those of processes that no longer run (in its own PID
     namespace only: a container beside it with the same /tmp has pids of its own).
     """
@@ -389,8 +389,11 @@ class _ForkServer:
                 if config.get("tempdir") is None:
                     prefix = f"raylaunch-mp-{_pid_namespace()}-"
                     _remove_abandoned(prefix)
-                    # short: the socket path has 107 bytes at most
-                    self._folder = config["tempdir"] = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+                    # One per process; hex, short: the socket path under it has 107 bytes at most.
+                    folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
+                    shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
+                    folder.mkdir(mode=0o700)
+                    self._folder = config["tempdir"] = str(folder)
                 self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
                 self._thread.start()
 
@@ -420,21 +423,22 @@ class _ForkServer:
 
 
 def _pid_namespace() -> str:
-    """This process's PID namespace, as a number (the inode of ``/proc/self/ns/pid``)."""
+    """This process's PID namespace, in hex (the inode of ``/proc/self/ns/pid``)."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
+        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
     except OSError:  # not Linux
         return "0"
 
 
 def _remove_abandoned(prefix: str) -> None:
-    """Remove the fork-server folders (``<prefix><pid>-*`` in the temp folder) of processes that no longer run."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
-        pid = folder.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit():
+    """Remove the fork-server folders (``<prefix><pid in hex>`` in the temp folder) of processes that no longer run."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            pid = int(folder.name[len(prefix):], 16)
+        except ValueError:
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
         except OSError:  # runs, as another user

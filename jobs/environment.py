@@ -16,7 +16,7 @@ from typing import Mapping
 
 from jobs.spec import EnvSpec, SpecError
 
-__all__ = ["MASK", "RUNNER_PACKAGES", "Secrets", "check_requirements", "with_runner_pins"]
+__all__ = ["MASK", "RUNNER_PACKAGES", "Secrets", "check_requirements", "runner_versions", "with_runner_pins"]
 
 MASK = "***"
 
@@ -58,29 +58,55 @@ class Secrets:
 RUNNER_PACKAGES = ("torch", "accelerate")
 
 
-def with_runner_pins(requirements: list[str]) -> list[str]:
-    """``requirements`` and ``name==version`` of each runner package installed here that they do
-    not name themselves (naming one chooses its version). Here is where the job runs (the
-    driver), so the versions are the cluster's. Nothing is added to an empty list."""
-    if not requirements:
-        return []
+def runner_versions() -> dict[str, str]:
+    """The versions of ``RUNNER_PACKAGES`` installed where this runs, without a local label
+    (``2.13.0``, not ``2.13.0+cu121``: a pin must match a node's CUDA build and its CPU one alike)."""
+    from packaging.version import Version
+
+    out = {}
+    for name in RUNNER_PACKAGES:
+        try:
+            out[name] = Version(metadata.version(name)).public
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _named(requirements: list[str]) -> set[str]:
+    """The runner packages that ``requirements`` choose a version of themselves."""
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
 
-    named = set()
+    named: set[str] = set()
     for line in requirements:
+        text = line.split(" #", 1)[0].strip()
+        if not text or text.startswith("#"):
+            continue
+        if text.startswith(("-r", "--requirement", "-c", "--constraint")):
+            return set(RUNNER_PACKAGES)  # another file decides: pin nothing rather than contradict it
         try:
-            named.add(canonicalize_name(Requirement(line).name))
-        except InvalidRequirement:  # an option line of a requirements file (-i ..., --extra-index-url ...)
-            pass
-    pins = []
-    for name in RUNNER_PACKAGES:
-        if name not in named:
-            try:
-                pins.append(f"{name}=={metadata.version(name)}")
-            except metadata.PackageNotFoundError:
-                pass
-    return [*requirements, *pins]
+            req = Requirement(text)
+        except InvalidRequirement:
+            # a URL, a path or an editable (git+https://.../accelerate, ./wheels/torch-2.4.0-....whl,
+            # -e ./vendor/accelerate), or an index option: named when the name is in it
+            if not text.startswith(("--index-url", "-i", "--extra-index-url", "--find-links", "-f",
+                                    "--trusted-host", "--pre", "--no-binary", "--only-binary", "--prefer-binary")):
+                lowered = text.lower()
+                named |= {n for n in RUNNER_PACKAGES if n in lowered}
+            continue
+        if req.marker is None or req.marker.evaluate():
+            named.add(canonicalize_name(req.name))
+    return named
+
+
+def with_runner_pins(requirements: list[str], versions: Mapping[str, str]) -> list[str]:
+    """``requirements`` and ``name==version`` for each of ``versions`` (the runner packages a node
+    has, see ``runner_versions``) that the requirements do not choose themselves. Nothing is
+    added to an empty list."""
+    if not requirements:
+        return []
+    named = _named(requirements)
+    return [*requirements, *(f"{name}=={v}" for name, v in versions.items() if name not in named)]
 
 
 def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str | None:
@@ -94,7 +120,7 @@ def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str
     """
     if not requirements:
         return None
-    pinned = with_runner_pins(requirements)
+    pinned = with_runner_pins(requirements, runner_versions())
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-input",
            "--disable-pip-version-check", *pinned]
     try:
@@ -104,7 +130,7 @@ def check_requirements(requirements: list[str], timeout_s: float = 120.0) -> str
     if done.returncode != 0:
         errors = [ln.strip() for ln in done.stderr.splitlines() if ln.startswith("ERROR")] or \
             done.stderr.strip().splitlines()[-2:]
-        held = [pin for pin in pinned[len(requirements):] if pin.split("==")[0] in done.stderr]
+        held = [pin for pin in pinned[len(requirements):] if pin in done.stderr]  # pip quotes what it was asked
         raise SpecError([f"env.pip: {requirements} cannot be installed (pip, checked where the job is launched "
                          f"before any node starts): {' | '.join(errors)[:800]}"
                          + (f". The job's packages are installed with {', '.join(held)} kept (the versions the "

@@ -11,13 +11,22 @@ import time
 import ray
 
 from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, fitting_nodes
-from jobs.environment import with_runner_pins
+from jobs.environment import runner_versions, with_runner_pins
 from jobs.policy import WorldSize, fit
 from jobs.record import Recorder
 from jobs.spec import JobSpec
 from jobs.storage import RunDir, StorageError
 
 __all__ = ["NodeRequest", "check_shared_storage", "reserve", "reserve_elastic"]
+
+
+def _cluster_runner_versions() -> dict[str, str]:
+    """torch's and Accelerate's versions on a node of the cluster (the driver may be elsewhere: a
+    laptop through Ray Client), for ``env.pip``'s pins; this process's when no node answers."""
+    try:
+        return ray.get(ray.remote(num_cpus=0)(runner_versions).remote(), timeout=120)
+    except Exception:  # noqa: BLE001 - the pins are a safeguard: the job's own packages still install
+        return runner_versions()
 
 
 def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str | None, *,
@@ -29,7 +38,8 @@ def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str 
         can_grow=can_grow, on_wait=recorder.say,
         socket_ifname=spec.rendezvous.socket_ifname,
         env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
-                   secrets=recorder.secrets.values, pip=with_runner_pins(env.requirements)),
+                   secrets=recorder.secrets.values,
+                   pip=with_runner_pins(env.requirements, _cluster_runner_versions()) if env.requirements else []),
     )
     recorder.mark("reserved")
     r = recorder.result

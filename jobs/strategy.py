@@ -123,6 +123,7 @@ def read_accelerate_config(spec: JobSpec, base: str | Path = ".") -> AccelerateC
         raise SpecError([
             f"scaling.min_nodes: {spec.scaling.min_nodes} makes the run elastic, but accelerate.config_file asks for "
             "DeepSpeed, whose ZeRO checkpoints load only at the world size that saved them (another size needs "
-            "DeepSpeed's offline ds_to_universal conversion), so the run could not resume after a resize. Shard "
-            "with accelerate.fsdp instead (its checkpoints load at any world size), or leave scaling.min_nodes out"])
+            "DeepSpeed's offline ds_to_universal conversion), so the run could not resume after a resize. Replace "
+            "the DeepSpeed config file with accelerate.fsdp (its checkpoints load at any world size), or leave "
+            "scaling.min_nodes out"])
     return out

@@ -95,7 +95,10 @@ def plan_submit(
     spec = load_spec(spec_path, overrides, literals=literals)
     job_secrets = Secrets.read(spec.env)  # from this shell; a missing one stops here, before anything is sent
     check_train_fn(spec.train_fn)
-    read_accelerate_config(spec, base=cwd)  # its config file is read where the job runs too: refuse it here first
+    config_file = spec.accelerate.config_file
+    if config_file is None or not Path(config_file).expanduser().is_absolute():
+        # a file of the project (uploaded with it): a bad one is refused here, not on the cluster
+        read_accelerate_config(spec, base=cwd)
     spec_abs = Path(spec_path).resolve()
     try:
         spec_rel = spec_abs.relative_to(cwd)

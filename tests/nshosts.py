@@ -62,7 +62,8 @@ def clear_abandoned(prefix: str) -> list[str]:
     killed before its teardown (a CI job stopped at its time limit) leaves its bridge routing the
     tier's subnet, and every later run would fail on it. What belongs to a pytest that no longer
     runs is removed, with the processes still inside its namespaces; what a running session owns
-    is left alone, and so are names of any other form. Returns what was removed."""
+    is left alone, and so are names of any other form (a pytest is told by its command line: the
+    Makefile's plain ``python -m pytest``; pytest-xdist's workers would not be). Returns what was removed."""
     own = re.compile(rf"^{re.escape(prefix)}(\d+)(?:-h\d+|br|v\d+|e\d+)$")
 
     def abandoned(name: str) -> bool:

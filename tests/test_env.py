@@ -7,14 +7,13 @@ import io
 import secrets
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, cli_env
 from jobs.driver import Driver
-from jobs.environment import with_runner_pins
+from jobs.environment import runner_versions, with_runner_pins
 from jobs.spec import SpecError, load_spec_text
 
 SECRET_NAME = "RAYLAUNCH_TEST_HF_TOKEN"
@@ -111,7 +110,9 @@ def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_or_torch_r
 
     # A package that needs another torch would install a second one over the nodes' own: refused,
     # naming the version kept and how to choose another.
-    torch_pin = f"torch=={metadata.version('torch')}"
+    versions = runner_versions()
+    torch_pin = f"torch=={versions['torch']}"
+    assert "+" not in torch_pin  # the public version: a node's +cu121 build and a +cpu one both satisfy it
     other = Driver(load_spec_text(_spec(tmp_path, "pip-torch", pip="[torchvision==0.20.0]", nodes=1)),
                    can_grow=False, out=io.StringIO())
     with pytest.raises(SpecError) as refused:
@@ -119,6 +120,21 @@ def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_or_torch_r
     assert f"Cannot install {torch_pin} and torchvision==0.20.0" in str(refused.value)
     assert f"installed with {torch_pin} kept" in str(refused.value) and "name one in env.pip" in str(refused.value)
     assert not (tmp_path / "runs" / "pip-torch").exists()
-    assert with_runner_pins(["humanize"]) == ["humanize", torch_pin, f"accelerate=={metadata.version('accelerate')}"]
-    assert with_runner_pins(["Torch>=2", "--extra-index-url https://example.org"])[-1].startswith("accelerate==")
-    assert with_runner_pins([]) == []
+
+
+def test_env_pip_pins_torch_and_accelerate_unless_the_requirements_choose_them():
+    v = {"torch": "2.13.0", "accelerate": "1.15.0"}
+    pins = ["torch==2.13.0", "accelerate==1.15.0"]
+    assert with_runner_pins(["humanize"], v) == ["humanize", *pins]
+    assert with_runner_pins([], v) == []
+    index = "--extra-index-url https://example.org/simple"
+    assert with_runner_pins(["Torch>=2", index], v) == ["Torch>=2", index, "accelerate==1.15.0"]
+    assert with_runner_pins(["accelerate[deepspeed]"], v) == ["accelerate[deepspeed]", "torch==2.13.0"]
+    # a URL, a wheel or an editable names the package too; another requirements file may: pin nothing
+    for line in ["git+https://github.com/huggingface/accelerate", "-e ./vendor/accelerate"]:
+        assert with_runner_pins([line], v) == [line, "torch==2.13.0"]
+    assert with_runner_pins(["./wheels/torch-2.4.0-cp311-cp311-linux_x86_64.whl"], v)[-1] == "accelerate==1.15.0"
+    assert with_runner_pins(["humanize", "-r more.txt"], v) == ["humanize", "-r more.txt"]
+    # a requirement whose marker is false on the nodes chooses nothing there
+    never = 'torch==2.4; python_version < "3"'
+    assert with_runner_pins([never], v) == [never, *pins]

@@ -219,16 +219,20 @@ def test_a_cut_link_is_a_lost_node_within_the_heartbeat_bound(hosts, tmp_path):
 def test_hosts_a_killed_session_left_are_removed_and_others_kept():
     """A session killed before its teardown leaves its bridge and namespaces; the next one removes
     them (they would route its subnet), and leaves alone names that are not a test session's."""
-    dead = next(pid for pid in range(99999, 90000, -1) if not Path(f"/proc/{pid}").exists())
-    stale, other = f"rl{dead}-h1", "rlkeep-h1"
+    import nshosts
+
+    dead = next(pid for pid in range(99999, 90000, -1) if not nshosts._runs(pid))
+    stale, other, running = f"rl{dead}-h1", "rlkeep-h1", f"rl{os.getpid() % 100000}-h9"  # this session's
     try:
         make_bridge(f"rl{dead}br")
         add_host(stale, "10.76.0.1", f"rl{dead}e1", f"rl{dead}v1", f"rl{dead}br")
         ip("netns", "add", other)
+        ip("netns", "add", running)
         removed = clear_abandoned("rl")
         assert set(removed) >= {stale, f"rl{dead}br"}, removed
-        assert left_behind([stale, other], [f"rl{dead}br", f"rl{dead}v1"]) == [other]
+        assert left_behind([stale, other, running], [f"rl{dead}br", f"rl{dead}v1"]) == [other, running]
     finally:
         remove_host(stale, f"rl{dead}v1")
         ip("link", "del", f"rl{dead}br", check=False)
         ip("netns", "del", other, check=False)
+        ip("netns", "del", running, check=False)

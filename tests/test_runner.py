@@ -149,10 +149,10 @@ print(folder, server is not None, kept, os.path.exists(folder), forkserver._fork
 """
     # A short TMPDIR of its own (a socket's path has at most 107 bytes; pytest's tmp_path is long).
     tmp = Path(tempfile.mkdtemp(prefix="rl-"))
-    ns = os.stat("/proc/self/ns/pid").st_ino
+    ns = f"{os.stat('/proc/self/ns/pid').st_ino:x}"
     dead = next(pid for pid in range(99999, 90000, -1) if not Path(f"/proc/{pid}").exists())
-    killed, running, elsewhere = (tmp / f"raylaunch-mp-{ns}-{dead}-a", tmp / f"raylaunch-mp-{ns}-{os.getpid()}-b",
-                                  tmp / f"raylaunch-mp-1-{dead}-c")
+    killed, running, elsewhere = (tmp / f"raylaunch-mp-{ns}-{dead:x}", tmp / f"raylaunch-mp-{ns}-{os.getpid():x}",
+                                  tmp / f"raylaunch-mp-1-{dead:x}")
     for folder in (killed, running, elsewhere):
         folder.mkdir()
         (folder / "listener-x").touch()

@@ -169,7 +169,7 @@ def test_an_elastic_deepspeed_run_is_refused_where_it_is_launched_and_a_fixed_si
                                                                "gradient_accumulation_steps: 3"))
     text = MINIMAL + "accelerate: {config_file: ds.yaml}\nscaling: {num_nodes: 4, min_nodes: 1}\n"
     with pytest.raises(SpecError, match=r"ZeRO checkpoints load only at the world size that saved them.*"
-                                        r"accelerate\.fsdp instead.*or leave scaling\.min_nodes out"):
+                                        r"Replace the DeepSpeed config file with accelerate\.fsdp.*or leave scaling\.min_nodes out"):
         section(text, tmp_path)
     (tmp_path / "job.yaml").write_text(text.replace("fns:sharded", "train_fn.digits:train"))
     for verb in (["validate", "job.yaml"], ["submit", "job.yaml", "--address", "http://127.0.0.1:1"]):
