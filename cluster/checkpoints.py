@@ -22,7 +22,7 @@ from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.restore import node_verified
-from cluster.sharding import seed_missing_rng
+from cluster.sharding import init_optimizers_for_load, seed_missing_rng
 from cluster.storage_io import CheckpointError, describe_files, is_local, join_uri, open_uri, split_query
 from cluster.layout import CHECKPOINTS, checkpoint_name, run_of_staging
 
@@ -79,6 +79,7 @@ class StagedCheckpoints:
         # Read and verified (on object storage: downloaded) once per node, in the node's scratch folder.
         ctx = self._context
         with node_verified(uri, self._node_dir, ctx.local_world_size) as (ready, manifest):
+            init_optimizers_for_load(accelerator)
             accelerator.load_state(ready)
             load_loader_states(accelerator, ready)
         # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.

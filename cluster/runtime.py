@@ -38,7 +38,7 @@ from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.protocol import EventKind, WorkerPayload
-from cluster.sharding import Resolved
+from cluster.sharding import Resolved, init_optimizers_for_load
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 
@@ -235,6 +235,7 @@ class Session:
             if not latest.exists():
                 return None
             name = latest.read_text().strip()
+            init_optimizers_for_load(accelerator)
             accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
             load_loader_states(accelerator, str(self._local_dir / CHECKPOINTS / name))
             return checkpoint_step(name)

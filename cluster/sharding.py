@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-__all__ = ["FSDP_DEFAULTS", "STRATEGY_PREFIXES", "Resolved", "deepspeed_on_cpu_message", "missing_shards", "seed_missing_rng", "ShardInfo", "install", "resolve", "shard_info", "strategy_env"]
+__all__ = ["FSDP_DEFAULTS", "STRATEGY_PREFIXES", "Resolved", "deepspeed_on_cpu_message", "init_optimizers_for_load", "missing_shards", "seed_missing_rng", "ShardInfo", "install", "resolve", "shard_info", "strategy_env"]
 
 # The variables of the strategy that ``accelerate launch`` exports, by prefix.
 STRATEGY_PREFIXES = ("ACCELERATE_USE_FSDP", "FSDP_", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_")
@@ -363,6 +363,27 @@ def _fsdp1_full_state_on_cpu() -> None:
 
     set_state_dict_type._raylaunch_cpu = True  # type: ignore[attr-defined]
     FSDP.set_state_dict_type = staticmethod(set_state_dict_type)
+
+
+def init_optimizers_for_load(accelerator: Any) -> None:
+    """Before ``load_state`` under FSDP1 with sharded checkpoints: give every optimizer its state.
+
+    Accelerate reads an FSDP1 sharded optimizer checkpoint into ``FSDP.optim_state_dict(model,
+    optimizer)`` of the optimizer as it is; one that never stepped (every resume) has no state
+    there, so nothing of it was loaded and training went on with fresh Adam moments, without a word
+    (a resumed run diverged from an uninterrupted one). torch's own initialisation for its
+    state-dict API (a step with zero gradients and learning rate 0) makes the state to load into.
+    FSDP2 and full checkpoints load without it."""
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if (getattr(accelerator, "distributed_type", None) != DistributedType.FSDP or plugin is None
+            or getattr(plugin, "fsdp_version", 1) != 1 or "FULL" in str(plugin.state_dict_type)):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    for optimizer in accelerator._optimizers:
+        _init_optim_state(getattr(optimizer, "optimizer", optimizer))
 
 
 def _report_shards(rank: int, world: int) -> None:

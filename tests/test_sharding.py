@@ -273,7 +273,9 @@ def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_c
 def test_fsdp1_shards_saves_its_full_state_and_resumes_exactly_on_cpu_nodes(ray_cluster, tmp_path):
     """FSDP1 (`version: 1`) on CPU nodes: Accelerate's device "cpu:0" was refused by FSDP1 ("Inconsistent
     compute device"), and its full state dict crashed the rank (SIGSEGV) when offloading to the CPU
-    it was on. Trains sharded, saves full checkpoints, resumes bit for bit, gathers the model."""
+    it was on. Trains sharded, saves full checkpoints, resumes bit for bit, gathers the model; and
+    from sharded checkpoints (the default) resumes bit for bit too: Accelerate loaded an FSDP1 sharded
+    optimizer into the state of an optimizer that never stepped, so Adam's moments were lost."""
     acc = "{fsdp: {version: 1, state_dict_type: full}}"
     whole, log = run("v1", tmp_path, steps=8, accelerate=acc, extra=", gather: true")
     ranks = whole.rank_results
@@ -283,10 +285,12 @@ def test_fsdp1_shards_saves_its_full_state_and_resumes_exactly_on_cpu_nodes(ray_
     assert "rank 1: model sharded with FSDP over 2 ranks" in log
     assert ranks["0"]["gathered"] is not None and ranks["1"]["gathered"] is None  # rank 0 gets the whole model
     assert RunDir(str(tmp_path), "v1").loadable_checkpoint().step == 8
-    cut, _ = run("v1-cut", tmp_path, steps=8, accelerate=acc, extra=", gather: true, fail_at: 4")
-    assert cut.restarts == 1 and cut.rank_results["0"]["restored_step"] == 4
-    assert cut.rank_results["0"]["final"] == ranks["0"]["final"]
-    assert cut.rank_results["0"]["gathered"] == ranks["0"]["gathered"]
+    for state in ("full", "sharded"):
+        cut, _ = run(f"v1-cut-{state}", tmp_path, steps=8, accelerate=acc.replace("full", state),
+                     extra=", gather: true, fail_at: 4")
+        assert cut.restarts == 1 and cut.rank_results["0"]["restored_step"] == 4
+        assert cut.rank_results["0"]["final"] == ranks["0"]["final"], state
+        assert cut.rank_results["0"]["gathered"] == ranks["0"]["gathered"], state
 
 
 def test_a_sharded_checkpoint_from_a_config_file_resumes_at_another_world_size(ray_cluster, tmp_path):
