@@ -38,10 +38,24 @@ def save_loader_states(accelerator: Any, path: str) -> None:
 
 
 def load_loader_states(accelerator: Any, path: str) -> None:
-    """After ``load_state``: put back this rank's own positions, where the checkpoint has them."""
+    """After ``load_state``: put back this rank's own positions, where the checkpoint has them.
+
+    A position is a place in the rank's own share of the data at the world size that saved it; at
+    another world size (an elastic resize) the shares differ and no position maps onto them, which
+    rank 0 says (the samples of the resumed epoch may repeat or be skipped)."""
+    import sys
+
     import torch
 
-    for i, dl in _stateful(accelerator):
+    loaders = _stateful(accelerator)
+    saved = len([f for f in os.listdir(path) if f.startswith("dl_state_rank") and "_" not in f[len("dl_state_rank"):]])
+    if loaders and saved and saved != accelerator.num_processes and accelerator.is_main_process:
+        print(f"raylaunch: the checkpoint's data loader positions were saved by {saved} ranks and this attempt has "
+              f"{accelerator.num_processes}: each is a place in one rank's share of the data, which differs now, so "
+              "samples of the resumed epoch may repeat or be skipped (the stateful data loader cannot carry a "
+              "position to another world size; a seedable sampler with skip_first_batches can, see "
+              "train_fn/digits.py)", file=sys.stderr, flush=True)
+    for i, dl in loaders:
         f = _file(path, i, accelerator.process_index)
         if os.path.exists(f):
             dl.load_state_dict(torch.load(f, weights_only=True))

@@ -186,3 +186,16 @@ def test_the_streaming_example_trains_the_digits_bert_from_parquet_shards(ray_cl
     latest = json.loads((tmp_path / "runs" / "digits-stream" / "checkpoints" / "latest.json").read_text())
     files = os.listdir(tmp_path / "runs" / "digits-stream" / "checkpoints" / f"checkpoint-{latest['step']:08d}")
     assert {"dl_state_rank0.bin", "dl_state_rank1.bin"} <= set(files)
+
+    # Resumed on one node (an elastic shrink): a stream's per-rank position cannot carry over, and
+    # rank 0 says so; the run goes on, its one rank reading all 8 files (16 batches an epoch).
+    import io
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "jobs" / "examples" / "digits-stream.yaml", [
+        "config.epochs=3", "config.train_samples=256", "config.checkpoint_every=5", f"config.data_dir={tmp_path / 'data'}",
+        f"storage={tmp_path / 'runs'}", "timeouts.placement_s=60", "scaling.num_nodes=1"])
+    out = io.StringIO()
+    one = Driver(spec, can_grow=False, out=out).run()
+    assert one.status == "succeeded", one.error
+    assert one.return_value["restored_step"] == 16 and one.return_value["steps"] == 32
+    assert "data loader positions were saved by 2 ranks and this attempt has 1" in out.getvalue()
