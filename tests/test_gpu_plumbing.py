@@ -35,18 +35,27 @@ def test_auto_counts_the_gpus_and_each_rank_gets_its_own_device(gpu_nodes, tmp_p
 
     group = NodeGroup.create(placement, timeout_s=60, can_grow=False)
     try:
-        def payload(ctx, events_path):
-            return WorkerPayload(context=ctx, attempt=1, train_fn="fns:gpu_probe", config={},
-                                 events_path=events_path, staging_uri=str(tmp_path / "staging"), restore_uri=None,
-                                 backend="gloo")
+        for attempt in (1, 2):
+            def payload(ctx, events_path, attempt=attempt):
+                return WorkerPayload(context=ctx, attempt=attempt, train_fn="fns:gpu_probe", config={},
+                                     events_path=events_path, staging_uri=str(tmp_path / "staging"),
+                                     restore_uri=None, backend="gloo")
 
-        group.start(payload, 1, 120, None)
-        returns: dict[int, dict] = {}
-        deadline = time.monotonic() + 180
-        while len(returns) < 4 and time.monotonic() < deadline:
-            for poll in group.poll(wait_s=1.0):
-                assert not poll.failures, poll.failures
-                returns.update(poll.returns)
+            group.start(payload, attempt, 120, None)
+            returns: dict[int, dict] = {}
+            failures = []
+            deadline = time.monotonic() + 180
+            while len(returns) < 4 and not failures and time.monotonic() < deadline:
+                for poll in group.poll(wait_s=1.0):
+                    failures += poll.failures
+                    returns.update(poll.returns)
+            if not failures:
+                break
+            # Four gloo ranks meshing on a starved 2-core machine once lost a connection (about one run
+            # in ten under load): not what this test is about; any other failure is.
+            said = "\n".join(f"rank {f.rank}: {f.message}" for f in failures)
+            assert attempt == 1 and all("Gloo connectFullMesh failed" in f.message for f in failures), said
+            group.stop()
         assert sorted(returns) == [0, 1, 2, 3], f"ranks that returned: {sorted(returns)}"
     finally:
         group.shutdown()
