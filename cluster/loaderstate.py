@@ -48,8 +48,10 @@ def load_loader_states(accelerator: Any, path: str) -> None:
     import torch
 
     loaders = _stateful(accelerator)
+    if not loaders:
+        return
     saved = len([f for f in os.listdir(path) if f.startswith("dl_state_rank") and "_" not in f[len("dl_state_rank"):]])
-    if loaders and saved and saved != accelerator.num_processes and accelerator.is_main_process:
+    if saved and saved != accelerator.num_processes and accelerator.is_main_process:
         print(f"raylaunch: the checkpoint's data loader positions were saved by {saved} ranks and this attempt has "
               f"{accelerator.num_processes}: each is a place in one rank's share of the data, which differs now, so "
               "samples of the resumed epoch may repeat or be skipped (the stateful data loader cannot carry a "
