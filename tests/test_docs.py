@@ -1,0 +1,100 @@
+"""The README and the manual under docs/: every link reaches a file and, with a #fragment, a heading
+of it; every page of the manual is linked from the README's index; the README stays a door."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").rglob("*.md")])
+
+# Pages linked before they exist, each with the work that writes it; once the file is there its
+# links are checked like any other (and this entry can go).
+PENDING = {"docs/launch.md": "`raylaunch launch`, written with the feature (issue 28)"}
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks and inline code, where links are links."""
+    return _CODE.sub("", _FENCE.sub("", text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text, lower case, without punctuation, spaces as '-'.
+
+    >>> slug("Elastic runs: `scaling.min_nodes`")
+    'elastic-runs-scalingmin_nodes'
+    >>> slug("Elastic: node lost -> training again: `make bench-elastic`")
+    'elastic-node-lost---training-again-make-bench-elastic'
+    """
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")  # a link's text, code's text
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading's anchor on a page, repeated ones numbered as GitHub does (-1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in _HEADING.findall(_FENCE.sub("", page.read_text())):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(page: Path) -> list[str]:
+    return [t for t in _LINK.findall(_prose(page.read_text()))
+            if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # https:, mailto: ... are not checked here
+
+
+def broken(page: Path) -> list[str]:
+    out = []
+    for target in links(page):
+        path, _, fragment = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        name = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
+        if not dest.exists():
+            if name not in PENDING:
+                out.append(f"{target}: no file {name}")
+            continue
+        if fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+            out.append(f"{target}: {name} has no heading #{fragment}")
+    return out
+
+
+def test_the_pages_are_there():
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES}
+    assert {"README.md", "CONTRIBUTING.md", "docs/spec.md", "docs/faults.md"} <= names, names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_link_reaches_a_file_and_its_heading(page):
+    assert broken(page) == []
+
+
+def test_every_page_of_the_manual_is_in_the_readme_index():
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md")}
+    pages = [p for p in PAGES if p.parent.is_relative_to(ROOT / "docs")] + [ROOT / "CONTRIBUTING.md"]
+    assert [p.relative_to(ROOT).as_posix() for p in pages if p.resolve() not in linked] == []
+
+
+def test_the_readme_stays_a_door():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_checker_finds_a_broken_file_and_a_broken_heading(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "a.md").write_text("# Top\n\n## Its `part`\n\n[ok](#its-part) [ok](b.md#b) "
+                                   "[no](c.md) [no](b.md#nope) `[code](x.md)`\n\n```\n[fenced](y.md)\n```\n")
+    (tmp_path / "b.md").write_text("# B\n")
+    assert broken(tmp_path / "a.md") == ["c.md: no file c.md", "b.md#nope: b.md has no heading #nope"]
