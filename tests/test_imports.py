@@ -1,5 +1,5 @@
 """Which layer imports what: the driver side needs neither torch nor Accelerate, the training
-side nothing from Ray (README, "How it works" and "Writing a training function")."""
+side nothing from Ray (docs/architecture.md, docs/training-function.md, CONTRIBUTING.md's conventions)."""
 
 from __future__ import annotations
 

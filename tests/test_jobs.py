@@ -267,5 +267,6 @@ def test_a_secret_reaches_the_ranks_of_a_submitted_job_and_nothing_shows_it(head
     assert seen.returncode == 0, seen.stderr[-2000:]
     info = json.loads(seen.stdout.strip().splitlines()[-1])
     assert value not in info["entrypoint"] and value not in json.dumps(info["metadata"] or {})
-    # What Ray itself keeps, as the README says: the job's runtime environment carries the value
+    # What Ray itself keeps, as docs/spec.md says (the job's environment): the job's runtime environment
+    # carries the value
     assert info["runtime_env"]["env_vars"]["RAYLAUNCH_TEST_HF_TOKEN"] == value
