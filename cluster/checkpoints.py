@@ -10,9 +10,12 @@ Imports nothing from Ray.
 from __future__ import annotations
 
 import errno
+import json
+import os
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,12 +24,12 @@ from pyarrow import fs as pafs
 from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
 from cluster.loaderstate import load_loader_states, save_loader_states
-from cluster.restore import node_verified
+from cluster.restore import node_copy, node_verified
 from cluster.sharding import init_optimizers_for_load, seed_missing_rng
 from cluster.storage_io import CheckpointError, describe_files, is_local, join_uri, open_uri, split_query
-from cluster.layout import CHECKPOINTS, checkpoint_name, run_of_staging
+from cluster.layout import CHECKPOINTS, SCRIPT_FOLDER, checkpoint_name, run_of_staging
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "StagedCheckpoints"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "ScriptSave", "StagedCheckpoints"]
 
 # Called when this rank's part of the checkpoint of ``step`` is on storage at ``uri``;
 # ``files`` ({rel: {size, sha256}}) when it was hashed on local disk before an upload.
@@ -43,24 +46,38 @@ class StagedCheckpoints:
         self._on_saved = on_saved
         self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
 
-    def save(self, accelerator: Any, step: int) -> str:
+    def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
+        """This rank's part of the checkpoint of ``step``, into staging; ``script``: a script's ``save_state``."""
         uri = join_uri(self.staging_uri, checkpoint_name(step))
         fs, path = open_uri(uri)
+        safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
         if is_local(fs):
-            _save_state(accelerator, path, step)
+            _save_state(accelerator, path, step, safe, kwargs)
+            if script is not None:
+                script.label(path, accelerator.is_main_process)
             # Everyone has finished writing before anyone reports: the driver
             # commits on the last report and must see every rank's files.
             accelerator.wait_for_everyone()
+            if script is not None and script.mirror is not None:
+                if self._context.local_rank == 0:  # each node's folder gets the whole checkpoint, once
+                    _mirror(path, script.mirror)
+                accelerator.wait_for_everyone()  # before the commit moves the staging folder
             self._on_saved(step, uri, None)
             return uri
         self.wait_for_upload()  # training that outruns uploads waits here, not later
         local = tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
         try:
-            _save_state(accelerator, local, step)
+            _save_state(accelerator, local, step, safe, kwargs)
+            if script is not None:
+                script.label(local, accelerator.is_main_process)
+                if script.mirror is not None:
+                    _mirror(local, script.mirror)  # this rank's files, as it wrote them
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
         self._upload = _Upload(local, uri, step, on_done=lambda files: self._on_saved(step, uri, files))
+        if script is not None and script.mirror is not None:
+            accelerator.wait_for_everyone()  # every rank's files are in the script's folder when save_state returns
         return uri
 
     def wait_for_upload(self) -> None:
@@ -68,14 +85,29 @@ class StagedCheckpoints:
         if upload is not None:
             upload.wait()
 
-    def restore(self, accelerator: Any) -> int | None:
+    def _committed(self) -> str | None:
+        """The checkpoint to restore, once it is known to be a committed one of this run."""
         uri = self.restore_uri
         if uri is None:
             return None
-        fs, path = open_uri(uri)
+        path = open_uri(uri)[1]
         run = run_of_staging(open_uri(self.staging_uri)[1])
         if not path.startswith(f"{run}/{CHECKPOINTS}/"):
             raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
+        return uri
+
+    def resume_folder(self) -> tuple[str, dict] | None:
+        """For a script: the committed checkpoint, verified, in a folder on this node under the name the script
+        gave ``save_state``; and its manifest. None when there is nothing to resume from."""
+        uri = self._committed()
+        if uri is None:
+            return None
+        return node_copy(uri, self._node_dir, self._context.local_world_size)
+
+    def restore(self, accelerator: Any) -> int | None:
+        uri = self._committed()
+        if uri is None:
+            return None
         # Read and verified (on object storage: downloaded) once per node, in the node's scratch folder.
         ctx = self._context
         with node_verified(uri, self._node_dir, ctx.local_world_size) as (ready, manifest):
@@ -106,10 +138,39 @@ class CheckpointSaveError(RaylaunchError, RuntimeError):
     """A checkpoint could not be written or uploaded; the previous committed one is kept."""
 
 
-def _save_state(accelerator: Any, path: str, step: int) -> None:
-    """``save_state`` with model weights as safetensors; a full disk is said in plain words."""
+@dataclass(frozen=True)
+class ScriptSave:
+    """A script's ``save_state(output_dir, ...)``: how it asked to save, and the folder it named."""
+
+    folder: str  # the name of the folder it gave (step_30): its resume folder gets the same name
+    mirror: str | None  # the folder to fill with the checkpoint's files; None: the script's own save wrote it
+    safe_serialization: bool = True
+    kwargs: dict = field(default_factory=dict)
+
+    def label(self, path: str, main: bool) -> None:
+        if main:
+            Path(path, SCRIPT_FOLDER).write_text(json.dumps({"folder": self.folder}))
+
+
+def _mirror(source: str, target: str) -> None:
+    """Copy every file of ``source`` into ``target``, each written whole (a temporary name, then renamed), so
+    nodes that share ``target`` may copy the same files at once. Copies, never links: a script that later
+    writes into its folder must not write into a committed checkpoint."""
+    for root, _, names in os.walk(source):
+        dest = Path(target, os.path.relpath(root, source))
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            tmp = dest / f".{name}.raylaunch-{os.getpid()}"
+            shutil.copyfile(os.path.join(root, name), tmp)
+            os.replace(tmp, dest / name)
+
+
+def _save_state(accelerator: Any, path: str, step: int, safe_serialization: bool = True,
+                kwargs: dict | None = None) -> None:
+    """``save_state`` (model weights as safetensors unless a script asked otherwise); a full disk is said in plain
+    words."""
     try:
-        accelerator.save_state(path, safe_serialization=True)
+        accelerator.save_state(path, safe_serialization=safe_serialization, **(kwargs or {}))
         save_loader_states(accelerator, path)  # each rank's own stream position
     except Exception as exc:
         if not _out_of_space(exc, path):

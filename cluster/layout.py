@@ -12,7 +12,8 @@ files. Both ``cluster/`` and ``jobs/`` import these; nothing here touches a file
 from __future__ import annotations
 
 __all__ = [
-    "CHECKPOINTS", "LATEST", "MANIFEST", "STAGING", "attempt_dir", "checkpoint_name", "checkpoint_step",
+    "CHECKPOINTS", "LATEST", "MANIFEST", "RESUME", "SCRIPT_FOLDER", "STAGING", "attempt_dir", "checkpoint_name",
+    "checkpoint_step",
     "events_file", "flight_recorder_prefix", "heartbeat_file", "is_checkpoint_name", "rank_part_file",
     "run_of_staging", "stack_dump_file", "staging_dir",
 ]
@@ -25,6 +26,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest.json"
 # Checkpoints being written, under the run directory; never loaded, cleared at the next start.
 STAGING = ".staging"
+# In a checkpoint a script saved: the name of the folder it gave ``save_state`` (``{"folder": "step_30"}``).
+SCRIPT_FOLDER = "raylaunch-script.json"
+# In a node's scratch folder: the committed checkpoint copied for a script's resume flag.
+RESUME = "resume"
 
 _CHECKPOINT_PREFIX = "checkpoint-"
 

@@ -17,7 +17,22 @@ from typing import Any
 
 from cluster.context import WorkerContext
 
-__all__ = ["EventKind", "NodePoll", "NodeState", "Progress", "RankFailure", "RunStatus", "WorkerPayload"]
+__all__ = ["EventKind", "NodePoll", "NodeState", "Progress", "RankFailure", "RunStatus", "ScriptCall", "WorkerPayload"]
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """A script run in each rank as ``python path *args`` would run it (``accelerate launch``'s way)."""
+
+    path: str  # relative to the job's working directory
+    args: tuple[str, ...] = ()
+    resume_arg: str | None = "--resume_from_checkpoint"
+    # The job's working directory on the node; None: the rank's own current folder (a Ray job's working_dir).
+    workdir: str | None = None
+    # The runner's gradient accumulation at this world size and at the full one (they differ in an elastic
+    # run below num_nodes): the accumulation a script sets in code is scaled by their ratio.
+    accumulation: int = 1
+    full_accumulation: int = 1
 
 
 @dataclass(frozen=True)
@@ -26,7 +41,7 @@ class WorkerPayload:
 
     context: WorkerContext
     attempt: int
-    train_fn: str
+    train_fn: str | None  # "module:function"; None when ``script`` is set
     config: dict
     events_path: str  # node-local file the node actor tails (``cluster.layout.NodeScratch``)
     staging_uri: str  # where this attempt's checkpoints are written before commit
@@ -36,6 +51,8 @@ class WorkerPayload:
     # The spec's ``accelerate`` section: mixed_precision,
     # gradient_accumulation_steps, dataloader {even_batches, ...}.
     accelerate: dict = field(default_factory=dict)
+    # Set instead of ``train_fn``: the script to run.
+    script: ScriptCall | None = None
 
 
 class EventKind(StrEnum):

@@ -20,10 +20,10 @@ from typing import Iterator
 
 from pyarrow import fs as pafs
 
-from cluster.layout import MANIFEST
+from cluster.layout import MANIFEST, RESUME, SCRIPT_FOLDER
 from cluster.storage_io import CheckpointError, check_manifest, is_local, open_uri, split_query
 
-__all__ = ["node_verified"]
+__all__ = ["node_copy", "node_verified"]
 
 
 @contextlib.contextmanager
@@ -78,6 +78,33 @@ def node_verified(uri: str, node_dir: str | Path, local_world_size: int) -> Iter
                 shutil.rmtree(copy, ignore_errors=True)
                 marker.unlink(missing_ok=True)  # a later restore verifies again
                 done.unlink()
+
+
+def node_copy(uri: str, node_dir: str | Path, local_world_size: int) -> tuple[str, dict]:
+    """The committed checkpoint at ``uri``, verified, copied once per node into a folder the ranks of a script
+    are handed (``--resume_from_checkpoint``); it has the name the script gave ``save_state``. Returns the
+    folder and the manifest.
+
+    A copy, not the checkpoint itself: the script may write into the folder it resumed from. The copy lives
+    in the node's scratch folder (``resume/<attempt>/<name>``); an earlier attempt's copy is removed.
+    """
+    node_dir = Path(node_dir)
+    with node_verified(uri, node_dir, local_world_size) as (ready, manifest):
+        label = Path(ready, SCRIPT_FOLDER)
+        name = Path(json.loads(label.read_text())["folder"] if label.is_file() else ready).name
+        resume = node_dir.parent / RESUME
+        folder = resume / node_dir.name / name
+        with _locked(node_dir / "resume.lock"):
+            if not folder.is_dir():
+                if resume.is_dir():
+                    for old in resume.iterdir():
+                        if old.name != node_dir.name:
+                            shutil.rmtree(old, ignore_errors=True)
+                partial = folder.with_name(f".{name}.partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                shutil.copytree(ready, partial)
+                partial.rename(folder)
+    return str(folder), manifest
 
 
 def _read_manifest(fs: pafs.FileSystem, path: str, uri: str) -> dict:

@@ -33,7 +33,7 @@ from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
-from cluster.checkpoints import CheckpointError, CheckpointSaveError, StagedCheckpoints
+from cluster.checkpoints import CheckpointError, CheckpointSaveError, ScriptSave, StagedCheckpoints
 from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
 from cluster.loaderstate import load_loader_states, save_loader_states
@@ -211,6 +211,18 @@ class Session:
                 (self._local_dir / CHECKPOINTS / "latest").write_text(target.name)
             return str(target)
         return self._checkpoints.save(accelerator, step)
+
+    def save_script_state(self, accelerator: Any, step: int, mirror: str | None, folder: str,
+                          safe_serialization: bool, kwargs: dict) -> str:
+        """A script's ``save_state(mirror)`` under the runner: the checkpoint of ``step``, committed as ``save``'s
+        are, and (``mirror`` not None) the script's folder filled with the same files."""
+        assert self._checkpoints is not None, "scripts run only under the runner"
+        return self._checkpoints.save(accelerator, step, ScriptSave(folder, mirror, safe_serialization, kwargs))
+
+    def resume_folder(self) -> tuple[str, dict] | None:
+        """For a script under the runner: the latest committed checkpoint in a folder of this node, and its
+        manifest; None when the attempt starts from the beginning."""
+        return self._checkpoints.resume_folder() if self._checkpoints is not None else None
 
     def wait_for_upload(self) -> None:
         """Block until this rank's last checkpoint is uploaded; raise if the upload failed.

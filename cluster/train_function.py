@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from cluster.errors import RaylaunchError
 
-__all__ = ["TrainFnAttributeError", "TrainFnImportError", "check_train_fn", "resolve_train_fn"]
+__all__ = ["ScriptCheck", "TrainFnAttributeError", "TrainFnImportError", "check_entry", "check_script", "check_train_fn",
+           "resolve_train_fn"]
 
 
 class TrainFnImportError(RaylaunchError, ImportError):
@@ -23,6 +26,69 @@ class TrainFnAttributeError(RaylaunchError, AttributeError):
 
     exit_code = 2
     hint = TrainFnImportError.hint
+
+
+class ScriptError(RaylaunchError, ImportError):
+    """The spec's ``script`` cannot be found or read in the working directory, or does not parse."""
+
+    exit_code = 2
+    hint = ". Fix `script` in the spec (or the script path of `raylaunch launch`), and run from the project folder."
+
+
+@dataclass(frozen=True)
+class ScriptCheck:
+    """What ``check_script`` found: where the script is and whether it reads the resume flag."""
+
+    path: str  # as found, under the working directory
+    resume_arg: str | None
+    reads_resume_arg: bool  # an argparse option of that name is in the source
+
+    def describe(self) -> str:
+        """What happens on a restart, in one line."""
+        if self.resume_arg is None:
+            return ("resume: resume_arg is null, so after a restart the script runs again from the beginning "
+                    "(committed checkpoints are still written)")
+        if self.reads_resume_arg:
+            return (f"resume: after a restart the script gets {self.resume_arg} <folder of the latest committed "
+                    f"checkpoint> (it has that argparse option)")
+        return (f"resume: after a restart the script gets {self.resume_arg} <folder>, but no argparse option "
+                f"{self.resume_arg} was found in {self.path}: if it does not read it, it fails on the unknown "
+                "argument or starts from the beginning; set resume_arg to the flag it reads (or null)")
+
+
+def check_script(script: str, resume_arg: str | None, base: str | os.PathLike = ".") -> ScriptCheck:
+    """Check that ``script`` is a Python file of the working directory that parses, without running it."""
+    import ast
+
+    where = Path(base) / script
+    if not where.is_file():
+        raise ScriptError(f"script {script!r}: no such file in the working directory ({Path(base).resolve()})")
+    try:
+        source = where.read_bytes()
+    except OSError as exc:
+        raise ScriptError(f"script {script!r}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        tree = ast.parse(source, str(where))
+    except SyntaxError as exc:
+        raise ScriptError(f"script {script!r}: line {exc.lineno}: SyntaxError: {exc.msg}") from None
+    except ValueError as exc:  # null bytes
+        raise ScriptError(f"script {script!r}: not Python source: {exc}") from None
+    found = False
+    if resume_arg is not None:
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+                    and any(isinstance(a, ast.Constant) and a.value == resume_arg for a in node.args)):
+                found = True
+                break
+    return ScriptCheck(script, resume_arg, found)
+
+
+def check_entry(spec: Any, base: str | os.PathLike = ".") -> ScriptCheck | None:
+    """Check the spec's ``train_fn`` or ``script`` (a ``jobs.spec.JobSpec``); a script's check, or None."""
+    if spec.script is not None:
+        return check_script(spec.script, spec.resume_arg, base)
+    check_train_fn(spec.train_fn)
+    return None
 
 
 def check_train_fn(path: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cluster.protocol import EventKind, WorkerPayload
+from cluster.protocol import EventKind, ScriptCall, WorkerPayload
 from cluster.sharding import install as install_strategy
 from cluster.layout import heartbeat_file, stack_dump_file
 from cluster.pace import install as install_pace
@@ -37,7 +37,8 @@ def run_worker(payload: WorkerPayload) -> Any:
     # `accelerate launch` exports them, so a plain Accelerator() honours them too.
     session.strategy = install_strategy(payload.accelerate, use_gpu=payload.backend == "nccl",
                                         rank=payload.context.world_rank, world=payload.context.world_size)
-    fn = resolve_train_fn(payload.train_fn)
+    script = payload.script
+    fn = resolve_train_fn(payload.train_fn) if script is None else None
     # We create the process group ourselves, against the store node 0 already
     # holds, so the join has our bound instead of torch's 30 minutes.
     # Accelerate adopts an existing group unchanged.
@@ -51,7 +52,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     )
     session.emit(EventKind.JOINED)
     signal.signal(signal.SIGTERM, session.handle_sigterm)
-    result = fn(dict(payload.config))
+    result = fn(dict(payload.config)) if script is None else _run_script(session, script, payload.context.world_rank)
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
     session.wait_for_upload()
@@ -62,6 +63,25 @@ def run_worker(payload: WorkerPayload) -> Any:
     if dist.is_initialized():
         dist.destroy_process_group()
     return _storable_return(result, payload.context.world_rank)
+
+
+def _run_script(session: "runtime.Session", call: "ScriptCall", rank: int) -> None:
+    """The script as ``python SCRIPT args`` runs it, with Accelerate's log, save_state and load_state reaching
+    the runner; on a resume its arguments get the resume flag and a folder holding the latest checkpoint."""
+    from cluster.script import ScriptHooks, run_script, script_argv
+
+    hooks = ScriptHooks(session, call, rank)
+    hooks.install()
+    resume = session.resume_folder()
+    if resume is not None:
+        hooks.resumed_from(*resume)
+        if call.resume_arg is not None:
+            hooks.say_once(f"resuming: {call.path} gets {call.resume_arg} {resume[0]} (the checkpoint of step "
+                           f"{resume[1]['step']})")
+        else:
+            hooks.say_once(f"resume_arg is null: {call.path} starts from the beginning although a committed "
+                           f"checkpoint of step {resume[1]['step']} exists")
+    run_script(call, script_argv(call, resume[0] if resume else None))
 
 
 # A return value lands in result.json; past this it is cut (a model or a dataset returned by mistake).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 from typing import Callable
@@ -21,17 +22,31 @@ def _literals(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _spec_from_args(args: argparse.Namespace) -> JobSpec:
+    """The spec a verb runs: a spec file with ``--set``, a launch command's (``raylaunch launch``, or ``submit`` /
+    ``validate`` of a script), or the one ``submit`` sent as JSON."""
+    launch = getattr(args, "launch", None)
+    if launch is not None:
+        return launch.spec()
+    if getattr(args, "spec_json", None):
+        from jobs.spec import spec_from_dict
+
+        return spec_from_dict(json.loads(args.spec_json), "the submitted spec")
+    if not args.spec:
+        raise SpecError(["give the job spec (YAML), e.g. raylaunch run jobs/examples/digits.yaml"], "the command line")
     return load_spec(args.spec, list(args.set or []), literals=_literals(args))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from cluster.train_function import check_train_fn
+    from cluster.train_function import check_entry
 
     spec = _spec_from_args(args)
-    check_train_fn(spec.train_fn)
+    script = check_entry(spec)
     s = spec.scaling
-    print(f"{args.spec}: ok ({spec.name}: {s.num_nodes} nodes x {s.workers_per_node} workers, "
-          f"train_fn {spec.train_fn}, storage {spec.storage})")
+    entry = f"script {spec.script} {shlex.join(spec.args)}".rstrip() if script else f"train_fn {spec.train_fn}"
+    print(f"{args.spec or 'the launch command'}: ok ({spec.name}: {s.num_nodes} nodes x {s.workers_per_node} "
+          f"workers, {entry}, storage {spec.storage})")
+    if script is not None:
+        print(script.describe())
     if s.elastic_min < s.num_nodes:
         from jobs.policy import world_sizes
 
@@ -86,7 +101,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     per_node = s.workers_per_node * s.cpus_per_worker if isinstance(s.workers_per_node, int) else float(os.cpu_count() or 1)
     # `raylaunch stop` (Ray Jobs) and a scheduler's kill send SIGTERM: stop every rank,
     # record "stopped" and keep the last committed checkpoint.
-    with connect(address, local_nodes=args.local_nodes or 1, cpus_per_node=per_node, upload=upload) as can_grow:
+    # A launch command's --num_machines is the embedded cluster's size unless --local-nodes says otherwise.
+    local_nodes = args.local_nodes or (s.num_nodes if getattr(args, "launch", None) is not None else 1)
+    with connect(address, local_nodes=local_nodes, cpus_per_node=per_node, upload=upload) as can_grow:
         signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which installs its own
         driver.can_grow = can_grow
         try:
@@ -123,7 +140,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from jobs import submit
 
     address = _address(args)
-    request = submit.plan_submit(args.spec, list(args.set or []), address, literals=_literals(args))
+    if getattr(args, "launch", None) is not None:
+        request = submit.plan_submit_spec(args.launch.spec(), address)
+    else:
+        request = submit.plan_submit(args.spec, list(args.set or []), address, literals=_literals(args))
     if args.dry_run:
         print(request.describe())
         print("raylaunch: --dry-run: nothing was sent")
@@ -226,7 +246,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def spec_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("spec", help="the job spec (YAML)")
+        sp.add_argument("spec", nargs="?" if sp.prog.endswith(" run") else None,
+                        help="the job spec (YAML); submit and validate also take a launch command: "
+                             "[accelerate launch options] SCRIPT.py [args]")
         sp.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a spec value, e.g. --set scaling.num_nodes=4 (repeatable)")
         sp.add_argument("--storage", help="override the spec's storage path or URI")
@@ -234,6 +256,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a job; the driver runs in this process")
     spec_args(run)
+    run.add_argument("--spec-json", help=argparse.SUPPRESS)  # the spec `submit` built from a launch command
     run.add_argument("--address", help="an existing Ray cluster (ray://host:10001 or auto); default: RAY_ADDRESS, "
                                        "else an embedded local cluster")
     run.add_argument("--local-nodes", type=int, metavar="N",
@@ -296,11 +319,35 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec and its train_fn without running anything")
     spec_args(val)
     val.set_defaults(func=cmd_validate)
+    # Listed for --help; main() reads a launch command with Accelerate's own parser (jobs.launch).
+    sub.add_parser("launch", help="run an `accelerate launch` script unchanged: raylaunch launch [raylaunch options] "
+                                  "[accelerate launch options] SCRIPT.py [script args]", add_help=False)
     return p
 
 
+# Where a launch command's raylaunch options go: the fields each verb reads from its arguments.
+_LAUNCH_DEFAULTS = {"spec": None, "set": None, "storage": None, "name": None, "address": None, "local_nodes": None,
+                    "fresh": False, "quiet": False, "follow": False, "dry_run": False, "spec_json": None}
+
+
+def _launch_args(verb: str, argv: list[str]) -> argparse.Namespace:
+    """``raylaunch launch ...`` (and ``submit``/``validate`` of a script) as the verb's arguments."""
+    from jobs.launch import parse, say
+
+    cmd = parse(verb, argv)
+    say(cmd)
+    func = {"launch": cmd_run, "submit": cmd_submit, "validate": cmd_validate}[verb]
+    return argparse.Namespace(**{**_LAUNCH_DEFAULTS, **vars(cmd.options)}, launch=cmd, command=verb, func=func)
+
+
 # The verbs that import the user's training function, and so need the working directory.
-_USER_CODE_VERBS = {"run", "submit", "validate"}
+_USER_CODE_VERBS = {"run", "submit", "validate", "launch"}
+
+
+def _is_script(argv: list[str]) -> bool:
+    from jobs.launch import is_script_command
+
+    return is_script_command(argv)
 
 
 def _set_path(command: str) -> None:
@@ -321,8 +368,18 @@ def _set_path(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    _set_path(args.command)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = argv[0] if argv else ""
+    if verb == "launch" or (verb in ("submit", "validate") and _is_script(argv[1:])):
+        try:
+            args = _launch_args(verb, argv[1:])  # imports Accelerate: before the project's folder is on the path
+        except RaylaunchError as exc:
+            print(f"raylaunch: {exc}{exc.hint}", file=sys.stderr)
+            return exc.exit_code
+        _set_path(verb)
+    else:
+        args = _parser().parse_args(argv)
+        _set_path(args.command)
     if getattr(args, "local_nodes", None) is not None and args.local_nodes < 1:
         print("raylaunch: --local-nodes must be at least 1", file=sys.stderr)
         return 2

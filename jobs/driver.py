@@ -20,8 +20,8 @@ import psutil
 
 from cluster.context import WorkerContext
 from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, fitting_nodes, resolve_placement
-from cluster.protocol import NodeState, Progress, RankFailure, RunStatus, WorkerPayload
-from cluster.train_function import check_train_fn
+from cluster.protocol import NodeState, Progress, RankFailure, RunStatus, ScriptCall, WorkerPayload
+from cluster.train_function import check_entry
 from jobs.environment import Secrets, check_requirements
 from jobs.hangs import is_hang, where_ranks_are
 from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, grow_to, resize_note, world_sizes
@@ -52,6 +52,18 @@ class _Outcome:
     lost_nodes: list[int] = field(default_factory=list)
     failure: Failure = Failure.FAILED
     grow: WorldSize | None = None  # stopped at a committed checkpoint to grow back to this size
+
+
+def _job_workdir() -> str | None:
+    """Where a script's ranks run: the job's uploaded working directory (their own current folder, as Ray sets
+    it: None), or on an embedded cluster, which shares this machine, the folder raylaunch was started from."""
+    import os
+
+    import ray
+
+    if (ray.get_runtime_context().runtime_env or {}).get("working_dir"):
+        return None
+    return os.getcwd()
 
 
 class Driver:
@@ -104,7 +116,8 @@ class Driver:
             return
         # before anything is written: a missing one is a spec error
         self.recorder.secrets = Secrets.read(self.spec.env)
-        check_train_fn(self.spec.train_fn)
+        if (script := check_entry(self.spec)) is not None:
+            self._say(f"raylaunch: script {script.path}: {script.describe()}")
         self.accelerate = read_accelerate_config(self.spec)
         if note := self.accelerate.note():
             self._say(note)
@@ -276,6 +289,11 @@ class Driver:
         staging = self.run_dir.staging_uri(attempt)
         use_gpu = group.placement.use_gpu
         accumulation = self.size.accumulation if self.size else self.accelerate.gradient_accumulation_steps
+        script = None
+        if spec.script is not None:
+            script = ScriptCall(spec.script, tuple(spec.args), spec.resume_arg, workdir=_job_workdir(),
+                                accumulation=accumulation,
+                                full_accumulation=self.accelerate.gradient_accumulation_steps)
 
         def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
             return WorkerPayload(
@@ -289,6 +307,7 @@ class Driver:
                 backend="nccl" if use_gpu else "gloo",
                 collective_timeout_s=spec.timeouts.collective_s,
                 accelerate=self.accelerate.at(accumulation),
+                script=script,
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)

@@ -48,6 +48,7 @@ __all__ = [
     "load_spec",
     "load_spec_text",
     "parse_port_range",
+    "read_spec_dict",
     "run_name_problem",
     "spec_from_dict",
     "spec_to_dict",
@@ -261,11 +262,21 @@ class EnvSpec:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A whole job. ``config`` is handed to the training function as is."""
+    """A whole job: a training function (``train_fn``, called with ``config``) or a script.
+
+    ``script`` is a ``.py`` file of the working directory that each rank runs as
+    ``python SCRIPT *args`` would (``accelerate launch``'s way); exactly one of the two.
+    """
 
     name: str
-    train_fn: str
+    train_fn: Union[str, None] = None
     config: dict = field(default_factory=dict)
+    script: Union[str, None] = None
+    # The script's own arguments, passed on untouched.
+    args: list[str] = field(default_factory=list)
+    # After a restart the script gets ``<resume_arg> <folder of the latest committed checkpoint>``
+    # (the flag Accelerate's and transformers' examples read); null: it starts from the beginning.
+    resume_arg: Union[str, None] = "--resume_from_checkpoint"
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
     accelerate: AccelerateSpec = field(default_factory=AccelerateSpec)
     storage: str = "~/raylaunch-runs"
@@ -358,6 +369,11 @@ def load_spec(path: str | Path, overrides: list[str] | None = None,
     ``literals`` (``{"name": ..., "storage": ...}`` from ``--name``/``--storage``) are
     strings as given, never read as YAML: ``--name "exp #3"`` is ``exp #3``.
     """
+    return spec_from_dict(apply_overrides(read_spec_dict(path), overrides or [], str(path), literals), str(path))
+
+
+def read_spec_dict(path: str | Path) -> dict:
+    """A spec file's mapping as written, not yet checked (``raylaunch launch --spec`` adds to it)."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -368,18 +384,23 @@ def load_spec(path: str | Path, overrides: list[str] | None = None,
     except UnicodeDecodeError as exc:
         raise SpecError([f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
                          "save the spec as UTF-8"], str(path)) from None
-    return load_spec_text(text, overrides, source=str(path), literals=literals)
+    return _spec_mapping(text, str(path))
+
+
+def _spec_mapping(text: str, source: str) -> dict:
+    raw = _parse_yaml(text, source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError([f"the top level must be a mapping of keys, not {_kind(raw)}"], source)
+    return raw
 
 
 def load_spec_text(
     text: str, overrides: list[str] | None = None, source: str = "the job spec",
     literals: Mapping[str, str] | None = None,
 ) -> JobSpec:
-    raw = _parse_yaml(text, source)
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise SpecError([f"the top level must be a mapping of keys, not {_kind(raw)}"], source)
+    raw = _spec_mapping(text, source)
     return spec_from_dict(apply_overrides(raw, overrides or [], source, literals), source)
 
 
@@ -447,8 +468,16 @@ def run_name_problem(name: str) -> str | None:
             "at most 200 (it names the run directory)")
 
 
-def _cross_checks(spec: JobSpec) -> list[str]:
+def _entry_checks(spec: JobSpec) -> list[str]:
+    """Exactly one of ``train_fn`` and ``script``, each well formed."""
+    if (spec.train_fn is None) == (spec.script is None):
+        return ["train_fn, script: give exactly one: train_fn: module:function (a function called with config), or "
+                "script: train.py (a script run as `python train.py *args`, as accelerate launch runs it)"]
+    if spec.script is not None:
+        return _script_checks(spec)
     out = []
+    if spec.args:
+        out.append("args: are a script's arguments; a train_fn gets config instead (or name a script:)")
     module, sep, fn = spec.train_fn.partition(":")
     if not sep or not module or not fn:
         out.append(
@@ -461,6 +490,27 @@ def _cross_checks(spec: JobSpec) -> list[str]:
             f"train_fn: {_short(spec.train_fn)} must be an absolute module path and a function name, "
             "e.g. mypkg.train:main (no leading '.', no file path)"
         )
+    return out
+
+
+def _script_checks(spec: JobSpec) -> list[str]:
+    out = []
+    script = spec.script
+    if not script.endswith(".py"):
+        out.append(f"script: {_short(script)} must be a Python file ending in .py, e.g. train.py")
+    elif Path(script).is_absolute() or ".." in Path(script).parts:
+        out.append(f"script: {_short(script)} must be a path inside the working directory (relative, no '..'): "
+                   "it travels to every node with that folder")
+    if spec.config:
+        out.append("config: is handed to a train_fn; a script reads its own arguments (args:)")
+    if spec.resume_arg is not None and not re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_-]*", spec.resume_arg):
+        out.append(f"resume_arg: {_short(spec.resume_arg)} must be an option such as --resume_from_checkpoint, "
+                   "or null (a restart then runs the script from the beginning)")
+    return out
+
+
+def _cross_checks(spec: JobSpec) -> list[str]:
+    out = _entry_checks(spec)
     wrong = run_name_problem(spec.name)
     if wrong:
         out.append(f"name: {wrong}")

@@ -10,6 +10,8 @@ exit status.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -24,7 +26,7 @@ from cluster.errors import RaylaunchError
 from cluster.storage_io import join_uri
 from cluster.connect import AuthTokenMissing, check_auth_token
 from cluster.upload import UploadPlan, plan_upload
-from jobs.spec import JobSpec, SpecError, load_spec
+from jobs.spec import JobSpec, SpecError, load_spec, spec_to_dict
 from jobs.environment import Secrets
 from jobs.strategy import read_accelerate_config
 
@@ -88,25 +90,15 @@ def plan_submit(
 
     ``literals`` are ``--name``/``--storage`` style values, taken as strings as they are.
     """
-    from cluster.train_function import check_train_fn
-
     cwd = Path(cwd or os.getcwd()).resolve()
     literals = dict(literals or {})
     spec = load_spec(spec_path, overrides, literals=literals)
-    job_secrets = Secrets.read(spec.env)  # from this shell; a missing one stops here, before anything is sent
-    check_train_fn(spec.train_fn)
-    config_file = spec.accelerate.config_file
-    if config_file is None or not Path(config_file).expanduser().is_absolute():
-        # a file of the project (uploaded with it): a bad one is refused here, not on the cluster
-        read_accelerate_config(spec, base=cwd)
     spec_abs = Path(spec_path).resolve()
     try:
         spec_rel = spec_abs.relative_to(cwd)
     except ValueError:
         raise SpecError([f"the spec must be inside the working directory that is uploaded ({cwd}); "
                          "run submit from the project folder"], spec_path) from None
-    upload = plan_upload(cwd, storage=spec.storage)
-    upload.check()
     # An argument list; Ray Jobs takes one string, so it is quoted by shlex, never
     # pasted together from user input.
     entrypoint = ["python", "-m", "jobs.cli", "run", str(spec_rel)]
@@ -114,6 +106,39 @@ def plan_submit(
         entrypoint += ["--set", item]
     for key, value in literals.items():
         entrypoint += [f"--{key}", value]
+    return _plan(spec, entrypoint, address, cwd)
+
+
+def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None) -> SubmitRequest:
+    """The request for a spec built where the job is launched (``raylaunch submit`` of a script): the cluster's
+    driver runs that spec, sent whole, so it never reads a launch command or a config file of its own."""
+    cwd = Path(cwd or os.getcwd()).resolve()
+    config_file = spec.accelerate.config_file
+    if config_file is not None:
+        where = Path(config_file).expanduser().resolve()
+        try:
+            rel = where.relative_to(cwd)
+        except ValueError:
+            raise SpecError([f"accelerate.config_file: {config_file} is on this machine, outside the project folder "
+                             f"that is uploaded ({cwd}), so the cluster would not have it. Copy it into the project "
+                             f"(cp {config_file} accelerate_config.yaml) and pass --config_file "
+                             "accelerate_config.yaml"], "the launch command") from None
+        spec = dataclasses.replace(spec, accelerate=dataclasses.replace(spec.accelerate, config_file=str(rel)))
+    entrypoint = ["python", "-m", "jobs.cli", "run", "--spec-json", json.dumps(spec_to_dict(spec))]
+    return _plan(spec, entrypoint, address, cwd)
+
+
+def _plan(spec: JobSpec, entrypoint: list[str], address: str, cwd: Path) -> SubmitRequest:
+    from cluster.train_function import check_entry
+
+    job_secrets = Secrets.read(spec.env)  # from this shell; a missing one stops here, before anything is sent
+    check_entry(spec, base=cwd)
+    config_file = spec.accelerate.config_file
+    if config_file is None or not Path(config_file).expanduser().is_absolute():
+        # a file of the project (uploaded with it): a bad one is refused here, not on the cluster
+        read_accelerate_config(spec, base=cwd)
+    upload = plan_upload(cwd, storage=spec.storage)
+    upload.check()
     submission_id = f"raylaunch-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     runtime_env = {
         **upload.runtime_env(),
