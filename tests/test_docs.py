@@ -15,7 +15,7 @@ PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").r
 
 # Pages linked before they exist, each with the work that writes it; once the file is there its
 # links are checked like any other (and this entry can go).
-PENDING = {"docs/launch.md": "`raylaunch launch`, written with the feature (issue 28)"}
+PENDING: dict[str, str] = {}  # a page a link may name before it is written: {path: why}
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 _CODE = re.compile(r"`[^`\n]*`")

@@ -83,6 +83,21 @@ def test_submit_follow_trains_and_exits_with_the_job_status(head, tmp_path):
     assert job in listed.stdout and "digits" in listed.stdout
 
 
+def test_submit_of_an_accelerate_launch_script_follows_it_to_the_end(head, tmp_path):
+    """`raylaunch submit` with a launch command: the spec is built on the laptop and sent whole; the script
+    travels with the working directory and its save_state commits on the cluster's storage."""
+    proc = cli(head, "submit", "--address", head["address"], "--follow", "--storage", str(tmp_path),
+               "--num_processes", "2", "--cpu", "train_fn/digits_script.py", "--epochs", "1", "--train_samples",
+               "128", "--output_dir", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "submitted raylaunch-digits_script-" in proc.stdout and "succeeded" in proc.stdout
+    assert "4/4" in proc.stdout and "loss=" in proc.stdout  # the progress bar, from the script's accelerator.log
+    result = json.loads((tmp_path / "digits_script" / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["world_size"] == 2
+    assert (tmp_path / "digits_script" / "checkpoints" / "checkpoint-00000004" / "manifest.json").is_file()
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["steps"] == 4
+
+
 def test_a_failing_job_exits_non_zero_with_the_error(head, tmp_path):
     spec = ROOT / "tests" / "boom.yaml"
     spec.write_text(f"name: boom\ntrain_fn: tests.fns:fail_on_all_ranks\nscaling: {{num_nodes: 1, workers_per_node: 2}}\n"

@@ -25,7 +25,8 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from cluster.runtime import get_session
-from train_fn.digits_data import CLS, NUM_LABELS, Digits, build_model, load_data, weights_digest  # noqa: F401
+from train_fn.digits_data import (CLS, NUM_LABELS, Digits, build_model, evaluate, load_data,  # noqa: F401
+                                  weights_digest)
 
 DEFAULTS = {
     "seed": 42,
@@ -57,22 +58,6 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
-
-
-def evaluate(accelerator, model, test_dl, step: int) -> float:
-    """Accuracy on the held-out images, logged at ``step``; gather_for_metrics drops even_batches' repeats."""
-    model.eval()
-    correct = total = 0
-    for batch in test_dl:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"]).logits
-        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
-        correct += (preds == labels).sum().item()
-        total += labels.numel()
-    accuracy = correct / total
-    accelerator.log({"eval_accuracy": accuracy}, step=step)
-    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
-    return accuracy
 
 
 def train(config: dict) -> dict:

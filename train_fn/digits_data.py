@@ -14,7 +14,7 @@ import hashlib
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["CLS", "NUM_LABELS", "Digits", "build_model", "load_data", "weights_digest"]
+__all__ = ["CLS", "NUM_LABELS", "Digits", "build_model", "evaluate", "load_data", "weights_digest"]
 
 CLS = 17  # pixel intensities are the tokens 0..16
 NUM_LABELS = 10
@@ -80,3 +80,19 @@ def weights_digest(state_dict: dict) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def evaluate(accelerator, model, test_dl, step: int) -> float:
+    """Accuracy on the held-out images, logged at ``step``; gather_for_metrics drops even_batches' repeats."""
+    model.eval()
+    correct = total = 0
+    for batch in test_dl:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
+        correct += (preds == labels).sum().item()
+        total += labels.numel()
+    accuracy = correct / total
+    accelerator.log({"eval_accuracy": accuracy}, step=step)
+    accelerator.print(f"eval accuracy {accuracy:.4f} on {total} held-out images")
+    return accuracy

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from digits_data import build_model, load_data, weights_digest
+from digits_data import build_model, evaluate, load_data, weights_digest
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,23 +95,15 @@ def main() -> None:
             if args.throttle_s:
                 time.sleep(args.throttle_s)
 
-    model.eval()
-    correct = total = 0
-    for batch in test_dl:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"]).logits
-        preds, labels = accelerator.gather_for_metrics((logits.argmax(-1), batch["labels"]))
-        correct += (preds == labels).sum().item()
-        total += labels.numel()
-    accelerator.log({"eval_accuracy": correct / total}, step=completed_steps)
+    accuracy = evaluate(accelerator, model, test_dl, completed_steps)
     if not args.checkpointing_steps or completed_steps % args.checkpointing_steps:
         accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
     digest = weights_digest(accelerator.get_state_dict(model))
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "result.json"), "w") as f:
-            json.dump({"steps": completed_steps, "eval_accuracy": correct / total, "weights": digest,
+            json.dump({"steps": completed_steps, "eval_accuracy": accuracy, "weights": digest,
                        "world_size": accelerator.num_processes}, f)
-    accelerator.print(f"eval accuracy {correct / total:.4f}; weights {digest}")
+    accelerator.print(f"weights {digest}")
     accelerator.end_training()
 
 

@@ -1,0 +1,270 @@
+"""`raylaunch launch`: an `accelerate launch` script, unchanged, on the shared two-node Ray cluster (gloo on CPU).
+
+The digits example as a script (train_fn/digits_script.py: argparse, main(), save_state every N steps,
+--resume_from_checkpoint) trains on 2 nodes x 1 and 1 node x 2; a rank killed after a commit restarts the
+script with the resume flag and ends bitwise equal to an uninterrupted run. A top-level script's exit codes,
+the options Accelerate's parser reads, and what a rank's Accelerator sees against `accelerate launch` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, cli_env, free_ports, wait_for
+from jobs.driver import Driver
+from jobs.launch import parse
+
+SCRIPT = "train_fn/digits_script.py"
+TRAIN = ["--epochs", "2", "--train_samples", "256", "--checkpointing_steps", "4", "--dropout", "0.0"]
+STEPS = 16  # 256 images / 16 per batch / 2 ranks = 8 steps an epoch
+
+
+def launch(argv: list[str], storage: Path, name: str, **kw):
+    """The spec `raylaunch launch ARGV` builds, run by a driver on the shared cluster."""
+    cmd = parse("launch", ["--storage", str(storage), "--name", name, *argv])
+    return Driver(cmd.spec(), can_grow=False, **kw)
+
+
+def digits(storage: Path, name: str, topology: list[str], out: Path, extra: list[str] = ()):
+    return launch([*topology, "--set", "failure.max_restarts=1", SCRIPT, *TRAIN, "--output_dir", str(out), *extra],
+                  storage, name)
+
+
+def rows(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def rank_process(rank: int, attempt: int = 1) -> psutil.Process | None:
+    """A running rank process (forked by its node's fork server, so found by the events file it holds open)."""
+    mine = f"/attempt-{attempt}/events-rank{rank}.jsonl"
+    for p in psutil.process_iter():
+        try:
+            if any(f.path.endswith(mine) for f in p.open_files()):
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory):
+    """The example on 2 nodes x 1, start to end: the reference the other runs must equal bit for bit."""
+    tmp = tmp_path_factory.mktemp("launch")
+    result = digits(tmp / "runs", "straight", ["--num_machines", "2", "--num_processes", "2"], tmp / "out").run()
+    assert result.status == "succeeded", result.error
+    return result, tmp
+
+
+def test_a_script_on_two_nodes_logs_from_every_rank_and_commits_its_save_state(uninterrupted):
+    result, tmp = uninterrupted
+    assert result.attempts == 1 and result.world_size == 2
+    metrics = rows(result.run_dir)
+    for rank in (0, 1):  # accelerator.log without log_with, from both ranks
+        losses = [r for r in metrics if r["rank"] == rank and "loss" in r]
+        assert [r["step"] for r in losses] == list(range(1, STEPS + 1)), rank
+    assert [r["eval_accuracy"] for r in metrics if "eval_accuracy" in r and r["rank"] == 0]
+    committed = sorted(p.name for p in Path(result.run_dir, "checkpoints").iterdir() if p.is_dir())
+    assert committed == ["checkpoint-00000012", "checkpoint-00000016"]  # step_<n>'s n; checkpoint.keep 2
+    manifest = json.loads(Path(result.run_dir, "checkpoints", "checkpoint-00000016", "manifest.json").read_text())
+    assert manifest["step"] == 16 and "model.safetensors" in manifest["files"]
+    # The folders the script asked for hold the same files (the script's result.json beside them).
+    mine = tmp / "out" / "step_16"
+    assert (mine / "model.safetensors").read_bytes() == \
+        Path(result.run_dir, "checkpoints", "checkpoint-00000016", "model.safetensors").read_bytes()
+    assert sorted(p.name for p in (tmp / "out").iterdir()) == ["result.json", "step_12", "step_16", "step_4",
+                                                               "step_8"]
+    assert json.loads((tmp / "out" / "result.json").read_text())["steps"] == STEPS
+
+
+def test_a_rank_killed_after_a_commit_resumes_the_script_with_the_flag_and_ends_bitwise_equal(uninterrupted):
+    reference, tmp = uninterrupted
+    out = tmp / "out-killed"
+    driver = digits(tmp / "runs", "killed", ["--num_machines", "2", "--num_processes", "2"], out,
+                    ["--throttle_s", "0.3"])
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    try:
+        latest = Path(driver.run_dir.uri, "checkpoints", "latest.json")
+        wait_for(latest.exists, 120, "the first committed checkpoint")
+        victim = wait_for(lambda: rank_process(1), 30, "rank 1's process")
+        victim.kill()
+    finally:
+        thread.join(300)
+    result = box["result"]
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and result.restarts == 1
+    assert json.loads(Path(result.run_dir, "result.json").read_text())["status"] == "succeeded"
+    logs = "\n".join(p.read_text() for p in Path(result.run_dir, "logs").rglob("*") if p.is_file())
+    assert "Resumed from checkpoint: " in logs and "/step_" in logs.split("Resumed from checkpoint: ", 1)[1][:300]
+    second = sorted({r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and "loss" in r})
+    assert second and second[-1] == STEPS and second[0] > 4  # went on after a committed step, not from 1
+    assert json.loads((out / "result.json").read_text())["weights"] == \
+        json.loads((tmp / "out" / "result.json").read_text())["weights"]
+    final = "checkpoints/checkpoint-00000016/model.safetensors"
+    assert Path(result.run_dir, final).read_bytes() == Path(reference.run_dir, final).read_bytes()
+
+
+def test_one_node_with_two_processes_trains_the_same_weights_as_two_nodes(uninterrupted):
+    reference, tmp = uninterrupted
+    result = digits(tmp / "runs", "one-node", ["--num_processes", "2"], tmp / "out-1x2").run()
+    assert result.status == "succeeded", result.error
+    assert len(result.nodes) == 1 and result.world_size == 2
+    assert json.loads((tmp / "out-1x2" / "result.json").read_text())["weights"] == \
+        json.loads((tmp / "out" / "result.json").read_text())["weights"]
+
+
+TOP_LEVEL = """
+import json, os, sys
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+seen = {"name": __name__, "argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd()}
+with open(f"seen-rank{accelerator.process_index}.json", "w") as f:
+    json.dump(seen, f)
+accelerator.log({"rank_was": accelerator.process_index}, step=1)
+if "--fail" in sys.argv and accelerator.process_index == 1:
+    sys.exit(3)
+accelerator.end_training()
+"""
+
+
+def test_a_top_level_script_runs_as_python_would_and_its_exit_code_fails_its_rank(ray_cluster, tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "top.py").write_text(TOP_LEVEL)
+    monkeypatch.chdir(project)  # the job's working directory: the folder raylaunch runs from
+    ok = launch(["--num_processes", "2", "src/top.py", "--lr", "3e-4", "--name", "x"], tmp_path / "runs", "top").run()
+    assert ok.status == "succeeded", ok.error
+    for rank in (0, 1):
+        seen = json.loads((project / f"seen-rank{rank}.json").read_text())
+        assert seen["name"] == "__main__"
+        assert seen["argv"] == [str(project / "src" / "top.py"), "--lr", "3e-4", "--name", "x"]  # untouched
+        assert seen["file"] == str(project / "src" / "top.py") and seen["path0"] == str(project / "src")
+        assert seen["cwd"] == str(project)
+    assert sorted(r["rank_was"] for r in rows(ok.run_dir) if "rank_was" in r) == [0, 1]
+    failed = launch(["--num_processes", "2", "src/top.py", "--fail"], tmp_path / "runs", "top-fails").run()
+    assert failed.status == "failed"
+    assert "[rank 1]" in failed.error and "exited with code 3" in failed.error, failed.error
+
+
+def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp_path):
+    spec = parse("launch", ["--num_machines", "2", "--num_processes", "4", "--mixed_precision", "bf16",
+                            "--gradient_accumulation_steps", "2", "--cpu", "--main_process_port", "29500",
+                            "--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+                            "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                            "--fsdp_transformer_layer_cls_to_wrap", "BertLayer,BertEmbeddings",
+                            "--fsdp_reshard_after_forward", "false", "--fsdp_activation_checkpointing", "true",
+                            "train.py", "--num_processes", "9"])
+    s = spec.spec()
+    assert (s.scaling.num_nodes, s.scaling.workers_per_node, s.scaling.use_gpu) == (2, 2, False)
+    assert (s.accelerate.mixed_precision, s.accelerate.gradient_accumulation_steps) == ("bf16", 2)
+    f = s.accelerate.fsdp
+    assert (f.version, f.state_dict_type, f.reshard_after_forward, f.activation_checkpointing) == (2, "full", False, True)
+    assert f.transformer_layer_cls_to_wrap == ["BertLayer", "BertEmbeddings"]
+    assert (s.script, s.args, s.name, s.resume_arg) == ("train.py", ["--num_processes", "9"], "train",
+                                                        "--resume_from_checkpoint")
+    assert any("--main_process_port: not needed" in n for n in spec.notes)
+    # --use_fsdp alone is Accelerate's default FSDP: version 1, full state dicts
+    f1 = parse("launch", ["--use_fsdp", "t.py"]).spec().accelerate.fsdp
+    assert (f1.version, f1.state_dict_type) == (1, "full")
+    # a config file gives the topology and the rest, as accelerate launch reads it
+    (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n"
+                                       "num_machines: 2\nnum_processes: 2\nmixed_precision: bf16\nuse_cpu: true\n")
+    c = parse("launch", ["--config_file", str(tmp_path / "acc.yaml"), "t.py"]).spec()
+    assert (c.scaling.num_nodes, c.scaling.workers_per_node, c.scaling.use_gpu) == (2, 1, False)
+    assert c.accelerate.config_file == str(tmp_path / "acc.yaml")
+
+
+def test_an_unknown_accelerate_option_is_refused_naming_the_spec_key_before_anything_starts(tmp_path):
+    (tmp_path / "train.py").write_text("raise SystemExit('must not run')\n")
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "launch", "--num_cpu_threads_per_process", "4",
+                           "--max_restarts", "3", "--zero_stage", "2", "--storage", str(tmp_path / "runs"),
+                           "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--num_cpu_threads_per_process: not an option of raylaunch launch; use scaling.cpus_per_worker" in proc.stderr
+    assert "--max_restarts: not an option of raylaunch launch; use failure.max_restarts" in proc.stderr
+    assert "--zero_stage: not an option of raylaunch launch; put it in accelerate.config_file" in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started, no run directory
+    wrong = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", "--num_processes", "2", "nope.py"],
+                           cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "script 'nope.py': no such file in the working directory" in wrong.stderr
+    (tmp_path / "with_flag.py").write_text("import argparse\np = argparse.ArgumentParser()\n"
+                                           "p.add_argument('--resume_from_checkpoint')\n")
+    ok = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", "--num_processes", "2", "with_flag.py"],
+                        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "1 nodes x 2 workers, script with_flag.py" in ok.stdout and "(it has that argparse option)" in ok.stdout
+
+
+PROBE = """
+import json, os, sys
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+
+accelerator = Accelerator()
+state = {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes,
+         "mixed_precision": accelerator.mixed_precision,
+         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+         "dynamo_backend": str(accelerator.state.dynamo_plugin.backend)}
+if os.environ.get("ACCELERATE_USE_FSDP") == "true":
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) or FullyShardedDataParallelPlugin()
+    state["fsdp"] = {"version": plugin.fsdp_version, "reshard_after_forward": str(plugin.reshard_after_forward),
+                     "state_dict_type": str(plugin.state_dict_type), "activation_checkpointing":
+                     plugin.activation_checkpointing, "transformer_cls_names_to_wrap":
+                     plugin.transformer_cls_names_to_wrap, "auto_wrap_policy": getattr(plugin.auto_wrap_policy,
+                     "__name__", str(plugin.auto_wrap_policy)), "min_num_params": plugin.min_num_params}
+with open(os.path.join(sys.argv[1], f"state-rank{accelerator.process_index}.json"), "w") as f:
+    json.dump(state, f)
+accelerator.end_training()
+"""
+
+# On one machine with CPUs only, `accelerate launch --multi_gpu` with ACCELERATE_USE_CPU (what raylaunch sets on
+# CPU nodes, and what `--cpu` sets for accelerate launch's single process) starts torchrun's processes on gloo.
+OPTION_SETS = {
+    "ddp": ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "bf16", "--dynamo_backend", "no"],
+    "fsdp": ["--use_fsdp", "--num_processes", "2", "--fsdp_version", "2", "--fsdp_state_dict_type",
+             "FULL_STATE_DICT", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_transformer_layer_cls_to_wrap", "BertLayer", "--fsdp_reshard_after_forward", "false",
+             "--fsdp_activation_checkpointing", "true", "--mixed_precision", "bf16"],
+}
+
+
+@pytest.mark.parametrize("options", sorted(OPTION_SETS))
+def test_a_rank_sees_what_accelerate_launch_gives_for_the_same_options(ray_cluster, tmp_path, monkeypatch, options):
+    argv = OPTION_SETS[options]
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "ours").mkdir()
+    env = {**cli_env(), "ACCELERATE_USE_CPU": "true", "HF_HOME": str(tmp_path / "hf")}  # no saved config file
+    port = free_ports(1)[0]
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable))
+    theirs = subprocess.run([accelerate, "launch", "--main_process_port", str(port), *argv, "probe.py",
+                             str(tmp_path / "theirs")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    ours = launch([*argv, "probe.py", str(tmp_path / "ours")], tmp_path / "runs", f"probe-{options}").run()
+    assert ours.status == "succeeded", ours.error
+    for rank in (0, 1):
+        a = json.loads((tmp_path / "theirs" / f"state-rank{rank}.json").read_text())
+        b = json.loads((tmp_path / "ours" / f"state-rank{rank}.json").read_text())
+        if options == "fsdp":
+            # On CPUs Accelerate itself trains FSDP's plugin as DDP; raylaunch shards (docs/launch.md).
+            assert (a["distributed_type"], b["distributed_type"]) == ("DistributedType.MULTI_CPU",
+                                                                      "DistributedType.FSDP")
+            a.pop("distributed_type"), b.pop("distributed_type")
+        assert b == a, (rank, a, b)
+        assert b["num_processes"] == 2
