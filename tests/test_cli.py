@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, free_ports
 
 
 def raylaunch(*args: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -53,6 +53,22 @@ def test_train_fn_module_or_function_that_does_not_exist(tmp_path):
     assert proc.returncode == 2
     assert "has no function 'trian'; it defines:" in proc.stderr and "train" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_submit_refuses_a_bad_train_fn_before_sending_anything(tmp_path):
+    """Checked on the laptop: exit 2 and the fix, never a connection (nobody listens at the address;
+    the same spec with a good train_fn tries to send, and says that no dashboard answers there)."""
+    address = f"http://127.0.0.1:{free_ports(1)[0]}"
+    write(tmp_path, "name: t\ntrain_fn: train_fn.digits:train\n")  # in the project folder it uploads
+    sent = raylaunch("submit", "job.yaml", "--address", address, cwd=tmp_path)
+    assert sent.returncode == 1 and "no Ray dashboard answers at" in sent.stderr, sent.stderr
+    for train_fn, said in (("train_fn.digitz:train", "no module named 'train_fn.digitz'"),
+                           ("train_fn.digits:trian", "has no function 'trian'; it defines:")):
+        write(tmp_path, f"name: t\ntrain_fn: {train_fn}\n")
+        proc = raylaunch("submit", "job.yaml", "--address", address, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert said in proc.stderr and "Traceback" not in proc.stderr
+        assert "submitted" not in proc.stdout and "no Ray dashboard answers" not in proc.stderr
 
 
 def test_the_installed_command_runs_a_module_of_the_folder_it_runs_in(tmp_path):
