@@ -221,6 +221,17 @@ def hostile_outputs(config: dict) -> dict:
     return {"lock": threading.Lock(), "cycle": cycle, "rank": rank}
 
 
+def diverges(config: dict) -> dict:
+    """Rank R logs ``score`` as (R + 1)/step for steps 1-4, then NaN, infinity and minus infinity at
+    steps 5-7: a run whose loss blew up."""
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    for step, value in enumerate([1.0, 0.5, 1 / 3, 0.25, float("nan"), float("inf"), float("-inf")], start=1):
+        session.log({"score": value * (accelerator.process_index + 1)}, step=step)
+    accelerator.wait_for_everyone()
+    return {"rank": accelerator.process_index}
+
+
 def sabotage_storage(config: dict) -> dict:
     """Rank 0 puts a file where the run's checkpoints folder goes, then every rank saves:
     storage that changes under the driver (a user, a cleanup job) while the run goes on."""
