@@ -331,6 +331,25 @@ def elastic(config: dict) -> dict:
             "world_size": accelerator.num_processes, "accumulation": accumulation}
 
 
+def _wait_for_commit(session, step: int, timeout_s: float = 120.0) -> None:
+    """Until the driver has committed the checkpoint of ``step`` (``latest.json`` on the run's storage
+    names it or a later one); raises after ``timeout_s``."""
+    import json
+    import time
+    from pathlib import Path
+
+    latest = Path(session.payload.staging_uri).parent.parent / "checkpoints" / "latest.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(latest.read_text())["step"] >= step:
+                return
+        except (OSError, ValueError, KeyError):  # not written yet, or being replaced
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the checkpoint of step {step} was not committed within {timeout_s:g} s ({latest})")
+
+
 def sharded(config: dict) -> dict:
     """An MLP trained through ``session.save``/``restore`` with whatever strategy the spec chose.
 
@@ -385,9 +404,7 @@ def sharded(config: dict) -> dict:
         if progress.step % int(config["every"]) == 0:
             session.save(accelerator, progress.step)
             if config.get("fail_at") == progress.step and rank == 1 and session.payload.attempt == 1:
-                import time
-
-                time.sleep(float(config.get("fail_delay_s", 3.0)))  # the commit happens first
+                _wait_for_commit(session, progress.step)  # dies after the commit, as the test means
                 os._exit(7)
     info = shard_info(model)
     # The whole model as a user saves it at the end (a collective: every rank; rank 0 gets it all).
