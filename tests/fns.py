@@ -418,6 +418,16 @@ def sharded(config: dict) -> dict:
             "rng_seed": torch.initial_seed(), "mixed_precision": accelerator.mixed_precision}
 
 
+def fsdp_undone(config: dict) -> dict:
+    """Asked for FSDP, builds its Accelerator as an Accelerate that does not take its FSDP path would:
+    without the strategy the runner set, so ``prepare`` wraps the model for plain DDP."""
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_USE_FSDP", "FSDP_"))]:
+        del os.environ[key]
+    accelerator = Accelerator(**get_session().accelerator_kwargs())
+    accelerator.prepare(torch.nn.Linear(4, 4))
+    return {"trained_unsharded": True}
+
+
 GPU_KEYS = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "ACCELERATE_USE_CPU", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
 
