@@ -252,6 +252,7 @@ def manifest(storage, name, step) -> dict:
 def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_cluster, tmp_path):
     whole, log = run("whole", tmp_path, steps=8)
     ranks = whole.rank_results
+    assert len(ranks) == 2  # every rank's result, before the checks over them
     assert {r["distributed_type"] for r in ranks.values()} == {"DistributedType.FSDP"}
     assert {r["model_class"] for r in ranks.values()} == {"FSDPSequential"}
     total = ranks["0"]["total_params"]
@@ -294,6 +295,7 @@ def test_fsdp1_shards_saves_its_full_state_and_resumes_exactly_on_cpu_nodes(ray_
     acc = "{fsdp: {version: 1, state_dict_type: full}}"
     whole, log = run("v1", tmp_path, steps=8, accelerate=acc, extra=", gather: true")
     ranks = whole.rank_results
+    assert len(ranks) == 2
     assert {r["model_class"] for r in ranks.values()} == {"FullyShardedDataParallel"}
     total = ranks["0"]["total_params"]
     assert sum(r["local_params"] for r in ranks.values()) == total
