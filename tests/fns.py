@@ -221,6 +221,17 @@ def hostile_outputs(config: dict) -> dict:
     return {"lock": threading.Lock(), "cycle": cycle, "rank": rank}
 
 
+def diverges(config: dict) -> dict:
+    """Rank R logs ``score`` as (R + 1)/step for steps 1-4, then NaN, infinity and minus infinity at
+    steps 5-7: a run whose loss blew up."""
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    for step, value in enumerate([1.0, 0.5, 1 / 3, 0.25, float("nan"), float("inf"), float("-inf")], start=1):
+        session.log({"score": value * (accelerator.process_index + 1)}, step=step)
+    accelerator.wait_for_everyone()
+    return {"rank": accelerator.process_index}
+
+
 def sabotage_storage(config: dict) -> dict:
     """Rank 0 puts a file where the run's checkpoints folder goes, then every rank saves:
     storage that changes under the driver (a user, a cleanup job) while the run goes on."""
@@ -320,6 +331,25 @@ def elastic(config: dict) -> dict:
             "world_size": accelerator.num_processes, "accumulation": accumulation}
 
 
+def _wait_for_commit(session, step: int, timeout_s: float = 120.0) -> None:
+    """Until the driver has committed the checkpoint of ``step`` (``latest.json`` on the run's storage
+    names it or a later one); raises after ``timeout_s``."""
+    import json
+    import time
+    from pathlib import Path
+
+    latest = Path(session.payload.staging_uri).parent.parent / "checkpoints" / "latest.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(latest.read_text())["step"] >= step:
+                return
+        except (OSError, ValueError, KeyError):  # not written yet, or being replaced
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the checkpoint of step {step} was not committed within {timeout_s:g} s ({latest})")
+
+
 def sharded(config: dict) -> dict:
     """An MLP trained through ``session.save``/``restore`` with whatever strategy the spec chose.
 
@@ -374,9 +404,7 @@ def sharded(config: dict) -> dict:
         if progress.step % int(config["every"]) == 0:
             session.save(accelerator, progress.step)
             if config.get("fail_at") == progress.step and rank == 1 and session.payload.attempt == 1:
-                import time
-
-                time.sleep(float(config.get("fail_delay_s", 3.0)))  # the commit happens first
+                _wait_for_commit(session, progress.step)  # dies after the commit, as the test means
                 os._exit(7)
     info = shard_info(model)
     # The whole model as a user saves it at the end (a collective: every rank; rank 0 gets it all).
@@ -388,6 +416,16 @@ def sharded(config: dict) -> dict:
             "model_class": type(model).__name__, "local_params": info.local_params,
             "total_params": info.total_params, "restored_step": restored, "loaded": loaded, "final": digest(),
             "rng_seed": torch.initial_seed(), "mixed_precision": accelerator.mixed_precision}
+
+
+def fsdp_undone(config: dict) -> dict:
+    """Asked for FSDP, builds its Accelerator as an Accelerate that does not take its FSDP path would:
+    without the strategy the runner set, so ``prepare`` wraps the model for plain DDP."""
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_USE_FSDP", "FSDP_"))]:
+        del os.environ[key]
+    accelerator = Accelerator(**get_session().accelerator_kwargs())
+    accelerator.prepare(torch.nn.Linear(4, 4))
+    return {"trained_unsharded": True}
 
 
 GPU_KEYS = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "NCCL_SOCKET_IFNAME",

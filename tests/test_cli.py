@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, cli_env
+import pytest
+
+from conftest import ROOT, cli_env, free_ports, wait_for
 
 
 def raylaunch(*args: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -53,6 +58,22 @@ def test_train_fn_module_or_function_that_does_not_exist(tmp_path):
     assert proc.returncode == 2
     assert "has no function 'trian'; it defines:" in proc.stderr and "train" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_submit_refuses_a_bad_train_fn_before_sending_anything(tmp_path):
+    """Checked on the laptop: exit 2 and the fix, never a connection (nobody listens at the address;
+    the same spec with a good train_fn tries to send, and says that no dashboard answers there)."""
+    address = f"http://127.0.0.1:{free_ports(1)[0]}"
+    write(tmp_path, "name: t\ntrain_fn: train_fn.digits:train\n")  # in the project folder it uploads
+    sent = raylaunch("submit", "job.yaml", "--address", address, cwd=tmp_path)
+    assert sent.returncode == 1 and "no Ray dashboard answers at" in sent.stderr, sent.stderr
+    for train_fn, said in (("train_fn.digitz:train", "no module named 'train_fn.digitz'"),
+                           ("train_fn.digits:trian", "has no function 'trian'; it defines:")):
+        write(tmp_path, f"name: t\ntrain_fn: {train_fn}\n")
+        proc = raylaunch("submit", "job.yaml", "--address", address, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert said in proc.stderr and "Traceback" not in proc.stderr
+        assert "submitted" not in proc.stdout and "no Ray dashboard answers" not in proc.stderr
 
 
 def test_the_installed_command_runs_a_module_of_the_folder_it_runs_in(tmp_path):
@@ -158,6 +179,48 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
         second = [r["step"] for r in rows if r["attempt"] == 2 and r["rank"] == rank and "rank_loss" in r]
         assert second == list(range(step + 1, 81)), (rank, second)
     assert {r["attempt"] for r in rows} == {1, 2}
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_every_rank_and_records_stopped(tmp_path, how):
+    """Ctrl-C reaches `raylaunch run`'s whole process group (as a terminal sends it); SIGTERM (a
+    scheduler's kill) reaches the process. Either way every rank ends, result.json says stopped, and
+    nothing the command started is left."""
+    import psutil
+
+    spec = write(tmp_path, f"name: halted\ntrain_fn: fns:steady\nscaling: {{num_nodes: 1, workers_per_node: 2}}\n"
+                           f"config: {{steps: 1000000, every: 1000000, step_s: 0.05, pid_dir: {tmp_path / 'pids'}}}\n"
+                           f"storage: {tmp_path / 'runs'}\n")
+    metrics, out = tmp_path / "runs" / "halted" / "metrics.jsonl", tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", spec], cwd=ROOT, env=cli_env(),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    tree: list = []
+    try:
+        wait_for(lambda: metrics.exists() and '"rank": 1' in metrics.read_text(), 180, "both ranks to train")
+        pids = [int((tmp_path / "pids" / f"rank-{r}.pid").read_text().split()[1]) for r in (0, 1)]
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        if how == "Ctrl-C":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(120) == 1, out.read_text()[-3000:]
+    finally:
+        for p in [*tree, psutil.Process(proc.pid)] if proc.poll() is None else tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    said = out.read_text()
+    result = json.loads((tmp_path / "runs" / "halted" / "result.json").read_text())
+    why = "interrupted (Ctrl-C)" if how == "Ctrl-C" else "stopped (SIGTERM)"
+    assert result["status"] == "stopped" and result["error"].startswith(why), result["error"]
+    error = result["error"]  # where every rank was, before it was stopped
+    assert "where each rank was (every thread: " in error and ("[ranks 0, 1] in " in error or (
+        "[rank 0] in " in error and "[rank 1] in " in error)), error
+    assert f"raylaunch: {why}: stopping every rank" in said and "raylaunch: stopped after 1 attempt(s)" in said
+    assert "Traceback" not in said, said[-3000:]
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "every rank to end")
+    wait_for(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 30,
+             "every process the command started to end")
 
 
 def test_an_exception_in_the_training_function_fails_the_run(tmp_path):

@@ -191,6 +191,21 @@ class OtherWork:
         return True
 
 
+def test_an_elastic_run_starts_below_num_nodes_on_the_nodes_there_are(ray_cluster, tmp_path):
+    """Three nodes asked for, two in the cluster (min_nodes 1): the run says so and trains on two."""
+    out = io.StringIO()
+    job = spec(tmp_path, "short", step_s=0.05, overrides=["scaling.num_nodes=3", "scaling.keep_global_batch=false",
+                                                           "config.epochs=1"])
+    result = Driver(job, can_grow=False, out=out).run()
+    assert result.status == "succeeded", result.error
+    assert ("raylaunch: elastic: asking for 3 nodes, 2 can hold the job now: starting on 2 nodes (world size 2, "
+            "gradient accumulation 1); the run grows back when nodes come") in out.getvalue(), out.getvalue()
+    assert len(result.rank_results) == 2 and {r["world_size"] for r in result.rank_results.values()} == {2}
+    got = samples_by_step(tmp_path, "short")
+    assert sorted(got) == list(range(1, SAMPLES // GLOBAL_BATCH + 1))  # one epoch of 2 x 8 samples a step
+    each_sample_once_per_epoch(got, SAMPLES // GLOBAL_BATCH, SAMPLES)
+
+
 def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_frees(ray_cluster, tmp_path):
     """Node 0 hosts the rendezvous store: losing it must not stop the run. The head is busy with
     other work, so the run's two nodes are the two others and node 0 can be removed; when the

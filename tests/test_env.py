@@ -96,6 +96,7 @@ def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_or_torch_r
     result = Driver(load_spec_text(_spec(tmp_path, "pip", package="humanize", pip="[humanize]", nodes=1)),
                     can_grow=False, out=io.StringIO()).run()
     assert result.status == "succeeded", result.error
+    assert len(result.rank_results) == 2
     for seen in result.rank_results.values():
         assert "site-packages/humanize" in seen["package_file"] and str(ROOT / ".venv") not in seen["package_file"]
 

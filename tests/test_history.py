@@ -160,6 +160,63 @@ def test_plot_per_rank_and_storage_from_the_environment(runs, tmp_path):
     assert listed.returncode == 0 and {"steady", "digits", "broken"} <= {l.split()[0] for l in listed.stdout.splitlines()}
 
 
+def test_plot_peak_memory_per_rank_of_a_real_run(runs, tmp_path):
+    """What the ranks' heartbeats report is in metrics.jsonl: one curve per rank, in MiB."""
+    from jobs.runs import series
+
+    png = tmp_path / "rss.png"
+    proc = raylaunch("plot", "steady", "--metric", "peak_rss_mb", "--per-rank", "-o", str(png),
+                     "--storage", str(runs["storage"]), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {png} (peak_rss_mb: steady rank 0, steady rank 1)" in proc.stdout
+    curves = series(RunDir(str(runs["storage"]), "steady").read_metrics(), "peak_rss_mb", per_rank=True)
+    assert [c.label for c in curves] == ["rank 0", "rank 1"]
+    assert all(c.values and all(100 < v < 20_000 for v in c.values) for c in curves), curves  # MiB of a real process
+
+
+def test_nan_and_infinity_are_stored_and_never_drawn(ray_cluster, tmp_path):
+    """A rank's NaN, infinity and minus infinity reach metrics.jsonl as they are; `plot` draws the run
+    exactly as it draws the same run without them (no point, no stretched axis), and TensorBoard
+    holds only the finite steps."""
+    import math
+    import shutil
+
+    import matplotlib.image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    storage = tmp_path / "runs"
+    result = Driver(load_spec_text(f"name: diverges\ntrain_fn: fns:diverges\nscaling: {{num_nodes: 2}}\n"
+                                   f"storage: {storage}\n"), can_grow=False, out=io.StringIO()).run()
+    assert result.status == "succeeded", result.error
+    text = (storage / "diverges" / "metrics.jsonl").read_text()
+    assert text.count('"score": NaN') == text.count('"score": Infinity') == text.count('"score": -Infinity') == 2
+    for rank in (0, 1):
+        got = {r["step"]: r["score"] for r in rows(storage, "diverges") if r["rank"] == rank and "score" in r}
+        assert sorted(got) == list(range(1, 8)) and got[4] == 0.25 * (rank + 1), got
+        assert math.isnan(got[5]) and got[6] == math.inf and got[7] == -math.inf, got
+    # the same run with only its finite rows, under the same name on another storage
+    finite = tmp_path / "finite" / "diverges"
+    finite.mkdir(parents=True)
+    shutil.copy(storage / "diverges" / "spec.yaml", finite)
+    finite.joinpath("metrics.jsonl").write_text("".join(
+        line + "\n" for line in text.splitlines() if "score" not in json.loads(line)
+        or math.isfinite(json.loads(line)["score"])))
+    for extra in ([], ["--per-rank"]):
+        drawn = {}
+        for where in (storage, finite.parent):
+            png = tmp_path / f"{where.name}{''.join(extra)}.png"
+            proc = raylaunch("plot", "diverges", "--metric", "score", *extra, "-o", str(png), "--storage", str(where),
+                             timeout=60)
+            assert proc.returncode == 0 and f"wrote {png} (score: diverges" in proc.stdout, proc.stderr
+            drawn[where] = matplotlib.image.imread(png)
+        assert pixels(png, "#1f77b4") > 200  # the finite part of the curve is there
+        assert (pixels(png, "#ff7f0e") > 200) == bool(extra)  # and rank 1's, per rank
+        assert np.array_equal(drawn[storage], drawn[finite.parent]), extra
+    board = EventAccumulator(str(storage / "diverges" / "tensorboard"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("score")] == [1, 2, 3, 4]
+
+
 def test_the_best_evaluation_is_the_highest_or_for_losses_the_lowest(tmp_path):
     for name, metric in (("acc", "eval_accuracy"), ("lossy", "eval_loss")):
         run = RunDir(str(tmp_path), name)

@@ -266,6 +266,7 @@ def test_a_secret_reaches_the_ranks_of_a_submitted_job_and_nothing_shows_it(head
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "the secret is ***" in proc.stdout and value not in proc.stdout + proc.stderr
     result = json.loads((tmp_path / "env" / "result.json").read_text())
+    assert len(result["rank_results"]) == 2
     for seen in result["rank_results"].values():
         assert seen["var"] == "raylaunch-demo"
         assert seen["secret_sha256"] == hashlib.sha256(value.encode()).hexdigest()

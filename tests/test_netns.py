@@ -147,6 +147,7 @@ def test_a_two_host_job_meets_over_the_interface_of_each_ray_address(hosts, tmp_
     nodes = {n["node_rank"]: n for n in result["nodes"]}
     assert {nodes[0]["ip"], nodes[1]["ip"]} == {H1, H2}  # one node on each host
     iface = {addr: inside for addr, inside, _ in HOSTS.values()}
+    assert len(result["rank_results"]) == 2
     for rank, seen in result["rank_results"].items():
         env = seen["env"]
         # both ranks, the one on the other host too, meet at node 0's Ray address

@@ -313,6 +313,7 @@ def test_a_job_submitted_through_the_tunnel_waits_for_the_autoscaler_then_runs_o
     assert result["status"] == "succeeded"
     nodes = {n["node_rank"]: n["ip"] for n in result["nodes"]}
     assert set(nodes.values()) == {HEAD, WORKER}  # one node on each host, by its own address
+    assert len(result["rank_results"]) == 2
     for rank, seen in result["rank_results"].items():
         assert seen["num_processes"] == 2 and seen["sum_of_ranks"] == 1.0  # an all-reduce across the hosts
         assert seen["env"]["MASTER_ADDR"] == nodes[0]  # both met at node 0's address

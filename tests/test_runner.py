@@ -90,6 +90,7 @@ def test_the_store_takes_the_first_free_port_of_the_range_and_ranks_use_the_ray_
     finally:
         held.close()
     assert result.status == "succeeded", result.error
+    assert len(result.rank_results) == 2
     for seen in result.rank_results.values():
         assert seen["env"]["MASTER_PORT"] == str(first + 1)
         assert seen["env"]["MASTER_ADDR"] == result.nodes[0]["ip"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,6 +252,7 @@ def manifest(storage, name, step) -> dict:
 def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_cluster, tmp_path):
     whole, log = run("whole", tmp_path, steps=8)
     ranks = whole.rank_results
+    assert len(ranks) == 2  # every rank's result, before the checks over them
     assert {r["distributed_type"] for r in ranks.values()} == {"DistributedType.FSDP"}
     assert {r["model_class"] for r in ranks.values()} == {"FSDPSequential"}
     total = ranks["0"]["total_params"]
@@ -270,6 +272,20 @@ def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_c
     assert cut.rank_results["0"]["final"] == ranks["0"]["final"]
 
 
+def test_a_run_that_asked_for_fsdp_and_would_train_ddp_fails_saying_so(ray_cluster, tmp_path):
+    """Accelerate prepared the model for DDP although the spec asked for FSDP: every rank fails at
+    ``prepare``, naming what it got, before a step is trained."""
+    spec = load_spec_text(SHARDED.format(name="undone", storage=tmp_path, steps=1, nodes=2, workers=1, cpus=1,
+                                         extra="", accelerate="{fsdp: {}}"),
+                          ["train_fn=fns:fsdp_undone", "failure.max_restarts=0"])
+    result = Driver(spec, can_grow=False, out=io.StringIO()).run()
+    assert result.status == "failed" and result.rank_results == {}, result.rank_results
+    for rank in (0, 1):  # (the class named is the user's module: Accelerate keeps it unwrapped for DDP)
+        assert re.search(rf"RuntimeError: FSDP was asked for, but Accelerate prepared the model as \w+ "
+                         rf"\(DistributedType.MULTI_CPU\) on rank {rank}: nothing is sharded", result.error), result.error
+    assert json.loads((tmp_path / "undone" / "result.json").read_text())["status"] == "failed"
+
+
 def test_fsdp1_shards_saves_its_full_state_and_resumes_exactly_on_cpu_nodes(ray_cluster, tmp_path):
     """FSDP1 (`version: 1`) on CPU nodes: Accelerate's device "cpu:0" was refused by FSDP1 ("Inconsistent
     compute device"), and its full state dict crashed the rank (SIGSEGV) when offloading to the CPU
@@ -279,6 +295,7 @@ def test_fsdp1_shards_saves_its_full_state_and_resumes_exactly_on_cpu_nodes(ray_
     acc = "{fsdp: {version: 1, state_dict_type: full}}"
     whole, log = run("v1", tmp_path, steps=8, accelerate=acc, extra=", gather: true")
     ranks = whole.rank_results
+    assert len(ranks) == 2
     assert {r["model_class"] for r in ranks.values()} == {"FullyShardedDataParallel"}
     total = ranks["0"]["total_params"]
     assert sum(r["local_params"] for r in ranks.values()) == total

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.spec import JobSpec, SpecError, load_spec, load_spec_text
+from jobs.spec import JobSpec, SpecError, load_spec, load_spec_text, spec_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 MINIMAL = "name: t\ntrain_fn: train_fn.digits:train\n"
@@ -30,6 +30,31 @@ def test_defaults_fill_what_is_left_out():
     spec = load_spec_text(MINIMAL)
     assert spec.scaling.num_nodes == 1 and spec.scaling.use_gpu == "auto"
     assert spec.failure.max_restarts == 0 and spec.checkpoint.keep == 2
+
+
+def test_every_default_is_the_documented_one():
+    """Every key left out, at every level: a changed default or a new key fails here, naming it."""
+    assert spec_to_dict(load_spec_text(MINIMAL)) == {
+        "name": "t", "train_fn": "train_fn.digits:train", "config": {},
+        "scaling": {"num_nodes": 1, "workers_per_node": 1, "use_gpu": "auto", "cpus_per_worker": 1.0,
+                    "min_nodes": None, "keep_global_batch": True},
+        "accelerate": {"mixed_precision": "no", "gradient_accumulation_steps": 1,
+                       "dataloader": {"even_batches": True, "use_seedable_sampler": True, "split_batches": False,
+                                      "dispatch_batches": "auto", "use_stateful_dataloader": False},
+                       "fsdp": None, "config_file": None},
+        "storage": "~/raylaunch-runs",
+        "checkpoint": {"keep": 2},
+        "failure": {"max_restarts": 0, "max_preemptions": 10},
+        "timeouts": {"placement_s": 120.0, "rendezvous_s": 300.0, "heartbeat_s": 60.0, "collective_s": 600.0,
+                     "resize_s": 30.0},
+        "rendezvous": {"ports": "any", "socket_ifname": "auto"},
+        "env": {"vars": {}, "secrets": [], "pip": []},
+    }
+    # `fsdp: {}` asks for FSDP with every one of its own defaults
+    assert spec_to_dict(load_spec_text(MINIMAL + "accelerate: {fsdp: {}}\n"))["accelerate"]["fsdp"] == {
+        "version": 2, "reshard_after_forward": True, "state_dict_type": "sharded",
+        "transformer_layer_cls_to_wrap": None, "min_num_params": None, "activation_checkpointing": False,
+        "cpu_ram_efficient_loading": False, "offload_params": False}
 
 
 def test_misspelt_key_names_path_and_nearest_key():
