@@ -36,6 +36,7 @@ def test_every_default_is_the_documented_one():
     """Every key left out, at every level: a changed default or a new key fails here, naming it."""
     assert spec_to_dict(load_spec_text(MINIMAL)) == {
         "name": "t", "train_fn": "train_fn.digits:train", "config": {},
+        "script": None, "args": [], "resume_arg": "--resume_from_checkpoint",
         "scaling": {"num_nodes": 1, "workers_per_node": 1, "use_gpu": "auto", "cpus_per_worker": 1.0,
                     "min_nodes": None, "keep_global_batch": True},
         "accelerate": {"mixed_precision": "no", "gradient_accumulation_steps": 1,
@@ -154,3 +155,16 @@ def test_an_unquoted_no_is_the_mixed_precision_no_in_a_file_and_in_set():
     assert spec.accelerate.mixed_precision == "no"
     with pytest.raises(SpecError, match="accelerate.mixed_precision"):
         load_spec_text("name: p\ntrain_fn: m:f\naccelerate: {mixed_precision: true}\n")
+
+
+def test_a_job_runs_exactly_one_of_a_train_fn_and_a_script():
+    both = problems("name: t\ntrain_fn: m:f\nscript: train.py\n")
+    neither = problems("name: t\n")
+    assert both == neither and "give exactly one" in both[0]
+    assert problems("name: t\nscript: train.sh\n") == ["script: 'train.sh' must be a Python file ending in .py, "
+                                                          "e.g. train.py"]
+    assert "inside the working directory" in problems("name: t\nscript: ../x.py\n")[0]
+    assert "a train_fn gets config instead" in problems("name: t\ntrain_fn: m:f\nargs: [--lr, '3']\n")[0]
+    assert "must be an option" in problems("name: t\nscript: t.py\nresume_arg: resume\n")[0]
+    spec = load_spec_text("name: t\nscript: src/train.py\nargs: ['--lr', '3e-4']\nresume_arg: null\n")
+    assert (spec.script, spec.args, spec.resume_arg, spec.train_fn) == ("src/train.py", ["--lr", "3e-4"], None, None)
