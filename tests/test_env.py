@@ -123,6 +123,45 @@ def test_a_package_in_env_pip_is_installed_for_the_job_and_a_misspelt_or_torch_r
     assert not (tmp_path / "runs" / "pip-torch").exists()
 
 
+UNBUILDABLE_BACKEND = '''"""A build backend whose metadata is fine (pip resolves it) and whose wheel never builds."""
+import os
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    info = os.path.join(metadata_directory, "raylaunch_unbuildable-1.0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\\nName: raylaunch-unbuildable\\nVersion: 1.0\\n")
+    return "raylaunch_unbuildable-1.0.dist-info"
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    raise RuntimeError("raylaunch-unbuildable does not build on this node")
+'''
+
+
+def test_a_node_that_cannot_install_env_pip_fails_the_run_before_any_rank_starts_naming_the_node(
+        ray_cluster, tmp_path, monkeypatch):
+    """A package that resolves where the job is launched (pip's check passes) but does not build on
+    the node: the run fails before any rank starts, naming the node and what pip said."""
+    package = tmp_path / "unbuildable"
+    package.mkdir()
+    (package / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "backend"\n'
+                                            'backend-path = ["."]\n\n[project]\nname = "raylaunch-unbuildable"\n'
+                                            'version = "1.0"\n')
+    (package / "backend.py").write_text(UNBUILDABLE_BACKEND)
+    monkeypatch.setenv(SECRET_NAME, "unused-here")
+    out = io.StringIO()
+    result = Driver(load_spec_text(_spec(tmp_path, "pip-node", pip=f"['{package}']", nodes=1)), can_grow=False,
+                    out=out).run()
+    assert result.status == "failed", result.error
+    assert result.error.startswith(f"env.pip: the job's packages ['{package}'") and \
+        "could not be installed before any rank started: node 0 (" in result.error, result.error
+    assert "ERROR: Failed building wheel for raylaunch-unbuildable" in result.error, result.error  # pip's words
+    assert result.attempts == 0 and result.rank_results == {}  # no attempt began: no rank ever started
+    assert not list((tmp_path / "runs" / "pip-node" / "logs").iterdir())
+
+
 def test_env_pip_pins_torch_and_accelerate_unless_the_requirements_choose_them():
     v = {"torch": "2.13.0", "accelerate": "1.15.0"}
     pins = ["torch==2.13.0", "accelerate==1.15.0"]
