@@ -9,15 +9,17 @@ Imports nothing from Ray.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pyarrow import fs as pafs
 
@@ -25,6 +27,7 @@ from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.restore import node_copy, node_verified
+from cluster.snapshot import Snapshot, capture
 from cluster.sharding import init_optimizers_for_load, seed_missing_rng
 from cluster.storage_io import CheckpointError, describe_files, is_local, join_uri, open_uri, split_query
 from cluster.layout import CHECKPOINTS, SCRIPT_FOLDER, checkpoint_name, run_of_staging
@@ -32,25 +35,80 @@ from cluster.layout import CHECKPOINTS, SCRIPT_FOLDER, checkpoint_name, run_of_s
 __all__ = ["CheckpointError", "CheckpointSaveError", "ScriptSave", "StagedCheckpoints"]
 
 # Called when this rank's part of the checkpoint of ``step`` is on storage at ``uri``;
-# ``files`` ({rel: {size, sha256}}) when it was hashed on local disk before an upload.
-OnSaved = Callable[[int, str, "dict[str, dict] | None"], None]
+# ``files`` ({rel: {size, sha256}}) when it was hashed on local disk before an upload; keywords
+# ``requested`` (the time the save was asked for) and ``blocked_s`` (how long it held training).
+OnSaved = Callable[..., None]
 
 
 class StagedCheckpoints:
     """Under the runner: save into the attempt's staging folder, restore the committed checkpoint it was given."""
 
     def __init__(self, staging_uri: str, restore_uri: str | None, on_saved: OnSaved, *,
-                 context: WorkerContext, node_dir: str) -> None:
+                 context: WorkerContext, node_dir: str, background: bool = True,
+                 log: Callable[[dict, int], None] | None = None) -> None:
         self.staging_uri, self.restore_uri = staging_uri, restore_uri
         self._context, self._node_dir = context, node_dir  # the ranks of a node verify a restore once
         self._on_saved = on_saved
-        self._upload: _Upload | None = None  # this rank's checkpoint upload in flight
+        self._background = background  # checkpoint.async
+        self._log = log  # this rank's metrics: how long each save held training, and its memory
+        self._upload: _Upload | _Write | None = None  # this rank's checkpoint write or upload in flight
+        self._steps: set[int] = set()  # the steps this rank saved in this attempt
 
     def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
         """This rank's part of the checkpoint of ``step``, into staging; ``script``: a script's ``save_state``."""
+        requested = time.time()
+        began = time.perf_counter()
+        if step in self._steps:  # saved twice at one step (a script's step_100, then best): after the first's commit
+            self.wait_for_upload()
+            self._wait_for_commit(step)
+        self._steps.add(step)
+        if self._background and _copies_in_memory(accelerator):
+            uri, host = self._save_in_background(accelerator, step, script, requested)
+        else:
+            uri, host = self._save_now(accelerator, step, script, requested), 0.0
+        if self._log is not None:
+            self._log({"checkpoint_blocked_s": time.perf_counter() - began, "checkpoint_host_mb": host}, step)
+        return uri
+
+    def _save_in_background(self, accelerator: Any, step: int, script: ScriptSave | None,
+                            requested: float) -> tuple[str, float]:
+        """Copy this rank's state into memory and return; a thread writes (and uploads) it, then reports it."""
         uri = join_uri(self.staging_uri, checkpoint_name(step))
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
+        self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
+        began = time.perf_counter()
+        target = path if is_local(fs) else tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
+
+        def save() -> None:
+            _save_state(accelerator, target, step, safe, kwargs)
+            if script is not None:
+                script.label(target, accelerator.is_main_process)
+
+        try:
+            snap = capture(save)
+        except BaseException:
+            if not is_local(fs):
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        blocked = time.perf_counter() - began
+        host = snap.nbytes / 2**20
+        self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
+                              mirror=script.mirror if script else None,
+                              on_done=lambda files: self._on_saved(step, uri, files, requested=requested,
+                                                                   blocked_s=blocked))
+        return uri, host
+
+    def _save_now(self, accelerator: Any, step: int, script: ScriptSave | None, requested: float) -> str:
+        """checkpoint.async: false (or sharded FSDP, DeepSpeed): the state is written before training goes on."""
+        uri = join_uri(self.staging_uri, checkpoint_name(step))
+        fs, path = open_uri(uri)
+        safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
+        began = time.perf_counter()
+
+        def saved(files: dict[str, dict] | None) -> None:
+            self._on_saved(step, uri, files, requested=requested, blocked_s=time.perf_counter() - began)
+
         if is_local(fs):
             _save_state(accelerator, path, step, safe, kwargs)
             if script is not None:
@@ -62,7 +120,7 @@ class StagedCheckpoints:
                 if self._context.local_rank == 0:  # each node's folder gets the whole checkpoint, once
                     _mirror(path, script.mirror)
                 accelerator.wait_for_everyone()  # before the commit moves the staging folder
-            self._on_saved(step, uri, None)
+            saved(None)
             return uri
         self.wait_for_upload()  # training that outruns uploads waits here, not later
         local = tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
@@ -75,10 +133,20 @@ class StagedCheckpoints:
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
-        self._upload = _Upload(local, uri, step, on_done=lambda files: self._on_saved(step, uri, files))
+        self._upload = _Upload(local, uri, step, on_done=saved)
         if script is not None and script.mirror is not None:
             accelerator.wait_for_everyone()  # every rank's files are in the script's folder when save_state returns
         return uri
+
+    def _wait_for_commit(self, step: int, timeout_s: float = 300.0) -> None:
+        """Until the staging folder of ``step`` is gone: the driver committed it (moved or copied it away)."""
+        fs, path = open_uri(join_uri(self.staging_uri, checkpoint_name(step)))
+        deadline = time.monotonic() + timeout_s
+        while fs.get_file_info(path).type != pafs.FileType.NotFound:
+            if time.monotonic() > deadline:
+                raise CheckpointSaveError(f"the checkpoint of step {step} was saved twice, and the first was not "
+                                          f"committed within {timeout_s:g} s; save each step once")
+            time.sleep(0.05)
 
     def wait_for_upload(self) -> None:
         upload, self._upload = self._upload, None
@@ -156,13 +224,17 @@ def _mirror(source: str, target: str) -> None:
     """Copy every file of ``source`` into ``target``, each written whole (a temporary name, then renamed), so
     nodes that share ``target`` may copy the same files at once. Copies, never links: a script that later
     writes into its folder must not write into a committed checkpoint."""
-    for root, _, names in os.walk(source):
-        dest = Path(target, os.path.relpath(root, source))
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            tmp = dest / f".{name}.raylaunch-{os.getpid()}"
-            shutil.copyfile(os.path.join(root, name), tmp)
-            os.replace(tmp, dest / name)
+    _mirror_files(source, [os.path.relpath(os.path.join(root, n), source)
+                           for root, _, names in os.walk(source) for n in names], target)
+
+
+def _mirror_files(source: str, files: list[str], target: str) -> None:
+    for rel in files:
+        dest = Path(target, rel)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.raylaunch-{os.getpid()}")
+        shutil.copyfile(os.path.join(source, rel), tmp)
+        os.replace(tmp, dest)
 
 
 def _save_state(accelerator: Any, path: str, step: int, safe_serialization: bool = True,
@@ -170,7 +242,8 @@ def _save_state(accelerator: Any, path: str, step: int, safe_serialization: bool
     """``save_state`` (model weights as safetensors unless a script asked otherwise); a full disk is said in plain
     words."""
     try:
-        accelerator.save_state(path, safe_serialization=safe_serialization, **(kwargs or {}))
+        with _into(accelerator, path):
+            accelerator.save_state(path, safe_serialization=safe_serialization, **(kwargs or {}))
         save_loader_states(accelerator, path)  # each rank's own stream position
     except Exception as exc:
         if not _out_of_space(exc, path):
@@ -181,6 +254,23 @@ def _save_state(accelerator: Any, path: str, step: int, safe_serialization: bool
             f"({exc}). The previous committed checkpoint is kept; free space there, or set `storage` "
             "(or the node's temporary folder, TMPDIR, for object storage) to a larger volume."
         ) from exc
+
+
+@contextlib.contextmanager
+def _into(accelerator: Any, path: str) -> Iterator[None]:
+    """``save_state`` into ``path`` even with Accelerate's automatic checkpoint naming, which would write
+    ``project_dir/checkpoints/checkpoint_<n>`` instead, prune the script's own folders and count the save."""
+    config = getattr(accelerator, "project_configuration", None)
+    if config is None or not getattr(config, "automatic_checkpoint_naming", False):
+        yield
+        return
+    iteration = config.iteration
+    config.automatic_checkpoint_naming = False
+    try:
+        yield
+    finally:
+        config.automatic_checkpoint_naming = True
+        config.iteration = iteration
 
 
 def _out_of_space(exc: BaseException, path: str) -> bool:
@@ -198,6 +288,68 @@ def _out_of_space(exc: BaseException, path: str) -> bool:
         return shutil.disk_usage(probe).free < (1 << 20)
     except OSError:
         return False
+
+
+def _copies_in_memory(accelerator: Any) -> bool:
+    """Whether this save's state can be held in memory and written later: not DeepSpeed's (its engine writes its
+    own files), nor FSDP's sharded state (PyTorch distributed checkpointing writes it, a collective)."""
+    from accelerate.utils import DistributedType
+
+    kind = getattr(accelerator, "distributed_type", None)
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return False
+    if kind == DistributedType.FSDP:
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        return plugin is not None and "FULL" in str(plugin.state_dict_type)
+    return True
+
+
+class _Write:
+    """One rank's checkpoint part held in memory, written (and on an object store uploaded) in a thread."""
+
+    def __init__(self, snap: Snapshot, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
+                 on_done: Callable[[dict[str, dict] | None], None]) -> None:
+        self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
+        self.error: BaseException | None = None
+        self._on_done = on_done
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-checkpoint-{step}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            written = self.snap.write()
+            self.snap.release()
+            if self.mirror is not None:  # this rank's files, as it wrote them
+                _mirror_files(self.target, [os.path.relpath(p, self.target) for p in written] +
+                              ([SCRIPT_FOLDER] if Path(self.target, SCRIPT_FOLDER).is_file() else []), self.mirror)
+            files = None
+            if self.upload_uri is not None:
+                # Hashed here, on local disk, so the driver's commit reads nothing back from the store.
+                files = describe_files(pafs.LocalFileSystem(), self.target)
+                fs, path = open_uri(self.upload_uri)
+                pafs.copy_files(self.target, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+            self._on_done(files)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self.error = exc
+            shutil.rmtree(self.target, ignore_errors=True)  # a part no commit will ever count
+        finally:
+            self.snap.release()
+            if self.upload_uri is not None:
+                shutil.rmtree(self.target, ignore_errors=True)
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is None:
+            return
+        if _out_of_space(self.error, self.target):
+            raise CheckpointSaveError(
+                f"no space left on the device holding {self.target}: the checkpoint of step {self.step} was not "
+                f"written ({self.error}). The previous committed checkpoint is kept; free space there, or set "
+                "`storage` (or the node's temporary folder, TMPDIR, for object storage) to a larger volume."
+            ) from self.error
+        where = split_query(self.upload_uri)[0] if self.upload_uri else self.target
+        raise CheckpointSaveError(f"writing the checkpoint of step {self.step} to {where} failed: {self.error}. "
+                                  "The previous committed checkpoint is kept.") from self.error
 
 
 class _Upload:

@@ -53,6 +53,8 @@ class WorkerPayload:
     accelerate: dict = field(default_factory=dict)
     # Set instead of ``train_fn``: the script to run.
     script: ScriptCall | None = None
+    # checkpoint.async: a save holds training only while the state is copied into memory.
+    checkpoint_async: bool = True
 
 
 class EventKind(StrEnum):

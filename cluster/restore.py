@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -102,7 +103,10 @@ def node_copy(uri: str, node_dir: str | Path, local_world_size: int) -> tuple[st
                             shutil.rmtree(old, ignore_errors=True)
                 partial = folder.with_name(f".{name}.partial")
                 shutil.rmtree(partial, ignore_errors=True)
-                shutil.copytree(ready, partial)
+                # From a download (removed once the node's ranks loaded it) links are enough; from the
+                # committed checkpoint itself, copies: the script may write into the folder it was given.
+                downloaded = not is_local(open_uri(uri)[0])
+                shutil.copytree(ready, partial, copy_function=os.link if downloaded else shutil.copy2)
                 partial.rename(folder)
     return str(folder), manifest
 

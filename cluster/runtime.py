@@ -90,7 +90,8 @@ class Session:
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
-                                               context=payload.context, node_dir=str(Path(payload.events_path).parent))
+                                               context=payload.context, node_dir=str(Path(payload.events_path).parent),
+                                               background=payload.checkpoint_async, log=self.log)
                              if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
         self.strategy: Resolved | None = None  # set by the worker (cluster.sharding.install)
@@ -195,12 +196,14 @@ class Session:
         driver once every rank has reported its part; outside it, it is
         written to the local checkpoints folder.
 
-        On storage that is not a local path (an object store), training waits
-        only for the state to reach local disk: the upload runs in the
-        background and the rank reports its part when the upload is done. The
-        next ``save`` waits for the previous upload (one in flight at a time),
-        and the runner waits for the last one before the function counts as
-        finished. Storage that is full fails the save with ``CheckpointSaveError``.
+        With ``checkpoint.async`` (the default) training waits only while the
+        state is copied into host memory; writing it (on an object store, then
+        uploading it) runs in the background, and the rank reports its part
+        when that is done. The next ``save`` waits for the previous one (one in
+        flight at a time: at most one copy of the state in memory), and the
+        runner waits for the last one before the function counts as finished.
+        Storage that is full fails the save (or the next one, or the end) with
+        ``CheckpointSaveError``; the previous committed checkpoint is kept.
         """
         if self._checkpoints is None:
             target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
@@ -255,9 +258,11 @@ class Session:
 
     # --- events --------------------------------------------------------------
 
-    def _saved(self, step: int, uri: str, files: dict[str, dict] | None) -> None:
-        """This rank's part of a checkpoint is on storage: the driver commits on the last rank's report."""
-        self.emit(EventKind.CHECKPOINT, step=step, uri=uri, **({"files": files} if files is not None else {}))
+    def _saved(self, step: int, uri: str, files: dict[str, dict] | None, **timing: float) -> None:
+        """This rank's part of a checkpoint is on storage: the driver commits on the last rank's report.
+        ``timing``: ``requested`` (when the save was asked for) and ``blocked_s`` (how long it held training)."""
+        self.emit(EventKind.CHECKPOINT, step=step, uri=uri, **timing,
+                  **({"files": files} if files is not None else {}))
 
     def emit(self, kind: EventKind, **fields: Any) -> None:
         """Report an event to the runner (``cluster.protocol.EventKind``); outside it, to the local file."""

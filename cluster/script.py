@@ -43,6 +43,14 @@ __all__ = ["ScriptExit", "ScriptHooks", "checkpoint_step_of", "run_script", "scr
 _STEP_NAME = re.compile(r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[_-]?(\d+)$")
 
 
+# How long the ranks may take to all reach one save_state before it counts as called on some ranks only.
+SAVE_MEET_S = 60.0
+
+
+class ScriptSaveError(RaylaunchError, RuntimeError):
+    """A script's save_state reached by some ranks only."""
+
+
 class ScriptExit(RaylaunchError, RuntimeError):
     """The script called ``sys.exit`` with a code that is not 0: the rank failed with it."""
 
@@ -73,6 +81,8 @@ def script_argv(call: ScriptCall, resume_folder: str | None) -> list[str]:
     ['--lr', '3', '--resume_from_checkpoint', '/n/step_4']
     >>> script_argv(ScriptCall("t.py", ("--resume_from_checkpoint=old",)), None)
     ['--resume_from_checkpoint=old']
+    >>> script_argv(ScriptCall("t.py", ("--lr", "3", "--", "data.txt")), "/n/step_4")
+    ['--lr', '3', '--resume_from_checkpoint', '/n/step_4', '--', 'data.txt']
     """
     args = list(call.args)
     flag = call.resume_arg
@@ -90,6 +100,9 @@ def script_argv(call: ScriptCall, resume_folder: str | None) -> list[str]:
         if arg.startswith(flag + "="):
             continue
         out.append(arg)
+    if "--" in out:  # after "--" argparse reads only positionals: the flag goes before it
+        i = out.index("--")
+        return out[:i] + [flag, resume_folder] + out[i:]
     return out + [flag, resume_folder]
 
 
@@ -121,6 +134,7 @@ class ScriptHooks:
         self._start = 0  # the resumed checkpoint's step
         self._counts: dict[int, int] = {}
         self._inside = False  # our own save_state call, made inside the script's
+        self._group: Any = None  # a gloo group for the check that every rank saves
         self._said: set[str] = set()
 
     def say_once(self, text: str) -> None:
@@ -133,8 +147,14 @@ class ScriptHooks:
         self.optimizer_steps = self._start = int(manifest["step"])
 
     def install(self) -> None:
+        """Patch Accelerate's classes; a collective (every rank calls it, after the process group exists)."""
+        import torch.distributed as dist
         from accelerate import Accelerator
         from accelerate.optimizer import AcceleratedOptimizer
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Its own gloo group: a save_state only some ranks reach is told apart from a slow one there.
+            self._group = dist.new_group(backend="gloo")
 
         hooks = self
         init, log, save_state, load_state = (Accelerator.__init__, Accelerator.log, Accelerator.save_state,
@@ -213,7 +233,25 @@ class ScriptHooks:
         self._counts[key] = self._counts.get(key, self._start) + 1
         self.optimizer_steps = max(self._counts.values())
 
+    def _every_rank_saves(self) -> None:
+        """A checkpoint needs every rank's part: a save_state reached by some ranks only fails, naming them."""
+        if self._group is None:
+            return
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=SAVE_MEET_S), wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise ScriptSaveError(
+                f"save_state was called on rank {self.rank}, but not on every rank within {SAVE_MEET_S:g} s "
+                f"({str(exc).splitlines()[0][:300]}). A checkpoint needs every rank's part: call "
+                "accelerator.save_state on every process (not inside `if accelerator.is_main_process`); "
+                "Accelerate itself decides which process writes which file") from None
+
     def _save(self, accelerator: Any, save_state: Any, output_dir: str | None, safe: bool, kwargs: dict) -> str:
+        self._every_rank_saves()
         step = None if output_dir is None else checkpoint_step_of(output_dir)
         step = self.optimizer_steps if step is None else step
         self._inside = True

@@ -65,22 +65,22 @@ def run_worker(payload: WorkerPayload) -> Any:
     return _storable_return(result, payload.context.world_rank)
 
 
-def _run_script(session: "runtime.Session", call: "ScriptCall", rank: int) -> None:
+def _run_script(session: "runtime.Session", call: ScriptCall, rank: int) -> None:
     """The script as ``python SCRIPT args`` runs it, with Accelerate's log, save_state and load_state reaching
     the runner; on a resume its arguments get the resume flag and a folder holding the latest checkpoint."""
     from cluster.script import ScriptHooks, run_script, script_argv
 
     hooks = ScriptHooks(session, call, rank)
     hooks.install()
-    resume = session.resume_folder()
-    if resume is not None:
-        hooks.resumed_from(*resume)
-        if call.resume_arg is not None:
-            hooks.say_once(f"resuming: {call.path} gets {call.resume_arg} {resume[0]} (the checkpoint of step "
-                           f"{resume[1]['step']})")
-        else:
+    resume = None
+    if call.resume_arg is None:
+        if session.payload.restore_uri is not None:
             hooks.say_once(f"resume_arg is null: {call.path} starts from the beginning although a committed "
-                           f"checkpoint of step {resume[1]['step']} exists")
+                           "checkpoint exists")
+    elif (resume := session.resume_folder()) is not None:
+        hooks.resumed_from(*resume)
+        hooks.say_once(f"resuming: {call.path} gets {call.resume_arg} {resume[0]} (the checkpoint of step "
+                       f"{resume[1]['step']})")
     run_script(call, script_argv(call, resume[0] if resume else None))
 
 

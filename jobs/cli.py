@@ -141,7 +141,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     address = _address(args)
     if getattr(args, "launch", None) is not None:
-        request = submit.plan_submit_spec(args.launch.spec(), address)
+        request = submit.plan_submit_spec(args.launch.spec(), address, implicit_config=args.launch.implicit_config)
     else:
         request = submit.plan_submit(args.spec, list(args.set or []), address, literals=_literals(args))
     if args.dry_run:

@@ -308,6 +308,7 @@ class Driver:
                 collective_timeout_s=spec.timeouts.collective_s,
                 accelerate=self.accelerate.at(accumulation),
                 script=script,
+                checkpoint_async=spec.checkpoint.async_,
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)

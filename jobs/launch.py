@@ -72,6 +72,7 @@ class LaunchCommand:
     options: argparse.Namespace  # raylaunch's own: address, local_nodes, storage, name, set, fresh, quiet, ...
     raw: dict  # the spec's keys that the script and Accelerate's options give, over --spec's
     notes: tuple[str, ...]  # said once before the job starts
+    implicit_config: str | None = None  # the config file `accelerate config` saved, read without --config_file
 
     def spec(self) -> JobSpec:
         """The job spec: ``--spec`` and the command's keys, then ``--set``, then ``--name``/``--storage``."""
@@ -92,10 +93,10 @@ def _raylaunch_options(p: argparse.ArgumentParser, verb: str) -> None:
     g.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec value (repeatable)")
     g.add_argument("--storage", help="the run storage path or URI")
     g.add_argument("--name", help="the run name (default: the spec's, else the script's name)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
     if verb in ("launch", "submit"):
         g.add_argument("--address", help="a Ray cluster (launch: ray://host:10001 or auto, default an embedded "
                                          "cluster; submit: the dashboard, e.g. http://127.0.0.1:8265)")
-        g.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
     if verb == "launch":
         g.add_argument("--local-nodes", type=int, metavar="N", dest="local_nodes",
                        help="the embedded cluster's real Ray nodes on this machine (default: --num_machines)")
@@ -147,9 +148,26 @@ def parse(verb: str, argv: list[str]) -> LaunchCommand:
     raw["script"] = args.training_script
     raw["args"] = list(args.training_script_args)
     if "name" not in raw:
-        raw["name"] = re.sub(r"[^A-Za-z0-9._-]", "-", Path(args.training_script).stem).lstrip("._-") or "script"
-    _from_accelerate(accel, raw, notes)
-    return LaunchCommand(verb, options, raw, tuple(notes))
+        raw["name"] = default_name(args.training_script, raw["args"])
+    implicit = _from_accelerate(accel, raw, notes)
+    return LaunchCommand(verb, options, raw, tuple(notes), implicit)
+
+
+def default_name(script: str, args: list[str]) -> str:
+    """The run's name when neither ``--name`` nor the spec gives one: the script's and a hash of its arguments,
+    so the same command resumes its run and other arguments start another.
+
+    >>> default_name("src/train.py", ["--lr", "3e-4"]) == default_name("src/train.py", ["--lr", "3e-4"])
+    True
+    >>> default_name("src/train.py", []).startswith("train-")
+    True
+    """
+    import hashlib
+    import json
+
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(script).stem).lstrip("._-") or "script"
+    digest = hashlib.sha256(json.dumps([script, list(args)]).encode()).hexdigest()[:6]
+    return f"{stem[:190]}-{digest}"
 
 
 def _parser_actions(verb: str) -> list[argparse.Action]:
@@ -209,14 +227,25 @@ def _config_file(accel: dict, notes: list[str]) -> tuple[str | None, dict]:
     return path, data
 
 
-def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> None:
-    """The spec keys Accelerate's options stand for, written into ``raw``."""
+def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> str | None:
+    """The spec keys Accelerate's options stand for, written into ``raw``; the config file read without
+    ``--config_file`` (the one `accelerate config` saved), if any."""
     path, file_cfg = _config_file(accel, notes)
     acc = _section(raw, "accelerate") if (path or any(k in accel for k in SUPPORTED[3:])) else {}
     if path is not None:
         acc["config_file"] = path
-    machines = accel.get("num_machines", file_cfg.get("num_machines"))
-    processes = accel.get("num_processes", file_cfg.get("num_processes"))
+    spec_scaling = raw.get("scaling") if isinstance(raw.get("scaling"), dict) else {}
+    machines, processes = accel.get("num_machines"), accel.get("num_processes")
+    source = {"num_machines": "--num_machines", "num_processes": "--num_processes"}
+    for key, spec_key in (("num_machines", "num_nodes"), ("num_processes", "workers_per_node")):
+        # the config file's topology only where neither the command nor --spec gives one
+        if accel.get(key) is None and spec_key not in spec_scaling and file_cfg.get(key) is not None:
+            if key == "num_machines":
+                machines = file_cfg[key]
+            else:
+                processes = file_cfg[key]
+            source[key] = f"{key}: {file_cfg[key]} in {path}"
+            notes.append(f"{key} {file_cfg[key]}: from {path}")
     scaling = _section(raw, "scaling") if machines is not None or processes is not None else None
     if machines is not None:
         scaling["num_nodes"] = _count("num_machines", machines)
@@ -224,10 +253,11 @@ def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> None:
         processes = _count("num_processes", processes)
         nodes = int(scaling.get("num_nodes", 1))
         if processes % nodes:
-            raise SpecError([f"--num_processes {processes} over {nodes} machines: raylaunch starts the same number of "
-                             f"processes on every node; give a multiple of {nodes}"], _SOURCE)
+            raise SpecError([f"{source['num_processes']} over {nodes} machines ({source['num_machines']}): raylaunch "
+                             f"starts the same number of processes on every node; give a multiple of {nodes}"],
+                            _SOURCE)
         scaling["workers_per_node"] = processes // nodes
-    elif path is None and "workers_per_node" not in raw.get("scaling", {}):
+    elif "workers_per_node" not in spec_scaling:
         notes.append("--num_processes not given: one process per node (accelerate launch would start one per GPU); "
                      "give --num_processes for more")
     if accel.get("cpu") or file_cfg.get("use_cpu") or str(file_cfg.get("distributed_type", "")).upper() == "MULTI_CPU":
@@ -244,6 +274,7 @@ def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> None:
     dynamo = _dynamo(accel)
     if dynamo:
         _section(_section(raw, "env"), "vars").update(dynamo)
+    return path if path is not None and "config_file" not in accel else None
 
 
 def _count(option: str, value: Any) -> int:

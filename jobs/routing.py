@@ -36,6 +36,8 @@ class AttemptState:
     preempted: set[int] = field(default_factory=set)  # ranks that checkpointed in a grace period and stopped
     # step -> rank -> the files of its saved part it reported ({rel: {size, sha256}}; empty on a local path)
     parts: dict[int, dict[int, dict]] = field(default_factory=lambda: defaultdict(dict))
+    # step -> rank -> (when the save was asked for, how long it held training)
+    save_times: dict[int, dict[int, tuple[float, float]]] = field(default_factory=lambda: defaultdict(dict))
     steps: dict[int, int] = field(default_factory=dict)  # rank -> the latest step it logged
     last_commit: tuple[int, float] | None = None  # (step, time) of this attempt's latest committed checkpoint
 
@@ -112,12 +114,19 @@ class AttemptRouter:
             elif kind == EventKind.CHECKPOINT:
                 step = int(e["step"])
                 a.parts[step][rank] = e.get("files") or {}
+                a.save_times[step][rank] = (float(e.get("requested", e["time"])), float(e.get("blocked_s", 0.0)))
                 if len(a.parts[step]) == a.world:
+                    times = a.save_times.pop(step).values()
+                    asked = min(t for t, _ in times)
+                    timing = {"blocked_s": round(max(b for _, b in times), 4),
+                              "to_commit_s": round(time.time() - asked, 4)}
                     c = self.run_dir.commit_checkpoint(
                         join_uri(a.staging, checkpoint_name(step)), step, a.number, a.world,
-                        self.keep, reported=_agreed(a.parts.pop(step).values())
+                        self.keep, reported=_agreed(a.parts.pop(step).values()), timing=timing,
                     )
-                    rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri}")
+                    timing["to_commit_s"] = round(time.time() - asked, 4)
+                    rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri} (training held "
+                            f"{timing['blocked_s']:.2f} s, committed {timing['to_commit_s']:.2f} s after the save)")
                     a.last_commit = (step, time.time())
         rec.metrics(records)
 

@@ -223,8 +223,12 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     checkpoints = run.committed_checkpoints()
     lines.append(f"  checkpoints ({len(checkpoints)} committed):")
     for c in checkpoints:
-        size = sum(f["size"] for f in run.checkpoint_files(c).values())
-        lines.append(f"    step {c.step:<8} {size / 2**20:9.1f} MiB  {c.uri}")
+        manifest = run.checkpoint_manifest(c)
+        size = sum(f["size"] for f in manifest.get("files", {}).values())
+        timing = manifest.get("timing") or {}
+        held = (f"  held {timing['blocked_s']:.2f} s, committed after {timing['to_commit_s']:.2f} s"
+                if "blocked_s" in timing and "to_commit_s" in timing else "")
+        lines.append(f"    step {c.step:<8} {size / 2**20:9.1f} MiB  {c.uri}{held}")
     logs = run.log_uris()
     lines.append(f"  logs        {run.uri}/logs/ ({', '.join(u.rsplit('/', 1)[-1] for u in logs) or 'no output yet'})")
     lines.append(f"  metrics     {run.uri}/metrics.jsonl")

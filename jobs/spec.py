@@ -15,6 +15,7 @@ the nearest valid one::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -157,9 +158,11 @@ class AccelerateSpec:
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """How many committed checkpoints to keep (the newest ``keep``)."""
+    """How many committed checkpoints to keep (the newest ``keep``), and whether a save holds training only
+    while the state is copied into memory (``async``, the spec's key; ``async_`` here, a Python keyword)."""
 
     keep: int = _within(1, _MANY, 2, " (the latest committed checkpoint is never deleted)")
+    async_: bool = field(default=True, metadata={"key": "async"})
 
 
 @dataclass(frozen=True)
@@ -452,8 +455,23 @@ def spec_from_dict(raw: Mapping[str, Any], source: str = "the job spec") -> JobS
 
 
 def spec_to_dict(spec: JobSpec) -> dict:
-    """The plain-dict form, as written to ``spec.yaml`` in the run directory."""
-    return dataclasses.asdict(spec)
+    """The plain-dict form, as written to ``spec.yaml`` in the run directory (keys as the spec spells them)."""
+    return _spelled(spec)
+
+
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in the spec: its name, or the key it spells (``async``, a Python keyword)."""
+    return f.metadata.get("key", f.name)
+
+
+def _spelled(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {_key(f): _spelled(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_spelled(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _spelled(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 def run_name_problem(name: str) -> str | None:
@@ -658,7 +676,7 @@ def _check(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
 
 def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
         path = f"{prefix}{key}"
@@ -667,14 +685,14 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[str]) 
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(fields)}"
             problems.append(f"{_clip(path)}: unknown key{hint}")
             continue
-        out = _check(hints[key], value, path, problems)
+        out = _check(hints[fields[key].name], value, path, problems)
         if out is not _MISSING:
             check = fields[key].metadata.get("check")
             wrong = check(out) if check else None
             if wrong:
                 problems.append(f"{path}: {wrong}, got {_short(value)}")
                 continue
-            kwargs[key] = out
+            kwargs[fields[key].name] = out
     for name, f in fields.items():
         if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             problems.append(f"{prefix}{name}: required, but missing")

@@ -266,7 +266,7 @@ class RunDir:
     # --- checkpoints ---------------------------------------------------------------
 
     def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int,
-                          reported: dict[str, dict] | None = None) -> CommittedCheckpoint:
+                          reported: dict[str, dict] | None = None, timing: dict | None = None) -> CommittedCheckpoint:
         """Check every rank's part, write the manifest last, move it in, then prune.
 
         ``reported``: sizes and sha256 the ranks computed on their own disks before
@@ -278,7 +278,7 @@ class RunDir:
         """
         staging = self._path(staging_uri)
         try:
-            return self._commit(staging, step, attempt, world_size, keep, reported or {})
+            return self._commit(staging, step, attempt, world_size, keep, reported or {}, timing)
         except OSError as exc:
             raise CheckpointError(
                 f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
@@ -286,7 +286,7 @@ class RunDir:
             ) from exc
 
     def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int,
-                reported: dict[str, dict]) -> CommittedCheckpoint:
+                reported: dict[str, dict], timing: dict | None = None) -> CommittedCheckpoint:
         self.flush()  # the metrics up to this checkpoint are on storage before it counts
         files = describe_files(self.fs, staging, reported)
         missing = [r for r in range(world_size) if rank_part_file(r) not in files]
@@ -298,7 +298,9 @@ class RunDir:
         if lacking := missing_shards(files, world_size):  # a sharded (FSDP) checkpoint needs every rank's shards
             raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")
         manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
-                               "created": time.time(), "files": files}, indent=1).encode()
+                               "created": time.time(), "files": files,
+                               # how long the save held training, and from the save until this commit
+                               **({"timing": timing} if timing else {})}, indent=1).encode()
         name = checkpoint_name(step)
         final = f"{self.checkpoints_path}/{name}"
         if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
@@ -315,18 +317,29 @@ class RunDir:
             self._write(f"{final}/{MANIFEST}", manifest)
             self.fs.delete_dir(staging)
         self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": name, "step": step}).encode())
-        self._prune(keep)
+        self._prune(keep, latest=name)
         return CommittedCheckpoint(step, self._uri(final), name)
 
     def committed_checkpoints(self) -> list[CommittedCheckpoint]:
-        """Committed checkpoints (with a manifest), oldest first."""
+        """Committed checkpoints, oldest first: real folders of ``checkpoints/`` whose manifest lists their files.
+
+        A folder that is a symbolic link (to anywhere) or whose manifest lists no files was not committed by
+        this run: it is never listed, counted, kept or loaded, and that is said once."""
         out = []
         for info in self.fs.get_file_info(pafs.FileSelector(self.checkpoints_path, allow_not_found=True)):
             base = info.base_name
             if info.type == pafs.FileType.Directory and is_checkpoint_name(base):
+                if self._local and os.path.islink(info.path):
+                    self._warn_once(f"raylaunch: {self._show(info.path)} is a symbolic link, not a folder this run "
+                                    "committed; that checkpoint is ignored")
+                    continue
                 try:
                     manifest = self._read_json(f"{info.path}/{MANIFEST}")
                     step = int(manifest["step"]) if manifest is not None else None
+                    if manifest is not None and (not isinstance(manifest.get("files"), dict) or not manifest["files"]):
+                        self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} lists no files; that "
+                                        "checkpoint is ignored")
+                        continue
                 except (ValueError, TypeError, KeyError):  # corrupted: as if never committed
                     self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} cannot be read; that "
                                     "checkpoint is skipped")
@@ -386,9 +399,11 @@ class RunDir:
             "files, or start over with --fresh."
         )
 
-    def _prune(self, keep: int) -> None:
-        committed = self.committed_checkpoints()
-        for old in committed[: max(0, len(committed) - keep)]:
+    def _prune(self, keep: int, latest: str) -> None:
+        """Keep the ``keep`` newest by step, and always the one just committed (``latest``): a script may save
+        a step below one committed before (its folder names count something else)."""
+        committed = [c for c in self.committed_checkpoints() if c.name != latest]
+        for old in committed[: max(0, len(committed) - (keep - 1))]:
             self.fs.delete_dir(self._path(old.uri))
 
     # --- reading a run back (raylaunch runs, show, plot) ------------------------------
@@ -444,8 +459,11 @@ class RunDir:
 
     def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
         """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
-        manifest = self._read_json(f"{self._path(checkpoint.uri)}/{MANIFEST}") or {}
-        return manifest.get("files", {})
+        return self.checkpoint_manifest(checkpoint).get("files", {})
+
+    def checkpoint_manifest(self, checkpoint: CommittedCheckpoint) -> dict:
+        """A committed checkpoint's manifest: its step, attempt, files and (saves since issue 30) ``timing``."""
+        return self._read_json(f"{self._path(checkpoint.uri)}/{MANIFEST}") or {}
 
     def log_uris(self) -> list[str]:
         infos = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/logs", allow_not_found=True))

@@ -65,8 +65,9 @@ class AccelerateConfig:
         """The one line that says which fields of the file are not used, or None."""
         if not self.ignored:
             return None
-        return (f"raylaunch: accelerate.config_file: {', '.join(self.ignored)} ignored: the runner sets the "
-                "topology (scaling.*) and the rendezvous itself")
+        return (f"raylaunch: accelerate.config_file: {', '.join(self.ignored)} not used from the file here: the "
+                "topology is scaling.* (raylaunch launch reads the file's num_machines and num_processes into it) "
+                "and the runner sets up the rendezvous itself")
 
     def device_problem(self, use_gpu: bool) -> str | None:
         """DeepSpeed needs GPUs: on CPU nodes, why the job cannot run (before any rank starts); else None."""

@@ -109,9 +109,13 @@ def plan_submit(
     return _plan(spec, entrypoint, address, cwd)
 
 
-def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None) -> SubmitRequest:
+def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None,
+                     implicit_config: str | None = None) -> SubmitRequest:
     """The request for a spec built where the job is launched (``raylaunch submit`` of a script): the cluster's
-    driver runs that spec, sent whole, so it never reads a launch command or a config file of its own."""
+    driver runs that spec, sent whole, so it never reads a launch command or a config file of its own.
+
+    ``implicit_config``: the file `accelerate config` saved, which the command read without ``--config_file``;
+    outside the project it does not travel, and that is said."""
     cwd = Path(cwd or os.getcwd()).resolve()
     config_file = spec.accelerate.config_file
     if config_file is not None:
@@ -119,6 +123,12 @@ def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None)
         try:
             rel = where.relative_to(cwd)
         except ValueError:
+            if config_file == implicit_config:
+                print(f"raylaunch: {config_file} (saved by `accelerate config`) is on this machine, not in the "
+                      "project folder that is uploaded: the job runs without it. To use it on the cluster, copy it "
+                      "into the project and pass --config_file", file=sys.stderr, flush=True)
+                spec = dataclasses.replace(spec, accelerate=dataclasses.replace(spec.accelerate, config_file=None))
+                return plan_submit_spec(spec, address, cwd)
             raise SpecError([f"accelerate.config_file: {config_file} is on this machine, outside the project folder "
                              f"that is uploaded ({cwd}), so the cluster would not have it. Copy it into the project "
                              f"(cp {config_file} accelerate_config.yaml) and pass --config_file "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -435,3 +437,60 @@ GPU_KEYS = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "W
 def gpu_probe(config: dict) -> dict:
     """What a rank on a GPU node was given, and nothing it worked out itself."""
     return {k: os.environ.get(k) for k in GPU_KEYS}
+
+
+def _slow_background_writes(delay_s: float, marks: Path) -> None:
+    """Storage that takes ``delay_s`` for every file a checkpoint's background thread writes with torch.save, and
+    ``<marks>/returned-a<attempt>-r<rank>-s<step>`` written once ``session.save`` returns: its text says this
+    rank's pid and whether its files were on storage by then."""
+    import threading
+    import time
+
+    session = get_session()
+    real_torch_save, real_save = torch.save, session.save
+
+    def torch_save(obj, f, *args, **kwargs):
+        if threading.current_thread().name.startswith("raylaunch-checkpoint-"):
+            time.sleep(delay_s)
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    def save(accelerator, step):
+        out = real_save(accelerator, step)
+        rank = accelerator.process_index
+        written = (Path(out) / f"random_states_{rank}.pkl").exists()
+        marks.mkdir(parents=True, exist_ok=True)
+        mark = marks / f"returned-a{session.payload.attempt}-r{rank}-s{step}"
+        mark.with_suffix(".tmp").write_text(json.dumps({"pid": os.getpid(), "written": written}))
+        mark.with_suffix(".tmp").replace(mark)
+        return out
+
+    torch.save, session.save = torch_save, save
+
+
+def digits_slow_writes(config: dict) -> dict:
+    """The digits example on storage whose checkpoint writes are slow (``write_delay_s`` a file)."""
+    from train_fn.digits import train
+
+    config = dict(config)
+    _slow_background_writes(config.pop("write_delay_s"), Path(config.pop("marks")))
+    return train(config)
+
+
+def two_quick_saves(config: dict) -> dict:
+    """Two saves one right after the other on slow storage: how long each held training."""
+    import time
+
+    _slow_background_writes(config["write_delay_s"], Path(config["marks"]))
+    session = get_session()
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(model(torch.randn(4, 256)).sum())
+    opt.step()
+    held = []
+    for step in (1, 2):
+        began = time.perf_counter()
+        session.save(accelerator, step)
+        held.append(time.perf_counter() - began)
+    return {"held_s": held}

@@ -92,9 +92,11 @@ def test_submit_of_an_accelerate_launch_script_follows_it_to_the_end(head, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "submitted raylaunch-digits_script-" in proc.stdout and "succeeded" in proc.stdout
     assert "4/4" in proc.stdout and "loss=" in proc.stdout  # the progress bar, from the script's accelerator.log
-    result = json.loads((tmp_path / "digits_script" / "result.json").read_text())
+    run = Path(proc.stdout.split("run directory ", 1)[1].split()[0])
+    assert run.parent == tmp_path and run.name.startswith("digits_script-")
+    result = json.loads((run / "result.json").read_text())
     assert result["status"] == "succeeded" and result["world_size"] == 2
-    assert (tmp_path / "digits_script" / "checkpoints" / "checkpoint-00000004" / "manifest.json").is_file()
+    assert (run / "checkpoints" / "checkpoint-00000004" / "manifest.json").is_file()
     assert json.loads((tmp_path / "out" / "result.json").read_text())["steps"] == 4
 
 

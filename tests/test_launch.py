@@ -173,8 +173,10 @@ def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp
     f = s.accelerate.fsdp
     assert (f.version, f.state_dict_type, f.reshard_after_forward, f.activation_checkpointing) == (2, "full", False, True)
     assert f.transformer_layer_cls_to_wrap == ["BertLayer", "BertEmbeddings"]
-    assert (s.script, s.args, s.name, s.resume_arg) == ("train.py", ["--num_processes", "9"], "train",
-                                                        "--resume_from_checkpoint")
+    assert (s.script, s.args, s.resume_arg) == ("train.py", ["--num_processes", "9"], "--resume_from_checkpoint")
+    # the run's name: the script's, and a hash of its arguments (the same command resumes, others start anew)
+    assert s.name.startswith("train-") and s.name == parse("launch", ["train.py", "--num_processes", "9"]).spec().name
+    assert parse("launch", ["train.py", "--num_processes", "8"]).spec().name != s.name
     assert any("--main_process_port: not needed" in n for n in spec.notes)
     # --use_fsdp alone is Accelerate's default FSDP: version 1, full state dicts
     f1 = parse("launch", ["--use_fsdp", "t.py"]).spec().accelerate.fsdp
@@ -185,6 +187,11 @@ def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp
     c = parse("launch", ["--config_file", str(tmp_path / "acc.yaml"), "t.py"]).spec()
     assert (c.scaling.num_nodes, c.scaling.workers_per_node, c.scaling.use_gpu) == (2, 1, False)
     assert c.accelerate.config_file == str(tmp_path / "acc.yaml")
+    # ... where neither the command nor --spec gives one
+    (tmp_path / "spec.yaml").write_text("name: big\nscaling: {num_nodes: 4, workers_per_node: 8}\n")
+    b = parse("launch", ["--spec", str(tmp_path / "spec.yaml"), "--config_file", str(tmp_path / "acc.yaml"),
+                         "t.py"]).spec()
+    assert (b.name, b.scaling.num_nodes, b.scaling.workers_per_node) == ("big", 4, 8)
 
 
 def test_an_unknown_accelerate_option_is_refused_naming_the_spec_key_before_anything_starts(tmp_path):
@@ -268,3 +275,29 @@ def test_a_rank_sees_what_accelerate_launch_gives_for_the_same_options(ray_clust
             a.pop("distributed_type"), b.pop("distributed_type")
         assert b == a, (rank, a, b)
         assert b["num_processes"] == 2
+
+
+def test_the_runners_save_leaves_accelerates_automatic_checkpoint_naming_as_the_script_set_it(tmp_path):
+    """A script with automatic_checkpoint_naming: its own folders are numbered and pruned as Accelerate does,
+    and the committed checkpoint beside them lands where the runner puts it."""
+    code = textwrap.dedent("""
+        import json, os, sys
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+        from cluster.checkpoints import _save_state
+        config = ProjectConfiguration(project_dir=sys.argv[1], automatic_checkpoint_naming=True, total_limit=5)
+        accelerator = Accelerator(cpu=True, project_config=config)
+        model = torch.nn.Linear(2, 2)
+        model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        accelerator.save_state()
+        _save_state(accelerator, sys.argv[2], 1)
+        accelerator.save_state()
+        print(json.dumps([sorted(os.listdir(os.path.join(sys.argv[1], "checkpoints"))), sorted(os.listdir(sys.argv[2]))]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p"), str(tmp_path / "staged")],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mine, staged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mine == ["checkpoint_0", "checkpoint_1"]  # the runner's save in between was not counted
+    assert "model.safetensors" in staged and "random_states_0.pkl" in staged
