@@ -8,7 +8,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic gpu-check
+.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint gpu-check
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ clean:
 bench: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python bench/run.py
+	$(BIN)/python -m bench.checkpoints
+
+# How long a save holds training with 600 MB of state a rank: session.save (checkpoint.async true and false)
+# against Accelerate's save_state to local disk, alternating, on 2 simulated nodes (about 4 minutes;
+# BENCH_CKPT_REPS=<n>, default 3; BENCH_CKPT_STORAGE=s3://... for an object store). Writes bench/results-checkpoints.md.
+bench-checkpoint: install
+	$(BIN)/python -m bench.checkpoints
 
 # The driver at 16, 128 and 1,024 ranks against simulated nodes (about 4 minutes; SCALE_BENCH_S=<seconds of
 # training per size>, default 40, for longer): its cores, peak memory and the lag to metrics.jsonl.

@@ -40,6 +40,10 @@ def train(config: dict) -> dict:
         optimizer.zero_grad()
         return time.perf_counter() - began
 
+    def writing(pending) -> bool:
+        mine = pending is not None and pending._thread.is_alive()
+        return accelerator.reduce(torch.tensor([1.0 if mine else 0.0]), "sum").item() > 0
+
     steady = [step() for _ in range(config.get("warmup", 4))]
     before_saves_rss = _rss_mb()
     local = tempfile.mkdtemp(prefix="raylaunch-bench-savestate-")
@@ -64,7 +68,7 @@ def train(config: dict) -> dict:
                     session.save(accelerator, n)
                     out["session_save_s"].append(time.perf_counter() - began)
                     pending = getattr(session._checkpoints, "_upload", None)  # the background write, if any
-                    while pending is not None and pending._thread.is_alive():
+                    while writing(pending):  # every rank steps while any rank's write runs
                         out["steps_during_write_s"].append(step())
     finally:
         shutil.rmtree(local, ignore_errors=True)

@@ -290,6 +290,10 @@ def _out_of_space(exc: BaseException, path: str) -> bool:
         return False
 
 
+# The niceness of a rank's background checkpoint writer (the rank itself stays at its own).
+BACKGROUND_NICE = 10
+
+
 def _copies_in_memory(accelerator: Any) -> bool:
     """Whether this save's state can be held in memory and written later: not DeepSpeed's (its engine writes its
     own files), nor FSDP's sharded state (PyTorch distributed checkpointing writes it, a collective)."""
@@ -317,6 +321,9 @@ class _Write:
 
     def _run(self) -> None:
         try:
+            # Beside training, not ahead of it: this thread yields the cores to the rank's own (Linux: per thread).
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
             written = self.snap.write()
             self.snap.release()
             if self.mirror is not None:  # this rank's files, as it wrote them
