@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STORAGE ?= /tmp/raylaunch-runs
+# More options for the demo's run, e.g. DEMO_ARGS="--set config.epochs=1" (the tests' short demo).
+DEMO_ARGS ?=
 ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
@@ -19,7 +21,7 @@ $(BIN)/raylaunch: pyproject.toml constraints.txt
 install: $(BIN)/raylaunch
 
 demo: install
-	$(BIN)/raylaunch run jobs/examples/digits.yaml --local-nodes 2 --storage $(STORAGE) --name $(DEMO_RUN)
+	$(BIN)/raylaunch run jobs/examples/digits.yaml --local-nodes 2 --storage $(STORAGE) --name $(DEMO_RUN) $(DEMO_ARGS)
 	$(BIN)/raylaunch plot $(DEMO_RUN) --metric loss --storage $(STORAGE) -o $(STORAGE)/$(DEMO_RUN)/loss.png
 	$(BIN)/raylaunch runs --storage $(STORAGE)
 

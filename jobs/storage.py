@@ -336,7 +336,7 @@ class RunDir:
                 try:
                     manifest = self._read_json(f"{info.path}/{MANIFEST}")
                     step = int(manifest["step"]) if manifest is not None else None
-                    if manifest is not None and (not isinstance(manifest.get("files"), dict) or not manifest["files"]):
+                    if manifest is not None and not manifest.get("files"):
                         self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} lists no files; that "
                                         "checkpoint is ignored")
                         continue

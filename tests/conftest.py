@@ -35,6 +35,8 @@ def ray_cluster():
     from cluster.connect import EMBEDDED_NODE
 
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
+    # A runtime environment that cannot be built (env.pip's failing-node test) is tried once, not three times.
+    os.environ.setdefault("RUNTIME_ENV_RETRY_TIMES", "1")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, **EMBEDDED_NODE})
     cluster.add_node(num_cpus=2, **EMBEDDED_NODE)
     pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])
@@ -82,6 +84,14 @@ def wait_for(condition, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def interruptible() -> None:
+    """For a CLI subprocess a test interrupts: SIGINT as a terminal gives it (Python raises KeyboardInterrupt).
+    A shell that starts its jobs in the background hands them SIGINT ignored, and the CLI would inherit that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def cli_env() -> dict:

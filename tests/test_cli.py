@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli_env, free_ports, wait_for
+from conftest import ROOT, cli_env, free_ports, interruptible, wait_for
 
 
 def raylaunch(*args: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -194,7 +194,7 @@ def test_ctrl_c_or_sigterm_stops_every_rank_and_records_stopped(tmp_path, how):
     metrics, out = tmp_path / "runs" / "halted" / "metrics.jsonl", tmp_path / "out.txt"
     with open(out, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", spec], cwd=ROOT, env=cli_env(),
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=interruptible)
     tree: list = []
     try:
         wait_for(lambda: metrics.exists() and '"rank": 1' in metrics.read_text(), 180, "both ranks to train")
@@ -243,3 +243,20 @@ def test_validate_prints_the_world_sizes_an_elastic_spec_can_run_at(tmp_path):
     proc = raylaunch("validate", spec, "--set", "scaling.keep_global_batch=false", "--set", "scaling.min_nodes=3")
     assert "elastic: runs at 4 nodes (world size 8, gradient accumulation 1); 3 nodes (world size 6, gradient " \
            "accumulation 1); the global batch changes with the world size" in proc.stdout
+
+
+def test_make_demo_names_its_run_plots_its_loss_into_the_run_directory_and_lists_it(tmp_path):
+    """The README's `make demo`, one epoch of it: the run's name, its result line, loss.png in the run
+    directory and the table of runs."""
+    proc = subprocess.run(["make", "-s", "demo", f"STORAGE={tmp_path}", "DEMO_RUN=demo-test",
+                           "DEMO_ARGS=--set config.epochs=1 --set config.train_samples=256 --quiet"],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert f"raylaunch: succeeded after 1 attempt(s); run directory {tmp_path}/demo-test" in out
+    assert re.search(r'raylaunch: result \{"eval_accuracy": [0-9.]+, "steps": 8, "world_size": 2, ', out), out
+    png = tmp_path / "demo-test" / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"raylaunch: wrote {png} (loss: demo-test)" in out
+    table = out.split("NAME", 1)[1].splitlines()
+    assert any(line.startswith("demo-test") and "succeeded" in line and "2 x 1" in line for line in table), out

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from cluster.connect import stop_processes_under
-from conftest import ROOT, cli_env, free_ports, wait_for
+from conftest import ROOT, cli_env, free_ports, interruptible, wait_for
 from cluster.upload import UploadError, plan_upload
 
 SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", "--set", "config.epochs=1",
@@ -180,7 +180,7 @@ def cli_popen(head, out: Path, *args) -> subprocess.Popen:
     env.pop("RAY_ADDRESS", None)
     with open(out, "w") as f:
         return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, preexec_fn=interruptible)
 
 
 def job_ids(head) -> set[str]:
