@@ -36,7 +36,7 @@ from cluster.protocol import ScriptCall
 if TYPE_CHECKING:
     from cluster.runtime import Session
 
-__all__ = ["ScriptExit", "ScriptHooks", "checkpoint_step_of", "run_script", "script_argv"]
+__all__ = ["ScriptExit", "ScriptHooks", "ScriptSaveError", "checkpoint_step_of", "run_script", "script_argv"]
 
 # The folder names whose number is the step: the *_no_trainer examples' step_<n>, transformers'
 # checkpoint-<n>, Accelerate's automatic checkpoint_<n>.

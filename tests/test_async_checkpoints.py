@@ -51,7 +51,17 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
                         "rank 0's save of step 8 to return")
         said = json.loads(mark.read_text())
         assert said["written"] is False  # save returned before this rank's files were on storage
-        assert json.loads(latest.read_text())["step"] == 4  # step 8 not committed: its write still runs
+
+        def committed() -> int | None:
+            try:
+                return json.loads(latest.read_text())["step"]
+            except (OSError, ValueError, KeyError):  # not written yet, or being replaced
+                return None
+
+        # Its save of step 8 waited for its write of step 4, whose commit follows within a poll or two,
+        # while step 8's own write (a second a file) goes on.
+        wait_for(lambda: committed() is not None, 30, "the commit of step 4")
+        assert committed() == 4  # step 8 not committed: its write still runs
         os.kill(said["pid"], signal.SIGKILL)
     finally:
         thread.join(300)
