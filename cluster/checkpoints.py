@@ -51,7 +51,7 @@ class StagedCheckpoints:
         self._on_saved = on_saved
         self._background = background  # checkpoint.async
         self._log = log  # this rank's metrics: how long each save held training, and its memory
-        self._upload: _Upload | _Write | None = None  # this rank's checkpoint write or upload in flight
+        self._upload: _Write | None = None  # this rank's checkpoint write or upload in flight
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
 
     def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
@@ -62,22 +62,31 @@ class StagedCheckpoints:
             self.wait_for_upload()
             self._wait_for_commit(step)
         self._steps.add(step)
+        uri = join_uri(self.staging_uri, checkpoint_name(step))
+        held: dict[str, float] = {}  # set when the save returns: how long it held training
+
+        def saved(files: dict[str, dict] | None) -> None:
+            # A report made before the save returns (a shared path without async) is all within the hold.
+            blocked = held.get("s", time.perf_counter() - began)
+            self._on_saved(step, uri, files, requested=requested, blocked_s=blocked)
+
+        host = 0.0
         if self._background and _copies_in_memory(accelerator):
-            uri, host = self._save_in_background(accelerator, step, script, requested)
+            host = self._save_in_background(accelerator, uri, step, script, saved)
         else:
-            uri, host = self._save_now(accelerator, step, script, requested), 0.0
+            self._save_now(accelerator, uri, step, script, saved)
+        held["s"] = time.perf_counter() - began
         if self._log is not None:
-            self._log({"checkpoint_blocked_s": time.perf_counter() - began, "checkpoint_host_mb": host}, step)
+            self._log({"checkpoint_blocked_s": held["s"], "checkpoint_host_mb": host}, step)
         return uri
 
-    def _save_in_background(self, accelerator: Any, step: int, script: ScriptSave | None,
-                            requested: float) -> tuple[str, float]:
-        """Copy this rank's state into memory and return; a thread writes (and uploads) it, then reports it."""
-        uri = join_uri(self.staging_uri, checkpoint_name(step))
+    def _save_in_background(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
+                            saved: Callable[[dict[str, dict] | None], None]) -> float:
+        """Copy this rank's state into memory and return the MiB it holds; a thread writes (and uploads) it, then
+        reports it."""
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
         self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
-        began = time.perf_counter()
         target = path if is_local(fs) else tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
 
         def save() -> None:
@@ -91,24 +100,15 @@ class StagedCheckpoints:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
             raise
-        blocked = time.perf_counter() - began
-        host = snap.nbytes / 2**20
         self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
-                              mirror=script.mirror if script else None,
-                              on_done=lambda files: self._on_saved(step, uri, files, requested=requested,
-                                                                   blocked_s=blocked))
-        return uri, host
+                              mirror=script.mirror if script else None, on_done=saved)
+        return snap.nbytes / 2**20
 
-    def _save_now(self, accelerator: Any, step: int, script: ScriptSave | None, requested: float) -> str:
+    def _save_now(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
+                  saved: Callable[[dict[str, dict] | None], None]) -> None:
         """checkpoint.async: false (or sharded FSDP, DeepSpeed): the state is written before training goes on."""
-        uri = join_uri(self.staging_uri, checkpoint_name(step))
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
-        began = time.perf_counter()
-
-        def saved(files: dict[str, dict] | None) -> None:
-            self._on_saved(step, uri, files, requested=requested, blocked_s=time.perf_counter() - began)
-
         if is_local(fs):
             _save_state(accelerator, path, step, safe, kwargs)
             if script is not None:
@@ -121,7 +121,7 @@ class StagedCheckpoints:
                     _mirror(path, script.mirror)
                 accelerator.wait_for_everyone()  # before the commit moves the staging folder
             saved(None)
-            return uri
+            return
         self.wait_for_upload()  # training that outruns uploads waits here, not later
         local = tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
         try:
@@ -133,10 +133,9 @@ class StagedCheckpoints:
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
-        self._upload = _Upload(local, uri, step, on_done=saved)
+        self._upload = _Write(None, local, uri, step, mirror=None, on_done=saved)  # written: only the upload
         if script is not None and script.mirror is not None:
             accelerator.wait_for_everyone()  # every rank's files are in the script's folder when save_state returns
-        return uri
 
     def _wait_for_commit(self, step: int, timeout_s: float = 300.0) -> None:
         """Until the staging folder of ``step`` is gone: the driver committed it (moved or copied it away)."""
@@ -249,11 +248,14 @@ def _save_state(accelerator: Any, path: str, step: int, safe_serialization: bool
         if not _out_of_space(exc, path):
             raise
         shutil.rmtree(path, ignore_errors=True)  # a part no commit will ever count
-        raise CheckpointSaveError(
-            f"no space left on the device holding {path}: the checkpoint of step {step} was not written "
-            f"({exc}). The previous committed checkpoint is kept; free space there, or set `storage` "
-            "(or the node's temporary folder, TMPDIR, for object storage) to a larger volume."
-        ) from exc
+        raise _no_space(path, step, exc) from exc
+
+
+def _no_space(path: str, step: int, exc: BaseException) -> CheckpointSaveError:
+    return CheckpointSaveError(
+        f"no space left on the device holding {path}: the checkpoint of step {step} was not written "
+        f"({exc}). The previous committed checkpoint is kept; free space there, or set `storage` "
+        "(or the node's temporary folder, TMPDIR, for object storage) to a larger volume.")
 
 
 @contextlib.contextmanager
@@ -309,9 +311,10 @@ def _copies_in_memory(accelerator: Any) -> bool:
 
 
 class _Write:
-    """One rank's checkpoint part held in memory, written (and on an object store uploaded) in a thread."""
+    """One rank's checkpoint part, written from memory (``snap``; None: on local disk already) and, on an object
+    store (``upload_uri``), hashed and uploaded, in a thread; then reported."""
 
-    def __init__(self, snap: Snapshot, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
+    def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
                  on_done: Callable[[dict[str, dict] | None], None]) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
         self.error: BaseException | None = None
@@ -324,8 +327,9 @@ class _Write:
             # Beside training, not ahead of it: this thread yields the cores to the rank's own (Linux: per thread).
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-            written = self.snap.write()
-            self.snap.release()
+            written = self.snap.write() if self.snap is not None else []
+            if self.snap is not None:
+                self.snap.release()
             if self.mirror is not None:  # this rank's files, as it wrote them
                 _mirror_files(self.target, [os.path.relpath(p, self.target) for p in written] +
                               ([SCRIPT_FOLDER] if Path(self.target, SCRIPT_FOLDER).is_file() else []), self.mirror)
@@ -340,7 +344,8 @@ class _Write:
             self.error = exc
             shutil.rmtree(self.target, ignore_errors=True)  # a part no commit will ever count
         finally:
-            self.snap.release()
+            if self.snap is not None:
+                self.snap.release()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
 
@@ -349,44 +354,7 @@ class _Write:
         if self.error is None:
             return
         if _out_of_space(self.error, self.target):
-            raise CheckpointSaveError(
-                f"no space left on the device holding {self.target}: the checkpoint of step {self.step} was not "
-                f"written ({self.error}). The previous committed checkpoint is kept; free space there, or set "
-                "`storage` (or the node's temporary folder, TMPDIR, for object storage) to a larger volume."
-            ) from self.error
+            raise _no_space(self.target, self.step, self.error) from self.error
         where = split_query(self.upload_uri)[0] if self.upload_uri else self.target
         raise CheckpointSaveError(f"writing the checkpoint of step {self.step} to {where} failed: {self.error}. "
                                   "The previous committed checkpoint is kept.") from self.error
-
-
-class _Upload:
-    """One rank's checkpoint part on its way from local disk to storage, in a thread."""
-
-    def __init__(self, local: str, uri: str, step: int, on_done: Callable[[dict[str, dict]], None]) -> None:
-        self.local, self.uri, self.step = local, uri, step
-        self.error: BaseException | None = None
-        self._on_done = on_done
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-upload-{step}")
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            # Hashed here, on local disk, so the driver's commit reads nothing back from the store.
-            files = describe_files(pafs.LocalFileSystem(), self.local)
-            fs, path = open_uri(self.uri)
-            pafs.copy_files(self.local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-            self._on_done(files)
-        except BaseException as exc:  # handed to the training thread by wait()
-            self.error = exc
-        finally:
-            shutil.rmtree(self.local, ignore_errors=True)
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise CheckpointSaveError(
-                f"uploading the checkpoint of step {self.step} to {split_query(self.uri)[0]} failed: {self.error}. "
-                "The previous committed checkpoint is kept."
-            ) from self.error
-
-
