@@ -12,12 +12,14 @@ files. Both ``cluster/`` and ``jobs/`` import these; nothing here touches a file
 from __future__ import annotations
 
 __all__ = [
-    "CHECKPOINTS", "LATEST", "MANIFEST", "RESUME", "SCRIPT_FOLDER", "STAGING", "attempt_dir", "checkpoint_name",
+    "CHECKPOINTS", "LATEST", "MANIFEST", "RESUME", "RUN_EVENTS", "SCRIPT_FOLDER", "STAGING", "attempt_dir", "checkpoint_name",
     "checkpoint_step",
     "events_file", "flight_recorder_prefix", "heartbeat_file", "is_checkpoint_name", "rank_part_file",
     "run_of_staging", "stack_dump_file", "staging_dir",
 ]
 
+# In the run directory: the run's own events (jobs/events.py), every command that drove it.
+RUN_EVENTS = "events.jsonl"
 # Committed checkpoints, under the run directory.
 CHECKPOINTS = "checkpoints"
 # Written last into a checkpoint: every file with its size and sha256; its presence is the commit.

@@ -41,8 +41,14 @@ class PaceMeter:
 
     >>> m = PaceMeter()
     >>> m.fetched(0.0, 0.1); m.fetched(1.0, 1.3); m.synced(0.2)
-    >>> m.window()
-    {'data_wait': 0.3077, 'sync_wait': 0.1538, 'batch_s': 0.65}
+    >>> w = m.window()
+    >>> {k: w[k] for k in ("data_wait", "sync_wait", "batch_s", "span_s", "batches")}
+    {'data_wait': 0.3077, 'sync_wait': 0.1538, 'batch_s': 0.65, 'span_s': 1.3, 'batches': 2}
+    >>> "first_batch" in w, "first_batch" in (m.fetched(2.0, 2.1) or m.window())   # said once: the first window
+    (True, False)
+
+    ``first_batch`` and ``last_batch`` are Unix times: when training began (the first batch was asked for)
+    and when the window's last batch was handed over.
     >>> m.window() is None   # nothing since
     True
     """
@@ -51,6 +57,10 @@ class PaceMeter:
         self._lock = threading.Lock()
         self._last: float | None = None  # when the previous batch was handed to the function
         self._grad_at: float | None = None  # when this backward's latest gradient was computed
+        # When the first batch was asked for (Unix time), until a window reports it: training began there.
+        self._first: float | None = None
+        self._first_said = False
+        self._last_wall = 0.0  # when the latest batch was handed over (Unix time)
         self._reset()
 
     def _reset(self) -> None:
@@ -62,6 +72,9 @@ class PaceMeter:
     def fetched(self, started: float, ended: float) -> None:
         """One batch was asked for at ``started`` and handed over at ``ended`` (perf_counter)."""
         with self._lock:
+            if self._first is None:
+                self._first = time.time() - (time.perf_counter() - started)
+            self._last_wall = time.time() - (time.perf_counter() - ended)
             self.span_s += ended - (started if self._last is None else self._last)
             self.data_s += ended - started
             self.batches += 1
@@ -93,8 +106,12 @@ class PaceMeter:
             if n < max(min_batches, 1) or span <= 0:
                 return None
             self._reset()
-        return {"data_wait": round(min(data / span, 1.0), 4), "sync_wait": round(min(sync / span, 1.0), 4),
-                "batch_s": round(span / n, 4)}
+            first = None if self._first_said else self._first
+            self._first_said = True
+            last = self._last_wall
+        window = {"data_wait": round(min(data / span, 1.0), 4), "sync_wait": round(min(sync / span, 1.0), 4),
+                  "batch_s": round(span / n, 4), "span_s": round(span, 4), "batches": n, "last_batch": round(last, 4)}
+        return window if first is None else {**window, "first_batch": round(first, 4)}
 
 
 def install(emit: Callable[[dict], None]) -> "_Pace":

@@ -64,7 +64,11 @@ class EventKind(StrEnum):
     JOINED = "joined"  # in the process group
     METRICS = "metrics"  # ``step``, ``values``: one log call
     RESOURCES = "resources"  # ``peak_*``: the rank's peak memory
-    PACE = "pace"  # ``data_wait``, ``sync_wait``, ``batch_s``: where its step time went (cluster/pace.py)
+    # ``data_wait``, ``sync_wait``, ``batch_s``: where its step time went (cluster/pace.py); ``span_s`` and
+    # ``batches``: the window's length and batches; ``first_batch`` (once) and ``last_batch``: when its first
+    # batch was asked for and its latest handed over
+    PACE = "pace"
+    RESTORED = "restored"  # ``step``, ``seconds``: it loaded the checkpoint an attempt resumes from
     CHECKPOINT = "checkpoint"  # ``step``, ``uri``, ``files``: its part of a checkpoint is written
     PREEMPT_NOTICE = "preempt_notice"  # it got SIGTERM and will checkpoint at the next step
     PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing

@@ -254,7 +254,15 @@ class Session:
             accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
             load_loader_states(accelerator, str(self._local_dir / CHECKPOINTS / name))
             return checkpoint_step(name)
-        return self._checkpoints.restore(accelerator)
+        began = time.monotonic()
+        step = self._checkpoints.restore(accelerator)
+        if step is not None:
+            self.restored(step, time.monotonic() - began)
+        return step
+
+    def restored(self, step: int, seconds: float) -> None:
+        """This rank loaded the checkpoint of ``step`` in ``seconds`` (for the goodput ledger's ``restore``)."""
+        self.emit(EventKind.RESTORED, step=step, seconds=round(seconds, 4))
 
     # --- events --------------------------------------------------------------
 

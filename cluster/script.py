@@ -27,6 +27,7 @@ import os
 import re
 import runpy
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +182,7 @@ class ScriptHooks:
         @functools.wraps(load_state)
         def load_checked(self: Any, input_dir: str | None = None, **kwargs: Any) -> Any:
             ours = hooks._is_resume_folder(input_dir)
+            began = time.monotonic()
             if ours:
                 from cluster.sharding import init_optimizers_for_load
 
@@ -188,6 +190,7 @@ class ScriptHooks:
             out = load_state(self, input_dir, **kwargs)
             if ours:
                 hooks._after_resume(self, input_dir)
+                hooks.session.restored(int((hooks.resume_manifest or {}).get("step", 0)), time.monotonic() - began)
             return out
 
         @functools.wraps(optimizer_step)

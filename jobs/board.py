@@ -118,6 +118,16 @@ class Board:
         self._writer.flush()
         self._upload(final)
 
+    def goodput(self, books: dict, step: int) -> None:
+        """The goodput ledger (``result.json``'s ``goodput``) as scalars at ``step``: ``goodput/ratio`` and
+        ``goodput/<category>_s``, written as each attempt ends."""
+        if self._writer is None or not books:
+            return
+        self._scalar("goodput/ratio", float(books["ratio"]), step)
+        for cat, secs in books["seconds"].items():
+            self._scalar(f"goodput/{cat}_s", float(secs), step)
+        self._writer.flush()
+
     def _upload(self, final: bool) -> None:
         """Object storage: copy the event files that grew since they were last sent."""
         if self._tmp is None:

@@ -89,8 +89,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SpecError(["--local-nodes starts an embedded cluster; leave it out when giving --address or RAY_ADDRESS"], "the command line")
     from jobs.progress import ProgressView
 
-    view = ProgressView.for_stream(sys.stdout, quiet=args.quiet)
-    driver = Driver(spec, fresh=args.fresh, out=view, on_progress=view.show)
+    view = ProgressView.for_stream(sys.stdout, quiet=args.quiet, relay=args.event_lines)
+    import psutil
+
+    driver = Driver(spec, fresh=args.fresh, out=view, on_event=view.event, started_at=psutil.Process().create_time())
     driver.preflight()  # train_fn and storage are checked before Ray starts
     upload = None
     if address is not None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
@@ -180,7 +182,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if args.follow:
         return submit.follow(address, args.job, quiet=args.quiet)
     jobs = submit.client(address)
-    print(submit.call(jobs.get_job_logs, address, args.job), end="")
+    from jobs.events import EVENT_PREFIX
+
+    text = submit.call(jobs.get_job_logs, address, args.job)
+    print("".join(line for line in text.splitlines(keepends=True) if not line.startswith(EVENT_PREFIX)), end="")
     return 0
 
 
@@ -234,8 +239,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from jobs.runs import plot
+    from jobs.runs import plot, plot_goodput
 
+    if args.goodput:
+        if len(args.runs) != 1:
+            raise SpecError(["--goodput draws one run's timeline: give one run name"], "the command line")
+        b = plot_goodput(args.storage, args.runs[0], args.output)
+        print(f"raylaunch: wrote {args.output} (goodput {100 * b.ratio:.0f}%: {args.runs[0]}'s timeline)")
+        return 0
     curves = plot(args.storage, args.runs, args.metric, args.output, per_rank=args.per_rank)
     print(f"raylaunch: wrote {args.output} ({args.metric}: {', '.join(c.label for c in curves)})")
     return 0
@@ -257,6 +268,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job; the driver runs in this process")
     spec_args(run)
     run.add_argument("--spec-json", help=argparse.SUPPRESS)  # the spec `submit` built from a launch command
+    # Under `submit`: the run's events as lines of the job's log, for `submit --follow` (jobs/events.py).
+    run.add_argument("--event-lines", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--address", help="an existing Ray cluster (ray://host:10001 or auto); default: RAY_ADDRESS, "
                                        "else an embedded local cluster")
     run.add_argument("--local-nodes", type=int, metavar="N",
@@ -314,6 +327,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("-o", "--output", default="plot.png", help="the PNG to write (default: plot.png)")
     pp.add_argument("--storage", default=default_storage, help=storage_help)
     pp.add_argument("--per-rank", action="store_true", help="one curve per rank instead of the mean across ranks")
+    pp.add_argument("--goodput", action="store_true",
+                    help="the run's timeline instead: attempts along a time axis, coloured by where the time went")
     pp.set_defaults(func=cmd_plot)
 
     val = sub.add_parser("validate", help="check a spec and its train_fn without running anything")
@@ -327,7 +342,8 @@ def _parser() -> argparse.ArgumentParser:
 
 # Where a launch command's raylaunch options go: the fields each verb reads from its arguments.
 _LAUNCH_DEFAULTS = {"spec": None, "set": None, "storage": None, "name": None, "address": None, "local_nodes": None,
-                    "fresh": False, "quiet": False, "follow": False, "dry_run": False, "spec_json": None}
+                    "fresh": False, "quiet": False, "follow": False, "dry_run": False, "spec_json": None,
+                    "event_lines": False}
 
 
 def _launch_args(verb: str, argv: list[str]) -> argparse.Namespace:

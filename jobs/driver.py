@@ -20,9 +20,10 @@ import psutil
 
 from cluster.context import WorkerContext
 from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, fitting_nodes, resolve_placement
-from cluster.protocol import NodeState, Progress, RankFailure, RunStatus, ScriptCall, WorkerPayload
+from cluster.protocol import NodeState, RankFailure, RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
 from jobs.environment import Secrets, check_requirements
+from jobs.events import AttemptEnded, AttemptStarted, FirstStep, Outcome, RunEvent, SessionEnded
 from jobs.hangs import is_hang, where_ranks_are
 from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, grow_to, resize_note, world_sizes
 from jobs.preflight import NodeRequest, reserve, reserve_elastic
@@ -38,6 +39,9 @@ __all__ = ["Driver", "RunResult", "group_failures"]
 FAILURE_GRACE_S = 2.0
 # How often the TensorBoard files are brought up to date while an attempt runs.
 BOARD_FLUSH_S = 2.0
+# How often, at most, where training stands is written to events.jsonl (a driver killed loses at most this
+# much of its books: the time since counts as failure).
+WORK_EVERY_S = 5.0
 # How often an elastic run below num_nodes looks for nodes to grow back onto.
 GROW_CHECK_S = 2.0
 # Growing back, the least time to wait for all the nodes seen (released bundles free up within moments).
@@ -80,14 +84,17 @@ class Driver:
         fresh: bool = False,
         out: TextIO | None = None,
         poll_interval_s: float = 0.25,
-        on_progress: Callable[[Progress], None] | None = None,
+        on_event: Callable[[RunEvent], None] | None = None,
+        started_at: float | None = None,
     ) -> None:
         self.spec = spec
         self.can_grow = can_grow
         self.fresh = fresh
         self.poll_interval_s = poll_interval_s
+        # When the command began (the CLI gives its process's start); the books count from there, else from run().
+        self.started_at = started_at
         self.run_dir = RunDir(spec.storage, spec.name)
-        self.recorder = Recorder(self.run_dir, out, on_progress)
+        self.recorder = Recorder(self.run_dir, out, on_event)
         self._token: str | None = None
         self.group: NodeGroup | None = None  # the nodes of the current attempt
         # An elastic run's world sizes, largest first (one size when it is not elastic), and the current one.
@@ -95,6 +102,8 @@ class Driver:
         self.size: WorldSize | None = None
         self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
         self.node_request: NodeRequest | None = None  # an elastic run's ask to the autoscaler while below num_nodes
+        self._open: int | None = None  # the attempt begun and not yet ended (for its AttemptEnded)
+        self._route: AttemptRouter | None = None  # the running attempt's router
 
     @property
     def secrets(self) -> Secrets:
@@ -138,9 +147,11 @@ class Driver:
         r = rec.result
         r.start_time = time.time()
         r.timeline = {"process_start": psutil.Process().create_time(), "driver_ready": r.start_time}
+        started = self.started_at or r.start_time
         # A rerun of the same run continues its attempt numbers, so metrics.jsonl
-        # rows from before and after the resume stay apart.
+        # rows from before and after the resume stay apart, and its books.
         r.attempts = int((self.run_dir.read_result() or {}).get("attempts") or 0)
+        rec.begin_session(started)
         rec.open_board()
         try:
             s = self.spec.scaling
@@ -175,11 +186,14 @@ class Driver:
                   file=sys.stderr)
         finally:
             r.live = {}
+            if self._open is not None:
+                self._end_attempt(Outcome.STOPPED if r.status == RunStatus.STOPPED else Outcome.FAILED)
             if self.group is not None:
                 self.group.shutdown()
                 self.group = None
             if self.node_request is not None:
                 self.node_request.withdraw()
+            rec.event(SessionEnded(time=time.time(), status=str(r.status)))
             r.end_time = time.time()
             # What the ranks returned or raised is written and printed with env.secrets masked.
             r.error, r.return_value, r.rank_results = rec.mask((r.error, r.return_value, r.rank_results))
@@ -204,6 +218,9 @@ class Driver:
                          "changes with the world size)"))
         resize_why, wait_full_s = "", 0.0
         while True:
+            self._open = r.attempts + 1
+            rec.event(AttemptStarted(time=time.time(), attempt=self._open, restarts=r.restarts,
+                                     max_restarts=self.spec.failure.max_restarts, world_size=r.world_size))
             if self.group is None:
                 old = self.size
                 if elastic:
@@ -237,9 +254,11 @@ class Driver:
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None)
             if outcome.ok:
                 r.status, r.error = RunStatus.SUCCEEDED, None
+                self._end_attempt(Outcome.SUCCEEDED)
                 return
             r.error = outcome.error
             if outcome.grow is not None:
+                self._end_attempt(Outcome.GROW)
                 # Nodes came back and a checkpoint was committed since: restart there on more
                 # nodes; this is not a failure, and no budget is used.
                 self.group.shutdown()
@@ -258,10 +277,30 @@ class Driver:
                 self.group = None
             decision = decide(outcome.failure, r.attempts, r.restarts, r.preemptions, self.spec.failure)
             r.restarts, r.preemptions = decision.restarts, decision.preemptions
+            self._end_attempt(Outcome.PREEMPTED if outcome.failure is Failure.PREEMPTED else Outcome.FAILED)
             if decision.action is Action.GIVE_UP:
                 r.status = RunStatus.FAILED
                 return
             self._say(decision.message)
+
+    def _end_attempt(self, outcome: str) -> None:
+        """Say how the open attempt ended (and where its training stood), and write result.json's books."""
+        rec, number = self.recorder, self._open
+        self._open = None
+        route, self._route = self._route, None
+        if route is not None:
+            a = route.a
+            if a.first_step is None and a.joined_at is not None:  # a function that reports no step at all
+                rec.event(FirstStep(time=a.joined_at, attempt=a.number))
+                a.first_step, a.last_work = a.joined_at, time.time()
+            if w := route.work():
+                rec.event(w)
+        rec.event(AttemptEnded(time=time.time(), attempt=number or 0, outcome=outcome,
+                               restarts=rec.result.restarts))
+        try:
+            rec.write_result()
+        except OSError as exc:
+            self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
 
     def _resized(self, old: WorldSize, attempt: int, why: str) -> None:
         """Record and say a change of world size (its step is the checkpoint the attempt resumes from)."""
@@ -315,8 +354,8 @@ class Driver:
         rec = self.recorder
         rec.mark("ranks_started")
         a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
-        route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s)
-        started = last_board = last_grow_check = time.monotonic()
+        route = self._route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s)
+        started = last_board = last_grow_check = last_work = time.monotonic()
         grow: WorldSize | None = None
         grow_seen = 0.0  # when nodes to grow onto were first seen
         returns: dict[int, Any] = {}
@@ -366,6 +405,10 @@ class Driver:
             if time.monotonic() - last_board > BOARD_FLUSH_S:
                 rec.board.flush()
                 last_board = time.monotonic()
+            if time.monotonic() - last_work > WORK_EVERY_S:
+                if w := route.work():
+                    rec.event(w)
+                last_work = time.monotonic()
             time.sleep(max(0.0, group.poll_period(self.poll_interval_s) - (time.monotonic() - round_start)))
         if failures:
             # The same bug usually fails every rank within moments: wait briefly for the

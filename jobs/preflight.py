@@ -12,6 +12,7 @@ import ray
 
 from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, fitting_nodes
 from jobs.environment import runner_versions, with_runner_pins
+from jobs.events import Reserved
 from jobs.policy import WorldSize, fit
 from jobs.record import Recorder
 from jobs.spec import JobSpec
@@ -35,13 +36,14 @@ def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str 
     env = spec.env
     group = NodeGroup.create(
         placement, timeout_s=timeout_s or spec.timeouts.placement_s, timeout_name=timeout_name,
-        can_grow=can_grow, on_wait=recorder.say,
+        can_grow=can_grow, on_wait=lambda text: (recorder.waiting(), recorder.say(text)),
         socket_ifname=spec.rendezvous.socket_ifname,
         env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
                    secrets=recorder.secrets.values,
                    pip=with_runner_pins(env.requirements, _cluster_runner_versions()) if env.requirements else []),
     )
     recorder.mark("reserved")
+    recorder.event(Reserved(time=time.time(), attempt=recorder.attempt, world_size=placement.world_size))
     r = recorder.result
     r.live = {"ray_address": ray.get_runtime_context().gcs_address, "namespace": ACTOR_NAMESPACE,
               "node_actors": group.actor_names, "ranks": group.ranks_by_node}
@@ -96,6 +98,7 @@ def reserve_elastic(spec: JobSpec, placement: Placement, sizes: list[WorldSize],
             request.ask(full.nodes)
         if size is not None and size is not full and time.monotonic() < deadline:
             # said after a second: nodes just released (this run's own, growing back) take a moment to show as free
+            recorder.waiting(at=time.time() - (time.monotonic() - began))
             if not said and time.monotonic() - began >= 1.0:
                 recorder.say(f"raylaunch: elastic: waiting up to {wait_full_s:g} s (timeouts.resize_s) for "
                              f"{full.nodes} nodes; {there} can hold the job now")

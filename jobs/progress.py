@@ -1,16 +1,17 @@
 """What a person sees while a job runs: a live bar on a terminal, plain lines elsewhere.
 
-The driver reports progress (``cluster.protocol.Progress``, at most one a second):
-``raylaunch run`` hands it to its ``ProgressView`` directly (``show``); under
-``raylaunch submit --follow`` the driver runs on the cluster and prints it as a
-line (``raylaunch: step N k=v ...``), which the view reads back from the job's
-logs (``Progress.parse``). Either way all other output passes through the same view:
+The driver states the run's course as typed events (``jobs.events``: an attempt began or ended, rank 0's
+progress at most once a second): ``raylaunch run`` hands them to its ``ProgressView`` directly (``event``);
+under ``raylaunch submit`` the driver runs on the cluster with a ``relay`` view that prints each as one
+``raylaunch-event {json}`` line of the job's log, which the view of ``submit --follow`` decodes. No line of
+prose is read back. Either way all other output passes through the same view:
 
 - ``bar``: a tqdm bar (step of total, loss, samples/s, elapsed, remaining,
   attempt, restarts, world size); every other line prints above it;
 - ``plain``: when the output is not a terminal (CI logs, files), one plain
   progress line every ``every_s`` seconds, never a carriage return;
-- ``quiet``: no progress at all; every other line still prints.
+- ``quiet``: no progress at all; every other line still prints;
+- ``relay``: in a Ray job: every event as its line, for the view that follows the job.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-from cluster.protocol import Progress, attempt_started, restarts_used
+from cluster.protocol import Progress
+from jobs.events import AttemptEnded, AttemptStarted, ProgressShown, Reserved, RunEvent, decode_line, encode_line
 
 __all__ = ["ProgressView"]
 
@@ -38,14 +40,14 @@ class ProgressView:
     >>> import io
     >>> out = io.StringIO()
     >>> view = ProgressView(out, "plain")
-    >>> print("raylaunch: step 5 loss=0.5 total_steps=10", file=view)
+    >>> view.event(ProgressShown(time=0.0, step=5, values={"loss": "0.5", "total_steps": "10"}))
     >>> out.getvalue().startswith("raylaunch: step 5/10 (50%) loss=0.5")
     True
     """
 
     def __init__(self, out: TextIO, mode: str, every_s: float = 10.0) -> None:
-        if mode not in ("bar", "plain", "quiet"):
-            raise ValueError(f"mode must be bar, plain or quiet, not {mode!r}")
+        if mode not in ("bar", "plain", "quiet", "relay"):
+            raise ValueError(f"mode must be bar, plain, quiet or relay, not {mode!r}")
         self.out, self.mode, self.every_s = out, mode, every_s
         self.attempt, self.restarts = 1, 0
         self.metrics: dict[str, str] = {}
@@ -64,10 +66,10 @@ class ProgressView:
                              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
     @classmethod
-    def for_stream(cls, out: TextIO, quiet: bool = False) -> "ProgressView":
-        """``quiet`` if asked, a bar on a terminal, plain lines otherwise."""
-        if quiet:
-            return cls(out, "quiet")
+    def for_stream(cls, out: TextIO, quiet: bool = False, relay: bool = False) -> "ProgressView":
+        """``relay`` or ``quiet`` if asked, a bar on a terminal, plain lines otherwise."""
+        if relay or quiet:
+            return cls(out, "relay" if relay else "quiet")
         return cls(out, "bar" if getattr(out, "isatty", lambda: False)() else "plain")
 
     # --- a text stream --------------------------------------------------------------
@@ -83,15 +85,11 @@ class ProgressView:
         self.out.flush()
 
     def line(self, text: str) -> None:
-        progress = Progress.parse(text)
-        if progress is not None:
-            self.show(progress)
+        """A line of output: an event's line (a followed job's) is taken as the event, any other is shown."""
+        event = decode_line(text)
+        if event is not None:
+            self.event(event)
             return
-        if (attempt := attempt_started(text)) is not None:
-            self.attempt = attempt
-            self._rate_from = None
-        if (restarts := restarts_used(text)) is not None:
-            self.restarts = restarts
         if self._bar is not None:
             self._bar.write(text, file=self.out)
         else:
@@ -107,6 +105,23 @@ class ProgressView:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    # --- the run's events ----------------------------------------------------------------
+
+    def event(self, e: RunEvent) -> None:
+        """What the view keeps of an event: the attempt and restarts, the world size, progress."""
+        if self.mode == "relay":
+            print(encode_line(e), file=self.out, flush=True)
+            return
+        if isinstance(e, AttemptStarted):
+            self.attempt, self.restarts = e.attempt, e.restarts
+            self._rate_from = None
+        elif isinstance(e, AttemptEnded):
+            self.restarts = e.restarts
+        elif isinstance(e, Reserved) and e.world_size:
+            self.metrics["world_size"] = str(e.world_size)
+        elif isinstance(e, ProgressShown) and e.step is not None:
+            self.show(Progress(e.step, dict(e.values)))
 
     # --- progress ---------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ ranks train (full, say) is said once and the run goes on: the ranks' own errors 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections import defaultdict
@@ -17,6 +18,8 @@ from typing import Any, Callable, TextIO
 from cluster.protocol import Progress, RunStatus
 from jobs.board import Board
 from jobs.environment import Secrets
+from jobs.events import AttemptStarted, ProgressShown, RunEvent, SessionStarted, Waiting, decode
+from jobs.ledger import Ledger, ledger
 from jobs.storage import RECORD_KEYS, RunDir
 
 __all__ = ["Recorder", "RunResult"]
@@ -51,16 +54,22 @@ class RunResult:
     # While the run runs: how `raylaunch stacks` reaches its node actors (ray_address,
     # namespace, node_actors: their names in node order, ranks: each node's world ranks).
     live: dict = field(default_factory=dict)
+    # Where the wall clock went, every command that drove the run together (jobs/ledger.py):
+    # wall_s, seconds (category -> seconds), ratio (training / wall_s).
+    goodput: dict = field(default_factory=dict)
 
 
 class Recorder:
     """Writes one run's outcome, metrics, logs and messages into its run directory and onto ``out``."""
 
     def __init__(self, run_dir: RunDir, out: TextIO | None = None,
-                 on_progress: Callable[[Progress], None] | None = None) -> None:
+                 on_event: Callable[[RunEvent], None] | None = None) -> None:
         self.run_dir = run_dir
         self.out = out
-        self.on_progress = on_progress
+        self.on_event = on_event  # a progress view: every run event, stored or not
+        self.events: list[RunEvent] = []  # the run's stored events, every session's (the ledger's books)
+        self.attempt = 0  # the attempt the latest AttemptStarted began
+        self._waiting = False  # a Waiting was said for this attempt's reservation
         self.secrets = Secrets()  # env.secrets' values, read in the driver's preflight
         self.result = RunResult(status=RunStatus.FAILED, run_dir=run_dir.uri)
         self.board: Board | None = None
@@ -94,8 +103,43 @@ class Recorder:
         """The first time the run got to ``phase`` (the first attempt's start-up, for `show` and the bench)."""
         self.result.timeline.setdefault(phase, at or time.time())
 
+    # --- run events (jobs/events.py) --------------------------------------------------
+
+    def begin_session(self, started: float) -> None:
+        """Read the run's earlier events (a rerun continues the books), then say that this command drives it."""
+        try:
+            rows = self.run_dir.read_events()
+        except OSError as exc:
+            self.say(f"raylaunch: could not read the run's earlier events: {exc}; the books start now")
+            rows = []
+        self.events = [e for e in map(decode, rows) if e is not None]
+        self.event(SessionStarted(time=started, pid=os.getpid()))
+
+    def event(self, e: RunEvent) -> None:
+        """Store ``e`` (if it is kept) and hand it to the view."""
+        if e.stored:
+            self.events.append(e)
+            self._store(self.run_dir.append_events, [e.to_dict()])
+        if isinstance(e, AttemptStarted):
+            self.attempt, self._waiting = e.attempt, False
+        if self.on_event is not None:
+            self.on_event(e)
+
+    def waiting(self, at: float | None = None) -> None:
+        """The attempt being reserved waits for nodes since ``at`` (now by default); said once per attempt."""
+        if not self._waiting:
+            self._waiting = True
+            self.event(Waiting(time=at or time.time(), attempt=self.attempt))
+
+    def ledger(self) -> Ledger:
+        return ledger(self.events)
+
     def write_result(self) -> None:
-        """``result.json`` as the run stands: written when each attempt starts, and at the end."""
+        """``result.json`` as the run stands: written when each attempt starts and ends, and at the end; the
+        books go to TensorBoard too."""
+        self.result.goodput = self.ledger().as_result()
+        if self.board is not None:
+            self.board.goodput(self.result.goodput, self.result.last_step or 0)
         try:
             self.result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
         except OSError as exc:  # the outcome is still recorded, with the checkpoints last seen
@@ -143,9 +187,10 @@ class Recorder:
         # The ranks' pace verdict (jobs/pace.py) rides along while it holds: straggler=1 starved=1
         extra = {**(pace or {}), **({"world_size": record["world_size"]} if "world_size" in record else {})}
         shown = Progress.of(record.get("step"), {**values, **extra})
-        if self.on_progress is None or shown.step is None:  # a step of None is a plain line to a view too
+        if self.on_event is None or shown.step is None:  # a step of None is a plain line to a view too
             self.say(shown.line())
         else:
-            self.on_progress(Progress(shown.step, {self.secrets.mask(k): self.secrets.mask(v)
-                                                   for k, v in shown.values.items()}))
+            self.on_event(ProgressShown(time=record.get("time") or time.time(), step=shown.step,
+                                        values={self.secrets.mask(k): self.secrets.mask(v)
+                                                for k, v in shown.values.items()}))
 

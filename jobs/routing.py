@@ -16,6 +16,7 @@ from cluster.storage_io import join_uri
 from cluster.layout import checkpoint_name
 from cluster.node import NodeInfo
 from cluster.protocol import EventKind, NodePoll, NodeState, RankFailure
+from jobs.events import Committed, FirstStep, Restored, Saved, Work
 from jobs.hangs import HEARTBEAT_LOST
 from jobs.pace import PACE_KEYS, PaceTracker
 from jobs.record import Recorder
@@ -33,13 +34,21 @@ class AttemptState:
     node_of: dict[int, int]  # world rank -> node rank
     arrived: set[int] = field(default_factory=set)  # ranks at the rendezvous
     joined: set[int] = field(default_factory=set)  # ranks in the process group
+    joined_at: float | None = None  # when the last of them joined
     preempted: set[int] = field(default_factory=set)  # ranks that checkpointed in a grace period and stopped
     # step -> rank -> the files of its saved part it reported ({rel: {size, sha256}}; empty on a local path)
     parts: dict[int, dict[int, dict]] = field(default_factory=lambda: defaultdict(dict))
     # step -> rank -> (when the save was asked for, how long it held training)
     save_times: dict[int, dict[int, tuple[float, float]]] = field(default_factory=lambda: defaultdict(dict))
     steps: dict[int, int] = field(default_factory=dict)  # rank -> the latest step it logged
+    batches: dict[int, int] = field(default_factory=dict)  # rank -> the batches it read (its pace reports')
     last_commit: tuple[int, float] | None = None  # (step, time) of this attempt's latest committed checkpoint
+    # For the goodput ledger: when training began and was last seen, each rank's seconds waiting for input,
+    # and each rank's restore (when it reported it, seconds, step).
+    first_step: float | None = None
+    last_work: float | None = None
+    data_wait_s: dict[int, float] = field(default_factory=dict)
+    restored: dict[int, tuple[float, float, int]] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -71,6 +80,7 @@ class AttemptRouter:
         self.keep = keep  # checkpoint.keep
         self.heartbeat_s = heartbeat_s
         self.pace_tracker = PaceTracker()  # who starves for data, who the others wait for, this attempt
+        self._work_said: Work | None = None
 
     def forward(self, node_rank: int, p: NodePoll) -> None:
         """Print and store one node's logs; handle its events."""
@@ -94,54 +104,101 @@ class AttemptRouter:
             elif kind == EventKind.JOINED:
                 a.joined.add(rank)
                 if len(a.joined) == a.world:
+                    a.joined_at = e["time"]
                     rec.mark("joined", e["time"])
             elif kind == EventKind.METRICS:
-                record = {"step": e.get("step"), "rank": rank, "node": a.node_of.get(rank), "attempt": a.number,
-                          "world_size": a.world, "time": e["time"], **e.get("values", {})}
+                record = self.row(rank, e["time"], e.get("step"), e.get("values", {}))
                 records.append(record)
                 if record["step"] is not None:
                     a.steps[rank] = max(int(record["step"]), a.steps.get(rank, 0))
+                self._worked(e["time"], e["time"])
                 if rank == 0:
                     rec.mark("first_step", e["time"])
                     rec.progress(record, self.pace_tracker.verdict.values())
-            elif kind == EventKind.RESOURCES and rank in a.steps:
+            elif kind == EventKind.RESOURCES:
                 # Peak memory, at the rank's latest step, beside its metrics.
-                records.append({"step": a.steps[rank], "rank": rank, "node": a.node_of.get(rank),
-                                "attempt": a.number, "world_size": a.world, "time": e["time"],
-                                **{k: v for k, v in e.items() if k.startswith("peak_")}})
+                records.append(self.row(rank, e["time"], self.step_of(rank),
+                                        {k: v for k, v in e.items() if k.startswith("peak_")}))
             elif kind == EventKind.PACE:
                 records.extend(self.pace(rank, e))
+            elif kind == EventKind.RESTORED:
+                a.restored[rank] = (e["time"], float(e.get("seconds", 0.0)), int(e.get("step", 0)))
+                if len(a.restored) == a.world:
+                    rec.event(Restored(time=max(t for t, _, _ in a.restored.values()), attempt=a.number,
+                                       step=max(s for _, _, s in a.restored.values()),
+                                       seconds=round(max(s for _, s, _ in a.restored.values()), 4)))
             elif kind == EventKind.CHECKPOINT:
-                step = int(e["step"])
-                a.parts[step][rank] = e.get("files") or {}
-                a.save_times[step][rank] = (float(e.get("requested", e["time"])), float(e.get("blocked_s", 0.0)))
-                if len(a.parts[step]) == a.world:
-                    times = a.save_times.pop(step).values()
-                    asked = min(t for t, _ in times)
-                    timing = {"blocked_s": round(max(b for _, b in times), 4),
-                              "to_commit_s": round(time.time() - asked, 4)}
-                    c = self.run_dir.commit_checkpoint(
-                        join_uri(a.staging, checkpoint_name(step)), step, a.number, a.world,
-                        self.keep, reported=_agreed(a.parts.pop(step).values()), timing=timing,
-                    )
-                    timing["to_commit_s"] = round(time.time() - asked, 4)
-                    rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri} (training held "
-                            f"{timing['blocked_s']:.2f} s, committed {timing['to_commit_s']:.2f} s after the save)")
-                    a.last_commit = (step, time.time())
+                self.checkpoint(rank, e)
         rec.metrics(records)
 
+    def row(self, rank: int, at: float, step: int | None, values: dict) -> dict:
+        """A metrics.jsonl row: the record keys (cluster.context.RECORD_KEYS), then the values."""
+        a = self.a
+        return {"step": step, "rank": rank, "node": a.node_of.get(rank), "attempt": a.number, "world_size": a.world,
+                "time": at, **values}
+
+    def step_of(self, rank: int) -> int:
+        """The step a rank's measurements are stored at: its latest logged step, else rank 0's, else (a function
+        that logs no step) the number of batches it has read this attempt."""
+        a = self.a
+        return a.steps.get(rank, a.steps.get(0, a.batches.get(rank, 0)))
+
+    def _worked(self, began: float, seen: float) -> None:
+        """Training was seen from ``began`` (a step's first batch, or a step logged) to ``seen``."""
+        a = self.a
+        a.last_work = max(a.last_work or seen, seen)
+        if a.first_step is None:
+            self.recorder.event(FirstStep(time=began, attempt=a.number))
+        a.first_step = min(a.first_step or began, began)  # a rank's earlier first batch, reported later: in Work
+
+    def checkpoint(self, rank: int, e: dict) -> None:
+        """A rank's part of a checkpoint is on storage: commit once every rank's is."""
+        a, rec = self.a, self.recorder
+        step = int(e["step"])
+        a.parts[step][rank] = e.get("files") or {}
+        a.save_times[step][rank] = (float(e.get("requested", e["time"])), float(e.get("blocked_s", 0.0)))
+        if len(a.parts[step]) < a.world:
+            return
+        times = a.save_times.pop(step).values()
+        asked = min(t for t, _ in times)
+        timing = {"blocked_s": round(max(b for _, b in times), 4), "to_commit_s": round(time.time() - asked, 4)}
+        rec.event(Saved(time=asked, attempt=a.number, step=step, held_s=timing["blocked_s"]))
+        c = self.run_dir.commit_checkpoint(
+            join_uri(a.staging, checkpoint_name(step)), step, a.number, a.world,
+            self.keep, reported=_agreed(a.parts.pop(step).values()), timing=timing,
+        )
+        timing["to_commit_s"] = round(time.time() - asked, 4)
+        rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri} (training held "
+                f"{timing['blocked_s']:.2f} s, committed {timing['to_commit_s']:.2f} s after the save)")
+        a.last_commit = (step, time.time())
+        rec.event(Committed(time=a.last_commit[1], attempt=a.number, step=step, state_time=asked))
+
     def pace(self, rank: int, e: dict) -> list[dict]:
-        """A rank's data_wait and sync_wait, at its latest step (or rank 0's, for a rank that logs
-        none); said when the ranks starved for data or waited for change."""
+        """A rank's data_wait and sync_wait, at its latest step (``step_of``); said when the ranks starved for
+        data or waited for change."""
         a = self.a
         if verdict := self.pace_tracker.add(rank, e):
             for line in verdict.lines or ["no rank is starved for data or waited for any more"]:
                 self.recorder.say(f"raylaunch: {line}")
-        step = a.steps.get(rank, a.steps.get(0))
-        if step is None:
-            return []
-        return [{"step": step, "rank": rank, "node": a.node_of.get(rank), "attempt": a.number, "time": e["time"],
-                 **{k: e[k] for k in PACE_KEYS if k in e}}]
+        a.batches[rank] = a.batches.get(rank, 0) + int(e.get("batches", 0))
+        a.data_wait_s[rank] = a.data_wait_s.get(rank, 0.0) + float(e.get("data_wait", 0.0)) * float(e.get("span_s", 0.0))
+        seen = float(e.get("last_batch", e["time"]))
+        self._worked(float(e.get("first_batch", seen - float(e.get("span_s", 0.0)))), seen)
+        return [self.row(rank, e["time"], self.step_of(rank), {k: e[k] for k in PACE_KEYS if k in e})]
+
+    def work(self) -> Work | None:
+        """Where this attempt's training stands, as a ``Work`` event, when it changed since the last one."""
+        a = self.a
+        if a.last_work is None:
+            return None
+        w = Work(time=time.time(), attempt=a.number, last=a.last_work, first=a.first_step,
+                 data_wait_s=round(max(a.data_wait_s.values(), default=0.0), 3), step=a.steps.get(0))
+        said = self._work_said
+        if said is not None and (said.first, said.last, said.data_wait_s, said.step) == (w.first, w.last,
+                                                                                           w.data_wait_s, w.step):
+            return None
+        self._work_said = w
+        return w
 
     def silent(self, node_rank: int, info: NodeInfo, p: NodePoll, known: set[int]) -> list[RankFailure]:
         """The ranks of a node that is lost, or that stopped beating, as failures (not those in ``known``)."""

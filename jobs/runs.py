@@ -15,11 +15,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from cluster.errors import RaylaunchError
+from jobs.events import decode
+from jobs.ledger import CATEGORIES, Ledger, ledger, suggestion
 from jobs.pace import judge, pace_of_records
 from jobs.spec import run_name_problem
 from jobs.storage import RunDir, numeric_metrics
 
-__all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "series", "summaries"]
+__all__ = ["RunNotFound", "Series", "books", "format_runs", "format_show", "plot", "plot_goodput", "series",
+           "summaries"]
 
 
 class RunNotFound(RaylaunchError, LookupError):
@@ -115,6 +118,7 @@ class Summary:
     best: tuple[str, float] | None
     duration_s: float | None
     started: float | None
+    goodput: float | None = None  # result.json's goodput ratio: training / wall clock
 
 
 def _best(records: list[dict]) -> tuple[str, float] | None:
@@ -144,7 +148,7 @@ def summaries(storage: str) -> list[Summary]:
         out.append(Summary(name, result.get("status", "running"), nodes,
                            workers if isinstance(workers, int) else None, steps,
                            loss[0].values[-1] if loss else None, _best(records), _duration(result),
-                           result.get("start_time") or None))
+                           result.get("start_time") or None, (result.get("goodput") or {}).get("ratio")))
     return sorted(out, key=lambda s: (s.started or 0, s.name))
 
 
@@ -170,7 +174,7 @@ def _when(t: float | None) -> str:
 
 def format_runs(storage: str) -> str:
     """The ``raylaunch runs`` table."""
-    rows = [("NAME", "STATUS", "NODES x WORKERS", "STEPS", "LAST LOSS", "BEST", "DURATION", "STARTED")]
+    rows = [("NAME", "STATUS", "NODES x WORKERS", "STEPS", "LAST LOSS", "BEST", "DURATION", "GOODPUT", "STARTED")]
     for s in summaries(storage):
         rows.append((
             s.name, s.status,
@@ -178,7 +182,7 @@ def format_runs(storage: str) -> str:
             str(s.steps) if s.steps is not None else "-",
             f"{s.last_loss:.4g}" if s.last_loss is not None else "-",
             f"{s.best[0]}={s.best[1]:.4g}" if s.best else "-",
-            _dur(s.duration_s), _when(s.started),
+            _dur(s.duration_s), f"{100 * s.goodput:.0f}%" if s.goodput is not None else "-", _when(s.started),
         ))
     if len(rows) == 1:
         return f"no runs in {storage}"
@@ -210,6 +214,7 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
             lines.append("  start-up    " + ", ".join(f"{k.replace('_', ' ')} {v - t0:.1f} s" for k, v in
                                                      sorted(timeline.items(), key=lambda kv: kv[1]) if k != "process_start")
                          + " after the driver's process started")
+        lines.extend(_format_books(run))
         if result.get("error"):
             lines.append("  error       " + result["error"].replace("\n", "\n              "))
         if result.get("return_value") is not None:
@@ -236,6 +241,31 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     lines.append("  spec:")
     lines.extend("    " + line for line in yaml.safe_dump(run.read_spec(), sort_keys=False).splitlines())
     return "\n".join(lines)
+
+
+def books(run: RunDir) -> Ledger | None:
+    """A run's goodput ledger from its events (``jobs.ledger``); None for a run that has none."""
+    events = [e for e in map(decode, run.read_events()) if e is not None]
+    return ledger(events) if events else None
+
+
+def _format_books(run: RunDir) -> list[str]:
+    """Where the wall clock went: seconds, share and a bar per category, and what the books suggest."""
+    events = [e for e in map(decode, run.read_events()) if e is not None]
+    b = ledger(events)
+    if b.wall_s <= 0:
+        return []
+    sessions = sum(1 for e in events if e.kind == "session")
+    lines = [f"  goodput     {100 * b.ratio:.0f}% of {_dur(b.wall_s)} trained the model that came out "
+             f"(training / wall clock{f', {sessions} commands' if sessions > 1 else ''}):"]
+    for cat in CATEGORIES:
+        secs = b.seconds[cat]
+        if secs > 0 or cat == "training":
+            share = secs / b.wall_s
+            lines.append(f"    {cat:<11} {secs:9.1f} s {100 * share:4.0f}%  {'#' * round(40 * share)}")
+    if note := suggestion(b):
+        lines.append(f"  suggestion  {note}")
+    return lines
 
 
 def _format_pace(records: list[dict]) -> list[str]:
@@ -286,3 +316,49 @@ def plot(storage: str, names: list[str], metric: str, out: str, per_rank: bool =
     fig.savefig(out)
     plt.close(fig)
     return curves
+
+
+# Colours of the goodput timeline, one per category (training green, losses warm, waits grey).
+_COLOURS = {"training": "#2ca02c", "recompute": "#d62728", "startup": "#1f77b4", "restore": "#17becf",
+            "checkpoint": "#9467bd", "data_wait": "#ff7f0e", "failure": "#8c564b", "waiting": "#7f7f7f",
+            "other": "#c7c7c7"}
+
+
+def plot_goodput(storage: str, name: str, out: str) -> Ledger:
+    """Write a PNG of the run's timeline: each command that drove it a row, its attempts along a time axis,
+    coloured by the ledger's categories."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    run = _open(storage, name)
+    events = [e for e in map(decode, run.read_events()) if e is not None]
+    b = ledger(events)
+    if not b.segments:
+        raise RunNotFound(f"run {name!r} has no events to draw (it ran before raylaunch kept them, or not yet)")
+    starts = [e.time for e in events if e.kind == "session"]
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.6 * len(starts)), dpi=100)
+    for row, t0 in enumerate(starts):
+        t1 = starts[row + 1] if row + 1 < len(starts) else float("inf")
+        segs = [s for s in b.segments if t0 <= s.start < t1]
+        ax.broken_barh([(s.start - t0, s.end - s.start) for s in segs], (row - 0.4, 0.8),
+                       facecolors=[_COLOURS[s.category] for s in segs])
+        seen: set[int] = set()
+        for s in segs:  # each attempt's start, labelled
+            if s.attempt is not None and s.attempt not in seen:
+                seen.add(s.attempt)
+                ax.axvline(s.start - t0, ymin=0, ymax=1, color="black", linewidth=0.5, alpha=0.5)
+                ax.annotate(f"attempt {s.attempt}", (s.start - t0, row + 0.42), fontsize=7, va="bottom")
+    ax.set_yticks(range(len(starts)), [f"command {i + 1}" for i in range(len(starts))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the command's start")
+    ax.set_title(f"{name}: goodput {100 * b.ratio:.0f}% of {_dur(b.wall_s)}")
+    used = [c for c in CATEGORIES if b.seconds[c] > 0]
+    ax.legend(handles=[Patch(color=_COLOURS[c], label=f"{c} {b.seconds[c]:.0f} s") for c in used],
+              loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return b

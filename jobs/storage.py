@@ -38,7 +38,7 @@ from pyarrow import fs as pafs
 from cluster.context import RECORD_KEYS
 from cluster.errors import RaylaunchError
 from cluster.layout import (
-    CHECKPOINTS, LATEST, STAGING, checkpoint_name, is_checkpoint_name, rank_part_file, staging_dir,
+    CHECKPOINTS, LATEST, RUN_EVENTS, STAGING, checkpoint_name, is_checkpoint_name, rank_part_file, staging_dir,
 )
 from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
@@ -201,6 +201,11 @@ class RunDir:
     def append_metrics(self, records: list[dict]) -> None:
         if records:
             self._append("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+    def append_events(self, events: list[dict]) -> None:
+        """The run's own events (``jobs.events``), after the earlier sessions'."""
+        if events:
+            self._append(RUN_EVENTS, "".join(json.dumps(e) + "\n" for e in events))
 
     def append_log(self, rank: int, lines: list[str]) -> None:
         if lines:
@@ -429,8 +434,15 @@ class RunDir:
 
     def read_metrics(self) -> list[dict]:
         """Every record of ``metrics.jsonl``; a line being written (no newline yet) is left out."""
+        return self._read_rows("metrics.jsonl")
+
+    def read_events(self) -> list[dict]:
+        """Every event of ``events.jsonl``, in the order written (``jobs.events.decode`` types them)."""
+        return self._read_rows(RUN_EVENTS)
+
+    def _read_rows(self, rel: str) -> list[dict]:
         rows, bad = [], 0
-        for path in segments(self.fs, f"{self.path}/metrics.jsonl"):
+        for path in segments(self.fs, f"{self.path}/{rel}"):
             try:
                 with self.fs.open_input_stream(path) as f:
                     text = f.read().decode("utf-8", "replace")
@@ -438,7 +450,7 @@ class RunDir:
                 continue
             bad += self._parse_rows(text, rows)
         if bad:
-            self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/metrics.jsonl cannot be read; skipped")
+            self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/{rel} cannot be read; skipped")
         return rows
 
     @staticmethod

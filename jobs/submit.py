@@ -101,7 +101,8 @@ def plan_submit(
                          "run submit from the project folder"], spec_path) from None
     # An argument list; Ray Jobs takes one string, so it is quoted by shlex, never
     # pasted together from user input.
-    entrypoint = ["python", "-m", "jobs.cli", "run", str(spec_rel)]
+    # --event-lines: the run's events reach `submit --follow` as lines of the job's log (jobs/events.py).
+    entrypoint = ["python", "-m", "jobs.cli", "run", "--event-lines", str(spec_rel)]
     for item in overrides:
         entrypoint += ["--set", item]
     for key, value in literals.items():
@@ -134,7 +135,7 @@ def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None,
                              f"(cp {config_file} accelerate_config.yaml) and pass --config_file "
                              "accelerate_config.yaml"], "the launch command") from None
         spec = dataclasses.replace(spec, accelerate=dataclasses.replace(spec.accelerate, config_file=str(rel)))
-    entrypoint = ["python", "-m", "jobs.cli", "run", "--spec-json", json.dumps(spec_to_dict(spec))]
+    entrypoint = ["python", "-m", "jobs.cli", "run", "--event-lines", "--spec-json", json.dumps(spec_to_dict(spec))]
     return _plan(spec, entrypoint, address, cwd)
 
 

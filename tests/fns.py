@@ -494,3 +494,20 @@ def two_quick_saves(config: dict) -> dict:
         session.save(accelerator, step)
         held.append(time.perf_counter() - began)
     return {"held_s": held}
+
+
+def only_reads(config: dict) -> dict:
+    """Iterates a prepared DataLoader whose every item is slow to read (``item_s``) for ``batches`` batches, and
+    does nothing else: no step logged, no checkpoint, not a call to the runner (its pace is still measured)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator()
+    data = _SlowItems(TensorDataset(torch.arange(256.0)), config["item_s"])
+    dl = accelerator.prepare(DataLoader(data, batch_size=4))
+    read = 0
+    while read < config["batches"]:
+        for _ in dl:
+            read += 1
+            if read >= config["batches"]:
+                break
+    return {"batches": read}

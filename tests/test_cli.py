@@ -179,6 +179,18 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
         second = [r["step"] for r in rows if r["attempt"] == 2 and r["rank"] == rank and "rank_loss" in r]
         assert second == list(range(step + 1, 81)), (rank, second)
     assert {r["attempt"] for r in rows} == {1, 2}
+    # the books continue: both commands' seconds (the killed one's until its last event; its running attempt
+    # never ended), the categories adding up to both commands' wall clock
+    events = [json.loads(line) for line in (tmp_path / "runs" / "lost-driver" / "events.jsonl").read_text().splitlines()]
+    second = [i for i, e in enumerate(events) if e["kind"] == "session"]
+    assert len(second) == 2 and second[0] == 0, events
+    first_wall = max(e.get("last", e["time"]) for e in events[:second[1]]) - events[0]["time"]
+    second_wall = events[-1]["time"] - events[second[1]]["time"]
+    assert events[-1]["kind"] == "session_ended" and "attempt_ended" not in [e["kind"] for e in events[:second[1]]]
+    goodput = result["goodput"]
+    assert goodput["wall_s"] == pytest.approx(first_wall + second_wall, abs=0.01)
+    assert sum(goodput["seconds"].values()) == pytest.approx(goodput["wall_s"], rel=0.01)
+    assert goodput["seconds"]["restore"] > 0 and goodput["seconds"]["training"] > 0
 
 
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])

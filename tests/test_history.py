@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ROOT, cli_env
 from jobs.driver import Driver
+from jobs.events import AttemptEnded, AttemptStarted, ProgressShown, RunEvent
 from jobs.progress import ProgressView
 from jobs.runs import format_runs, format_show, plot
 from jobs.spec import load_spec_text
@@ -274,15 +275,27 @@ def test_progress_in_a_log_file_is_plain_lines(runs):
                for line in progress)
 
 
+def _job_log(*items) -> list[str]:
+    """The lines a job's log holds: prose as it is, events as a relay view (the driver under submit) prints them."""
+    log = io.StringIO()
+    relay = ProgressView.for_stream(log, relay=True)
+    for item in items:
+        relay.event(item) if isinstance(item, RunEvent) else print(item, file=relay)
+    return log.getvalue().splitlines()
+
+
 def test_progress_view_modes():
-    """A terminal gets a bar (carriage returns), --quiet nothing; other lines always pass through."""
+    """A terminal gets a bar (carriage returns), --quiet nothing; other lines always pass through; the events
+    that a followed job's log carries are never shown as text."""
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    lines = ["raylaunch: attempt 2: resuming from /x (step 3)", "raylaunch: step 4 loss=0.5 total_steps=8",
-             "[node 0 rank 0] hello", "raylaunch: step 8 loss=0.25 total_steps=8"]
+    lines = _job_log(AttemptStarted(time=0, attempt=2), "raylaunch: attempt 2: resuming from /x (step 3)",
+                     ProgressShown(time=1, step=4, values={"loss": "0.5", "total_steps": "8"}),
+                     "[node 0 rank 0] hello", ProgressShown(time=2, step=8, values={"loss": "0.25", "total_steps": "8"}))
+    assert sum(line.startswith("raylaunch-event {") for line in lines) == 3, lines
     term = Terminal()
     view = ProgressView.for_stream(term)
     assert view.mode == "bar"
@@ -290,6 +303,7 @@ def test_progress_view_modes():
         print(line, file=view)
     view.close()
     assert "\r" in term.getvalue() and "8/8" in term.getvalue() and "[node 0 rank 0] hello" in term.getvalue()
+    assert "raylaunch-event" not in term.getvalue()
     quiet = io.StringIO()
     view = ProgressView.for_stream(quiet, quiet=True)
     for line in lines:
@@ -307,6 +321,25 @@ def test_progress_view_modes():
     assert shown[-1].endswith("| attempt 2 restarts 0")
 
 
+def test_an_attempt_that_starts_without_a_checkpoint_shows_its_own_number():
+    """Attempt 1 fails before any checkpoint; attempt 2 starts from the beginning: nothing says "resuming", and
+    the view still shows attempt 2 with one restart used (it showed attempt 1 before the events)."""
+    lines = _job_log(
+        AttemptStarted(time=0, attempt=1, max_restarts=1),
+        ProgressShown(time=1, step=3, values={"loss": "0.9", "total_steps": "10"}),
+        "raylaunch: attempt 1 failed:", "[rank 1] RuntimeError: injected failure at step 3",
+        AttemptEnded(time=2, attempt=1, outcome="failed", restarts=1),
+        "raylaunch: restarting from the beginning (1 of 1 restarts)",
+        AttemptStarted(time=3, attempt=2, restarts=1, max_restarts=1),
+        ProgressShown(time=4, step=2, values={"loss": "0.95", "total_steps": "10"}),
+    )
+    for view in (ProgressView(io.StringIO(), "plain", every_s=0), ProgressView(io.StringIO(), "quiet")):
+        for line in lines:
+            print(line, file=view)
+        assert (view.attempt, view.restarts, view.step) == (2, 1, 2)
+    assert view.out.getvalue().count("\n") == 3  # quiet: the prose lines only
+
+
 def test_plain_progress_is_one_line_every_10_s_with_samples_per_s(monkeypatch):
     from jobs import progress
 
@@ -316,7 +349,8 @@ def test_plain_progress_is_one_line_every_10_s_with_samples_per_s(monkeypatch):
     view = ProgressView.for_stream(out)  # not a terminal: plain lines
     for step in range(1, 31):  # a step a second
         now[0] = float(step)
-        print(f"raylaunch: step {step} loss=0.5 samples_per_s=640.5 total_steps=30", file=view)
+        view.event(ProgressShown(time=step, step=step, values={"loss": "0.5", "samples_per_s": "640.5",
+                                                                "total_steps": "30"}))
     view.close()
     shown = out.getvalue().splitlines()
     assert [line.split(" loss")[0] for line in shown] == [

@@ -74,9 +74,14 @@ def test_submit_follow_trains_and_exits_with_the_job_status(head, tmp_path):
     assert "submitted raylaunch-digits-" in proc.stdout and "succeeded" in proc.stdout
     assert "8/8" in proc.stdout and "loss=" in proc.stdout  # the progress bar: step of total, loss
     assert "[node 0 rank 0] eval accuracy" in proc.stdout  # rank-prefixed logs under it
+    assert "raylaunch-event" not in proc.stdout  # the run's events are read, never shown
     result = json.loads((tmp_path / "digits" / "result.json").read_text())
     assert result["status"] == "succeeded" and result["world_size"] == 2
+    assert result["goodput"]["seconds"]["training"] > 0
     job = proc.stdout.split("submitted ", 1)[1].split()[0]
+    logs = cli(head, "logs", job, "--address", head["address"])
+    assert logs.returncode == 0 and "[node 0 rank 0] eval accuracy" in logs.stdout
+    assert "raylaunch-event" not in logs.stdout
     status = cli(head, "status", job, "--address", head["address"])
     assert status.returncode == 0 and f"{job}: SUCCEEDED" in status.stdout
     listed = cli(head, "list", "--address", head["address"])
@@ -196,7 +201,7 @@ def test_dry_run_sends_nothing(head):
                "--set", "config.note=two words", env={"RAY_ADDRESS": head["address"]})
     assert proc.returncode == 0, proc.stderr
     assert f"address:       {head['address']}" in proc.stdout
-    assert ("entrypoint:    python -m jobs.cli run jobs/examples/digits.yaml --set scaling.num_nodes=4 "
+    assert ("entrypoint:    python -m jobs.cli run --event-lines jobs/examples/digits.yaml --set scaling.num_nodes=4 "
             "--set 'config.note=two words'") in proc.stdout
     assert "nothing was sent" in proc.stdout
     assert job_ids(head) == before

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from conftest import ROOT, cli_env
+from jobs.events import ProgressShown
 from jobs.pace import PaceTracker, judge, pace_of_records
 from jobs.progress import ProgressView
 from test_faults import rows, start
@@ -111,8 +112,8 @@ def test_show_uses_the_last_attempt_only():
 def test_the_progress_line_names_ranks_only_while_the_verdict_holds():
     out = io.StringIO()
     view = ProgressView(out, "plain", every_s=0)
-    print("raylaunch: step 5 loss=0.5 total_steps=10 straggler=1", file=view)
-    print("raylaunch: step 6 loss=0.4 total_steps=10", file=view)
+    view.event(ProgressShown(time=0, step=5, values={"loss": "0.5", "total_steps": "10", "straggler": "1"}))
+    view.event(ProgressShown(time=1, step=6, values={"loss": "0.4", "total_steps": "10"}))
     first, second = out.getvalue().splitlines()
     assert first.startswith("raylaunch: step 5/10 (50%) loss=0.5 straggler=1 |")
     assert second.startswith("raylaunch: step 6/10 (60%) loss=0.4 |")

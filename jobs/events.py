@@ -1,0 +1,200 @@
+"""The run's own events: typed facts the driver states about a run (a command began driving it, an attempt
+began, waited for nodes, restored, took its first step, saved, committed, ended), kept in the run directory's
+``events.jsonl`` and sent to whoever shows the run.
+
+They are the one source of what a person sees of a run's course: the progress view of ``raylaunch run`` gets
+them as objects; under ``raylaunch submit`` the driver prints each as one ``raylaunch-event {json}`` line of
+the job's log, which ``submit --follow`` and ``logs --follow`` decode (``decode_line``) instead of reading the
+runner's prose. The goodput ledger (``jobs.ledger``) is computed from the stored ones.
+
+>>> e = AttemptStarted(time=1.0, attempt=2, restarts=1, max_restarts=3, world_size=4, resume_step=None)
+>>> decode_line(encode_line(e)) == e
+True
+>>> decode_line("raylaunch: attempt 2 failed") is None
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "AttemptEnded", "AttemptStarted", "Committed", "EVENT_PREFIX", "FirstStep", "Outcome", "ProgressShown",
+    "Reserved", "Restored", "RunEvent", "Saved", "SessionEnded", "SessionStarted", "Waiting", "Work",
+    "decode", "decode_line", "encode_line",
+]
+
+# What starts an event's line in a job's log (a person reading raw logs sees what it is).
+EVENT_PREFIX = "raylaunch-event "
+
+
+class Outcome:
+    """How an attempt ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a rank failed or a node was lost (restarted if the budgets allow)
+    PREEMPTED = "preempted"  # ranks stopped at a checkpoint after a stop notice
+    GROW = "grow"  # stopped at a committed checkpoint to grow back onto more nodes
+    STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
+    ALL = (SUCCEEDED, FAILED, PREEMPTED, GROW, STOPPED)
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """One fact about a run, at ``time`` (Unix seconds)."""
+
+    kind: ClassVar[str] = ""
+    stored: ClassVar[bool] = True  # kept in events.jsonl (progress is not: metrics.jsonl has it)
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class SessionStarted(RunEvent):
+    """A command began driving the run (``time``: its process's start); a rerun of the run is a new session."""
+
+    kind: ClassVar[str] = "session"
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class SessionEnded(RunEvent):
+    kind: ClassVar[str] = "session_ended"
+    status: str = ""
+
+
+@dataclass(frozen=True)
+class AttemptStarted(RunEvent):
+    """An attempt began (before its nodes are reserved); ``resume_step`` is set once known (``Restored``)."""
+
+    kind: ClassVar[str] = "attempt"
+    attempt: int = 0
+    restarts: int = 0
+    max_restarts: int = 0
+    world_size: int = 0
+    resume_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Waiting(RunEvent):
+    """The attempt waits for nodes the cluster does not have free (placement, or an elastic run's wait)."""
+
+    kind: ClassVar[str] = "waiting"
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Reserved(RunEvent):
+    """The attempt holds its nodes (a wait for them, if any, ended here)."""
+
+    kind: ClassVar[str] = "reserved"
+    attempt: int = 0
+    world_size: int = 0
+
+
+@dataclass(frozen=True)
+class Restored(RunEvent):
+    """The ranks loaded the checkpoint of ``step``; ``seconds``: the slowest rank's load."""
+
+    kind: ClassVar[str] = "restored"
+    attempt: int = 0
+    step: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class FirstStep(RunEvent):
+    """The attempt's first step began (the first batch asked for, or the first step logged)."""
+
+    kind: ClassVar[str] = "first_step"
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Saved(RunEvent):
+    """Every rank saved its part of ``step``; ``time``: when the save was asked for; ``held_s``: how long it
+    held training (the slowest rank)."""
+
+    kind: ClassVar[str] = "saved"
+    attempt: int = 0
+    step: int = 0
+    held_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Committed(RunEvent):
+    """The checkpoint of ``step`` counts; ``state_time``: when its state was taken (the save was asked for)."""
+
+    kind: ClassVar[str] = "committed"
+    attempt: int = 0
+    step: int = 0
+    state_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Work(RunEvent):
+    """Where the attempt's training stands (written now and then, and before it ends): ``first`` and ``last``,
+    the earliest and latest moments a rank was seen training (a batch asked for, a step logged); ``data_wait_s``,
+    the most seconds any rank waited for its input; ``step``, rank 0's latest step."""
+
+    kind: ClassVar[str] = "work"
+    attempt: int = 0
+    last: float = 0.0
+    first: float | None = None
+    data_wait_s: float = 0.0
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class AttemptEnded(RunEvent):
+    kind: ClassVar[str] = "attempt_ended"
+    attempt: int = 0
+    outcome: str = Outcome.FAILED
+    restarts: int = 0  # the restarts used once this attempt's failure counted
+
+
+@dataclass(frozen=True)
+class ProgressShown(RunEvent):
+    """Rank 0's latest step and values as shown (floats with 4 significant digits); not stored."""
+
+    kind: ClassVar[str] = "progress"
+    stored: ClassVar[bool] = False
+    step: int | None = None
+    values: dict[str, str] = field(default_factory=dict)
+
+
+_KINDS: dict[str, type[RunEvent]] = {
+    c.kind: c for c in (SessionStarted, SessionEnded, AttemptStarted, Waiting, Reserved, Restored, FirstStep,
+                        Saved, Committed, Work, AttemptEnded, ProgressShown)
+}
+
+
+def decode(row: dict) -> RunEvent | None:
+    """An event from its stored or sent form; None for a kind or fields this version does not know."""
+    cls = _KINDS.get(row.get("kind")) if isinstance(row, dict) else None
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in row.items() if k in names})
+    except TypeError:
+        return None
+
+
+def encode_line(event: RunEvent) -> str:
+    return EVENT_PREFIX + json.dumps(event.to_dict(), separators=(",", ":"))
+
+
+def decode_line(text: str) -> RunEvent | None:
+    """The event a job's log line carries, or None for any other line."""
+    if not text.startswith(EVENT_PREFIX):
+        return None
+    try:
+        return decode(json.loads(text[len(EVENT_PREFIX):]))
+    except ValueError:
+        return None
