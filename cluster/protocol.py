@@ -10,7 +10,6 @@ Nothing here imports Ray or torch.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -129,23 +128,16 @@ class NodePoll:
     silent_s: float | None = None
 
 
-_PROGRESS = re.compile(r"^raylaunch: step (\d+)(?: (.*))?$")
-_ATTEMPT = re.compile(r"^raylaunch: attempt (\d+)")
-_RESTARTS = re.compile(r"\((\d+) of (\d+) restarts\)")
-
-
 @dataclass(frozen=True)
 class Progress:
     """Where training is, as the driver prints it and ``jobs.progress`` shows it.
 
-    The driver hands it to a progress view directly (``raylaunch run``) and prints it as a
-    line, which the view of ``submit --follow`` reads back from the job's logs with ``parse``.
+    The driver hands it to a progress view (``jobs.progress``) inside a ``ProgressShown`` run event, or
+    prints it as a line when no view follows.
 
     >>> p = Progress(step=5, values={"loss": "0.5"})
     >>> p.line()
     'raylaunch: step 5 loss=0.5'
-    >>> Progress.parse(p.line()) == p
-    True
     """
 
     step: int | None  # None: a record logged without a step
@@ -160,25 +152,3 @@ class Progress:
         """From a metrics record's step and values (floats shown with 4 significant digits)."""
         return cls(step, {k: f"{v:.4g}" if isinstance(v, float) else f"{v}" for k, v in values.items()})
 
-    @classmethod
-    def parse(cls, text: str) -> "Progress | None":
-        m = _PROGRESS.match(text)
-        if not m:
-            return None
-        values = {}
-        for kv in (m.group(2) or "").split():
-            k, _, v = kv.partition("=")
-            values[k] = v
-        return cls(int(m.group(1)), values)
-
-
-def attempt_started(text: str) -> int | None:
-    """The attempt number a driver line announces (``raylaunch: attempt N ...``), or None."""
-    m = _ATTEMPT.match(text)
-    return int(m.group(1)) if m else None
-
-
-def restarts_used(text: str) -> int | None:
-    """The restarts used so far that a driver line states (``(N of M restarts)``), or None."""
-    m = _RESTARTS.search(text)
-    return int(m.group(1)) if m else None
