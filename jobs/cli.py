@@ -233,6 +233,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    from jobs.spec import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from jobs.runs import plot
 
@@ -319,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec and its train_fn without running anything")
     spec_args(val)
     val.set_defaults(func=cmd_validate)
+    sch = sub.add_parser("schema", help="print the job spec's JSON Schema (jobs/spec.schema.json is a copy; editors "
+                                        "check a spec against it as it is typed)")
+    sch.set_defaults(func=cmd_schema)
     # Listed for --help; main() reads a launch command with Accelerate's own parser (jobs.launch).
     sub.add_parser("launch", help="run an `accelerate launch` script unchanged: raylaunch launch [raylaunch options] "
                                   "[accelerate launch options] SCRIPT.py [script args]", add_help=False)
