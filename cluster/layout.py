@@ -12,14 +12,29 @@ files. Both ``cluster/`` and ``jobs/`` import these; nothing here touches a file
 from __future__ import annotations
 
 __all__ = [
-    "CHECKPOINTS", "LATEST", "MANIFEST", "RESUME", "RUN_EVENTS", "SCRIPT_FOLDER", "STAGING", "attempt_dir", "checkpoint_name",
-    "checkpoint_step",
-    "events_file", "flight_recorder_prefix", "heartbeat_file", "is_checkpoint_name", "rank_part_file",
-    "run_of_staging", "stack_dump_file", "staging_dir",
+    "CHECKPOINTS", "LATEST", "LOCAL_LATEST", "LOGS", "MANIFEST", "MARKER", "METRICS", "RESULT", "RESUME", "RUN_EVENTS",
+    "SCRIPT_FOLDER", "SPEC", "STAGING", "TENSORBOARD", "attempt_dir", "checkpoint_name", "checkpoint_step",
+    "events_file", "flight_recorder_log", "flight_recorder_prefix", "heartbeat_file", "is_checkpoint_name",
+    "rank_log_file", "rank_part_file", "run_of_staging", "stack_dump_file", "stacks_file", "staging_dir",
 ]
 
-# In the run directory: the run's own events (jobs/events.py), every command that drove it.
+# --- the run directory's own files (``jobs.storage.RunDir`` writes them) ------------------
+
+# The resolved spec that ran; its presence makes a folder a run (``raylaunch runs``).
+SPEC = "spec.yaml"
+# Status, attempts, world size, last step and metrics, checkpoints, times, error.
+RESULT = "result.json"
+# One JSON object a line (on an object store continued in ``metrics.jsonl.000001``, ...).
+METRICS = "metrics.jsonl"
+# Each rank's output, stacks of a hang and NCCL Flight Recorder dumps.
+LOGS = "logs"
+# TensorBoard event files the driver writes.
+TENSORBOARD = "tensorboard"
+# Written by the driver at start; every node must read it back (shared storage check).
+MARKER = ".marker"
+# The run's own events (jobs/events.py), every command that drove it: the goodput ledger's books.
 RUN_EVENTS = "events.jsonl"
+
 # Committed checkpoints, under the run directory.
 CHECKPOINTS = "checkpoints"
 # Written last into a checkpoint: every file with its size and sha256; its presence is the commit.
@@ -32,6 +47,11 @@ STAGING = ".staging"
 SCRIPT_FOLDER = "raylaunch-script.json"
 # In a node's scratch folder: the committed checkpoint copied for a script's resume flag.
 RESUME = "resume"
+# Outside the runner (plain ``python``, ``accelerate launch``), in the function's own local
+# ``checkpoints/`` folder: a text file naming the newest checkpoint folder.
+LOCAL_LATEST = "latest"
+
+_NCCL_TRACE = "nccl-trace-"
 
 _CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -82,6 +102,25 @@ def rank_part_file(rank: int) -> str:
     return f"random_states_{rank}.pkl"
 
 
+def rank_log_file(rank: int) -> str:
+    """A rank's output, relative to the run directory."""
+    return f"{LOGS}/rank-{rank}.log"
+
+
+def stacks_file(attempt: int, stamp: str) -> str:
+    """Every rank's threads when a hang was detected, relative to the run directory."""
+    return f"{LOGS}/stacks-{attempt}-{stamp}.txt"
+
+
+def flight_recorder_log(attempt: int, stamp: str, rank: int) -> str:
+    """A rank's NCCL Flight Recorder dump kept beside ``stacks_file(attempt, stamp)``.
+
+    >>> flight_recorder_log(2, '20250101-120000', 3)
+    'logs/nccl-trace-2-20250101-120000-rank3'
+    """
+    return f"{LOGS}/{_NCCL_TRACE}{attempt}-{stamp}-rank{rank}"
+
+
 # --- on a node: in the node actor's scratch folder ------------------------------------------
 
 
@@ -102,4 +141,4 @@ def stack_dump_file(events_path: str) -> str:
 
 def flight_recorder_prefix(scratch: str, attempt: int) -> str:
     """NCCL Flight Recorder dumps of the attempt's ranks on a GPU node: ``<prefix><rank>``."""
-    return f"{scratch}/{attempt_dir(attempt)}/nccl-trace-rank"
+    return f"{scratch}/{attempt_dir(attempt)}/{_NCCL_TRACE}rank"

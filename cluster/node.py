@@ -18,15 +18,16 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from cluster.protocol import NodePoll, NodeState, RankFailure, WorkerPayload
 from cluster.errors import RaylaunchError
+from cluster.forkserver import FORK_SERVER, rank_main
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
+from cluster.protocol import NodePoll, NodeState, RankFailure, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
+from cluster.tail import Tail
 
 __all__ = ["NodeActor", "NodeInfo", "RendezvousError"]
 
@@ -51,75 +52,6 @@ class NodeInfo:
     socket_env: dict[str, str] = field(default_factory=dict)
 
 
-# A rank's output is read at most this much per poll, and a line longer than MAX_LINE is cut
-# (the rest of it skipped up to its newline): a 100 MB line or a progress bar that only ever
-# writes carriage returns keeps this actor's and the driver's memory bounded.
-MAX_READ = 4 * 2**20
-MAX_LINE = 64 * 2**10
-
-
-class _Tail:
-    """Reads the complete lines a growing file gained since the last call.
-
-    A carriage return starts the line over, as on a terminal (a tqdm bar shows its last state).
-    ``max_line=None`` never cuts (the runner's own event lines)."""
-
-    def __init__(self, path: str, max_line: int | None = MAX_LINE) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-        self.max_line = max_line
-        self.skipping = False  # inside a line already cut: drop bytes up to its newline
-
-    def read(self, final: bool = False) -> list[str]:
-        """The lines since the last call: at most MAX_READ bytes' worth, or all of it when ``final``."""
-        out: list[bytes] = []
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                while True:
-                    data = f.read(MAX_READ if self.max_line else -1)
-                    self.offset += len(data)
-                    self._feed(data, out)
-                    if not final or not self.max_line or len(data) < MAX_READ:
-                        break
-        except FileNotFoundError:
-            return []
-        if final and self.partial:
-            out.append(self._shape(self.partial))
-            self.partial = b""
-        return [line.decode("utf-8", "replace") for line in out]
-
-    def _feed(self, data: bytes, out: list[bytes]) -> None:
-        pieces = data.split(b"\n")
-        tail = pieces.pop()  # not ended by a newline yet
-        for piece in pieces:
-            line, skipped = self.partial + piece, self.skipping
-            self.partial, self.skipping = b"", False
-            if not skipped:  # else: the end of a line already given, cut
-                out.append(self._shape(line))
-        if not self.skipping:
-            self.partial = self.partial + tail
-            if self.max_line:
-                self.partial = self._last_segment(self.partial)
-                if len(self.partial) > self.max_line:
-                    out.append(self._shape(self.partial))
-                    self.partial, self.skipping = b"", True
-
-    def _last_segment(self, line: bytes) -> bytes:
-        """What a terminal shows of a line rewritten with carriage returns."""
-        cut = line.rfind(b"\r", 0, len(line) - 1) if line.endswith(b"\r") else line.rfind(b"\r")
-        return line[cut + 1:] if cut >= 0 else line
-
-    def _shape(self, line: bytes) -> bytes:
-        if not self.max_line:
-            return line
-        line = self._last_segment(line)
-        if len(line) > self.max_line:
-            line = line[: self.max_line] + f" ... [line cut at {self.max_line} bytes]".encode()
-        return line
-
-
 class NodeActor:
     """Runs as a Ray actor, one per node (see ``cluster.group``)."""
 
@@ -129,20 +61,16 @@ class NodeActor:
         self._store = None
         self._pctx = None
         self._ranks: list[int] = []
-        self._tails: list[tuple[int, str, _Tail]] = []
+        self._tails: list[tuple[int, str, Tail]] = []
         self._state = NodeState.IDLE
         self._beats: dict[int, str] = {}
         self._dumps: dict[int, str] = {}  # world rank -> the file its faulthandler writes to
         self._flight: dict[int, str] = {}  # world rank -> its NCCL Flight Recorder dump
         self._released = False  # this actor's hold on the process's rank fork server
-        # Ranks fork from a server that imported torch and Accelerate while the
-        # driver was still reserving and checking storage: a rank starts in
-        # milliseconds instead of importing torch itself, in every attempt.
-        _FORKSERVER.acquire()
+        # Started now, so it has imported torch and Accelerate before the first ranks start.
+        FORK_SERVER.acquire()
 
     def describe(self) -> NodeInfo:
-        import socket
-
         import psutil
         import ray
 
@@ -211,7 +139,7 @@ class NodeActor:
         self._ranks = [p.context.world_rank for p in payloads]
         self._pctx = start_processes(
             name="raylaunch",
-            entrypoint=_rank_main,
+            entrypoint=rank_main,
             args={i: (p,) for i, p in enumerate(payloads)},
             envs=full_envs,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
@@ -223,9 +151,9 @@ class NodeActor:
                         for p, env in zip(payloads, envs) if "TORCH_FR_DUMP_TEMP_FILE" in env}
         self._tails = []
         for i, rank in enumerate(self._ranks):
-            self._tails.append((rank, "stdout", _Tail(self._pctx.stdouts[i])))
-            self._tails.append((rank, "stderr", _Tail(self._pctx.stderrs[i])))
-            self._tails.append((rank, "event", _Tail(payloads[i].events_path, max_line=None)))
+            self._tails.append((rank, "stdout", Tail(self._pctx.stdouts[i])))
+            self._tails.append((rank, "stderr", Tail(self._pctx.stderrs[i])))
+            self._tails.append((rank, "event", Tail(payloads[i].events_path, max_line=None)))
         self._state = NodeState.RUNNING
 
     def pids(self) -> dict[int, int]:
@@ -260,8 +188,6 @@ class NodeActor:
         if result is not None:
             self._pctx = None
         else:
-            import time
-
             now = time.time()
             for rank, path in self._beats.items():
                 try:
@@ -313,7 +239,7 @@ class NodeActor:
         shutil.rmtree(self._tmp, ignore_errors=True)
         if not self._released:
             self._released = True
-            _FORKSERVER.release()
+            FORK_SERVER.release()
 
     def read_file(self, uri: str) -> str | None:
         """The text of a file on storage as this node sees it, or None."""
@@ -340,164 +266,3 @@ def _failure(rank: int, f: Any) -> RankFailure:
         traceback = message.get("extraInfo", {}).get("py_callstack", "")
         return RankFailure(rank, f.exitcode, str(message.get("message", "")), str(traceback))
     return RankFailure(rank, f.exitcode, f"exited with code {f.exitcode} (no Python exception)", "")
-
-
-def _rank_main(payload: WorkerPayload) -> Any:
-    from cluster.worker import run_worker
-
-    if os.environ.pop(_SAFE_PATH_MARK, None):  # ours, not the user's: their subprocesses get the usual path
-        os.environ.pop("PYTHONSAFEPATH", None)
-    _die_with_parent()
-    return run_worker(payload)
-
-
-# What the rank fork server imports once, before any rank starts (not CUDA: importing torch
-# does not initialise it, so forked ranks can still pick their GPU).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worker", "cluster.runtime"]
-
-
-_SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
-
-
-class _ForkServer:
-    """The process's rank fork server, started by the first node actor and stopped by the last one's
-    ``shutdown`` (in a Ray worker process there is one; tests make several in their own process).
-
-    Its socket lives in a folder of its own, which multiprocessing would otherwise create as
-    ``/tmp/pymp-*`` and remove only at a normal exit, never reached by an actor Ray ends:
-    that folder is removed with the server. Only multiprocessing's folder is moved, not
-    ``tempfile``'s default, so other temporary folders of the process stay where they were.
-    An actor killed outright (its node's memory monitor, a lost job) cannot remove its folder:
-    the folder is named for its process (``raylaunch-mp-<pid namespace>-<pid>``, both in hex), and the next
-    server started on the machine removes those of processes that no longer run (in its own PID
-    namespace only: a container beside it with the same /tmp has pids of its own).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._thread: threading.Thread | None = None
-        self._folder: str | None = None  # ours, when we chose multiprocessing's folder
-
-    def acquire(self) -> None:
-        with self._lock:
-            self._holders += 1
-            if self._thread is None:
-                from multiprocessing import process
-
-                config = process.current_process()._config
-                if config.get("tempdir") is None:
-                    prefix = f"raylaunch-mp-{_pid_namespace()}-"
-                    _remove_abandoned(prefix)
-                    # One per process; hex, short: the socket path under it has 107 bytes at most.
-                    folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
-                    shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
-                    folder.mkdir(mode=0o700)
-                    self._folder = config["tempdir"] = str(folder)
-                self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
-                self._thread.start()
-
-    def release(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders or self._thread is None:
-                return
-            from multiprocessing import forkserver, process
-
-            self._thread.join(timeout=120)  # a server still starting is stopped once it runs
-            self._thread = None
-            # Its ranks are stopped already; asked to stop, it would exit as Python does, unloading
-            # torch, which took 25 s on a loaded machine while the next attempt waited for this node.
-            if forkserver._forkserver._forkserver_pid is not None:
-                try:
-                    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            forkserver._forkserver._stop()
-            if self._folder is not None:
-                shutil.rmtree(self._folder, ignore_errors=True)
-                config = process.current_process()._config
-                if config.get("tempdir") == self._folder:
-                    config["tempdir"] = None
-                self._folder = None
-
-
-def _pid_namespace() -> str:
-    """This process's PID namespace, in hex (the inode of ``/proc/self/ns/pid``)."""
-    try:
-        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
-    except OSError:  # not Linux
-        return "0"
-
-
-def _remove_abandoned(prefix: str) -> None:
-    """Remove the fork-server folders (``<prefix><pid in hex>`` in the temp folder) of processes that no longer run."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
-        try:
-            pid = int(folder.name[len(prefix):], 16)
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # runs, as another user
-            pass
-
-
-def _start_forkserver() -> None:
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-    # The server is `python -c ...`, which puts its working folder (the project's) first on
-    # sys.path: a project's own cluster/ folder would stand in for the runner's. PYTHONSAFEPATH
-    # (Python 3.11+) leaves it out; the project stays reachable through PYTHONPATH.
-    if "PYTHONSAFEPATH" not in os.environ:
-        os.environ.update({"PYTHONSAFEPATH": "1", _SAFE_PATH_MARK: "1"})
-    try:
-        forkserver.ensure_running()
-    finally:
-        if os.environ.get(_SAFE_PATH_MARK):
-            os.environ.pop("PYTHONSAFEPATH", None)
-            os.environ.pop(_SAFE_PATH_MARK, None)
-    # And what this actor needs itself (the store, start_processes), before it is asked.
-    import torch.distributed.elastic.multiprocessing  # noqa: F401
-
-    _plain_elastic_log()
-
-
-def _plain_elastic_log() -> None:
-    """torch logs each rank failure it finds (and each process it closes) through the ``torch``
-    logger, whose formatter imports ``torch._dynamo`` (sympy and more) on first use: 10 to 25
-    seconds inside a poll on a loaded machine, while the driver waited on this node to stop its
-    ranks after a peer was lost. Those records go to this actor's stderr with a plain formatter
-    instead (the driver reports every failure itself, with the rank's traceback)."""
-    import logging
-
-    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not log.propagate:  # done already (the fork server starts again after a full release)
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.propagate = False
-
-
-def _die_with_parent() -> None:
-    """If the node actor dies (killed, node lost), its ranks must not live on."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
-
-
-_FORKSERVER = _ForkServer()

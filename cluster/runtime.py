@@ -35,7 +35,7 @@ from accelerate.tracking import GeneralTracker
 
 from cluster.checkpoints import CheckpointError, CheckpointSaveError, ScriptSave, StagedCheckpoints
 from cluster.context import RECORD_KEYS, WorkerContext
-from cluster.layout import CHECKPOINTS, checkpoint_name, checkpoint_step
+from cluster.layout import CHECKPOINTS, LOCAL_LATEST, checkpoint_name, checkpoint_step
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.protocol import EventKind, WorkerPayload
 from cluster.sharding import Resolved, init_optimizers_for_load
@@ -211,7 +211,7 @@ class Session:
             save_loader_states(accelerator, str(target))
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                (self._local_dir / CHECKPOINTS / "latest").write_text(target.name)
+                (self._local_dir / CHECKPOINTS / LOCAL_LATEST).write_text(target.name)
             return str(target)
         return self._checkpoints.save(accelerator, step)
 
@@ -246,7 +246,7 @@ class Session:
         and loaded; on a shared path the check and the load are two reads of the files.
         """
         if self.payload is None:  # outside the runner: the local folder this function wrote itself
-            latest = self._local_dir / CHECKPOINTS / "latest"
+            latest = self._local_dir / CHECKPOINTS / LOCAL_LATEST
             if not latest.exists():
                 return None
             name = latest.read_text().strip()

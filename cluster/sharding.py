@@ -29,6 +29,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from cluster.layout import rank_part_file
+
 __all__ = ["FSDP_DEFAULTS", "STRATEGY_PREFIXES", "Resolved", "deepspeed_on_cpu_message", "init_optimizers_for_load", "missing_shards", "seed_missing_rng", "ShardInfo", "install", "resolve", "shard_info", "strategy_env"]
 
 # The variables of the strategy that ``accelerate launch`` exports, by prefix.
@@ -227,7 +229,7 @@ def seed_missing_rng(files: Iterable[str], rank: int, step: int) -> int | None:
     NumPy's and torch's with ``step * 1000 + rank`` (``accelerate.utils.set_seed``) and says so.
     Returns the seed, or None when the checkpoint holds the rank's own state.
     """
-    if f"random_states_{rank}.pkl" in set(files):
+    if rank_part_file(rank) in set(files):
         return None
     from accelerate.utils import set_seed
 

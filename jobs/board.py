@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections import defaultdict
 
+from cluster.layout import TENSORBOARD
 from jobs.storage import RunDir, numeric_metrics, rewrite_due
 
 __all__ = ["Board", "PER_RANK"]
@@ -35,7 +36,7 @@ class Board:
 
     def __init__(self, run_dir: RunDir) -> None:
         self.run_dir = run_dir
-        self._local = run_dir.local_path("tensorboard")
+        self._local = run_dir.local_path(TENSORBOARD)
         self._tmp = None
         if self._local is None:  # object storage: write here, copy on flush
             self._tmp = tempfile.mkdtemp(prefix="raylaunch-tb-")
@@ -137,7 +138,7 @@ class Board:
         if not grown or not (final or rewrite_due(sum(sizes[n] for n in grown), self._sent_at)):
             return
         for name in grown:
-            self.run_dir.upload_file(os.path.join(self._tmp, name), f"tensorboard/{name}")
+            self.run_dir.upload_file(os.path.join(self._tmp, name), f"{TENSORBOARD}/{name}")
             self._sent[name] = sizes[name]
         self._sent_at = time.monotonic()
 

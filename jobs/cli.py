@@ -11,7 +11,7 @@ import sys
 from typing import Callable
 
 from cluster.errors import RaylaunchError
-from jobs.spec import JobSpec, SpecError, load_spec
+from jobs.spec import JobSpec, SpecError, json_schema, load_spec, spec_from_dict
 
 __all__ = ["main"]
 
@@ -28,8 +28,6 @@ def _spec_from_args(args: argparse.Namespace) -> JobSpec:
     if launch is not None:
         return launch.spec()
     if getattr(args, "spec_json", None):
-        from jobs.spec import spec_from_dict
-
         return spec_from_dict(json.loads(args.spec_json), "the submitted spec")
     if not args.spec:
         raise SpecError(["give the job spec (YAML), e.g. raylaunch run jobs/examples/digits.yaml"], "the command line")
@@ -238,6 +236,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from jobs.runs import plot, plot_goodput
 
@@ -334,6 +337,8 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec and its train_fn without running anything")
     spec_args(val)
     val.set_defaults(func=cmd_validate)
+    sub.add_parser("schema", help="print the job spec's JSON Schema, for editors (a copy ships as "
+                                  "jobs/spec.schema.json)").set_defaults(func=cmd_schema)
     # Listed for --help; main() reads a launch command with Accelerate's own parser (jobs.launch).
     sub.add_parser("launch", help="run an `accelerate launch` script unchanged: raylaunch launch [raylaunch options] "
                                   "[accelerate launch options] SCRIPT.py [script args]", add_help=False)

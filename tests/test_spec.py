@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobs.spec import JobSpec, SpecError, load_spec, load_spec_text, spec_to_dict
 
@@ -168,3 +170,48 @@ def test_a_job_runs_exactly_one_of_a_train_fn_and_a_script():
     assert "must be an option" in problems("name: t\nscript: t.py\nresume_arg: resume\n")[0]
     spec = load_spec_text("name: t\nscript: src/train.py\nargs: ['--lr', '3e-4']\nresume_arg: null\n")
     assert (spec.script, spec.args, spec.resume_arg, spec.train_fn) == ("src/train.py", ["--lr", "3e-4"], None, None)
+
+
+def test_raylaunch_schema_prints_the_shipped_schema(capsys):
+    """`raylaunch schema` prints jobs/spec.schema.json as shipped: regenerate it with
+    `raylaunch schema > jobs/spec.schema.json` after changing the spec."""
+    from jobs.cli import main
+
+    assert main(["schema"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == (ROOT / "jobs/spec.schema.json").read_text()
+    schema = json.loads(printed)
+    assert schema["properties"]["scaling"]["properties"]["num_nodes"] == {
+        "type": "integer", "minimum": 1, "maximum": 10000, "default": 1}
+    assert schema["properties"]["checkpoint"]["properties"]["async"]["default"] is True  # the key as spelt
+    assert schema["required"] == ["name"] and schema["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "jobs/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_specs_name_the_schema_and_pass_it(example):
+    """Editors with the YAML language server check a spec as it is typed, from its first line."""
+    jsonschema = pytest.importorskip("jsonschema")
+    first = example.read_text().splitlines()[0]
+    assert first == "# yaml-language-server: $schema=../spec.schema.json"
+    schema = json.loads((example.parent / "../spec.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert not list(validator.iter_errors(spec_to_dict(load_spec(example))))
+    raw = yaml.safe_load(example.read_text())
+    assert not list(validator.iter_errors(raw))
+    # what the spec's own checks refuse, the schema refuses too
+    for bad in ({"scaling": {"num_nodez": 2}}, {"scaling": {"num_nodes": 0}}, {"scaling": {"workers_per_node": "all"}},
+                {"timeouts": {"placement_s": 0}}, {"accelerate": {"mixed_precision": "fp8"}}):
+        assert list(validator.iter_errors({**raw, **bad})), bad
+
+
+def test_env_pip_names_a_requirements_file_that_exists_where_the_spec_is_loaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert problems(MINIMAL + "env: {pip: requirements.txt}\n") == [
+        "env.pip: 'requirements.txt' is not a requirements file in the working directory; give a list of "
+        "requirements or the file's path relative to the project folder"]
+    (tmp_path / "requirements.txt").write_text("humanize==4.9.0  # pinned\n\n")
+    spec = load_spec_text(MINIMAL + "env: {pip: requirements.txt}\n")
+    assert spec.env.requirements == ["humanize==4.9.0"]
+    assert problems(MINIMAL + "env: {pip: ['']}\n") == [
+        "env.pip: empty requirement; write each as it goes to pip, e.g. 'humanize==4.9.0'"]

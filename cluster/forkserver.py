@@ -1,0 +1,177 @@
+"""The rank fork server: one per actor process, preloaded with torch and Accelerate, that ranks fork from.
+
+A rank forked from it starts in milliseconds instead of importing torch itself, in every
+attempt; the node actor starts it as soon as it exists, while the driver is still reserving
+nodes and checking storage. CUDA is not initialised there (importing torch does not), so a
+forked rank still chooses its GPU. It runs on multiprocessing's forkserver, whose folder and
+process this module manages through multiprocessing's private state (``process._config``,
+``forkserver._forkserver``): the one place that touches it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from multiprocessing import forkserver, process
+from pathlib import Path
+from typing import Any
+
+from cluster.protocol import WorkerPayload
+
+__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "rank_main"]
+
+
+# What the rank fork server imports once, before any rank starts (not CUDA: importing torch
+# does not initialise it, so forked ranks can still pick their GPU).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worker", "cluster.runtime"]
+
+
+_SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
+
+
+class ForkServer:
+    """The process's rank fork server, started by the first node actor and stopped by the last one's
+    ``shutdown`` (in a Ray worker process there is one; tests make several in their own process).
+
+    Its socket lives in a folder of its own, which multiprocessing would otherwise create as
+    ``/tmp/pymp-*`` and remove only at a normal exit, never reached by an actor Ray ends:
+    that folder is removed with the server. Only multiprocessing's folder is moved, not
+    ``tempfile``'s default, so other temporary folders of the process stay where they were.
+    An actor killed outright (its node's memory monitor, a lost job) cannot remove its folder:
+    the folder is named for its process (``raylaunch-mp-<pid namespace>-<pid>``, both in hex), and the next
+    server started on the machine removes those of processes that no longer run (in its own PID
+    namespace only: a container beside it with the same /tmp has pids of its own).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._thread: threading.Thread | None = None
+        self._folder: str | None = None  # ours, when we chose multiprocessing's folder
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._holders += 1
+            if self._thread is None:
+                config = process.current_process()._config
+                if config.get("tempdir") is None:
+                    prefix = f"raylaunch-mp-{_pid_namespace()}-"
+                    _remove_abandoned(prefix)
+                    # One per process; hex, short: the socket path under it has 107 bytes at most.
+                    folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
+                    shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
+                    folder.mkdir(mode=0o700)
+                    self._folder = config["tempdir"] = str(folder)
+                self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
+                self._thread.start()
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders or self._thread is None:
+                return
+            self._thread.join(timeout=120)  # a server still starting is stopped once it runs
+            self._thread = None
+            # Its ranks are stopped already, so it is killed: a normal exit would unload torch first,
+            # which can take tens of seconds while the next attempt waits for this node.
+            if forkserver._forkserver._forkserver_pid is not None:
+                try:
+                    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            forkserver._forkserver._stop()
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                config = process.current_process()._config
+                if config.get("tempdir") == self._folder:
+                    config["tempdir"] = None
+                self._folder = None
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace, in hex (the inode of ``/proc/self/ns/pid``)."""
+    try:
+        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:  # not Linux
+        return "0"
+
+
+def _remove_abandoned(prefix: str) -> None:
+    """Remove the fork-server folders (``<prefix><pid in hex>`` in the temp folder) of processes that no longer run."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            pid = int(folder.name[len(prefix):], 16)
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # runs, as another user
+            pass
+
+
+def _start_forkserver() -> None:
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    # The server is `python -c ...`, which puts its working folder (the project's) first on
+    # sys.path: a project's own cluster/ folder would stand in for the runner's. PYTHONSAFEPATH
+    # (Python 3.11+) leaves it out; the project stays reachable through PYTHONPATH.
+    if "PYTHONSAFEPATH" not in os.environ:
+        os.environ.update({"PYTHONSAFEPATH": "1", _SAFE_PATH_MARK: "1"})
+    try:
+        forkserver.ensure_running()
+    finally:
+        if os.environ.get(_SAFE_PATH_MARK):
+            os.environ.pop("PYTHONSAFEPATH", None)
+            os.environ.pop(_SAFE_PATH_MARK, None)
+    # And what this actor needs itself (the store, start_processes), before it is asked.
+    import torch.distributed.elastic.multiprocessing  # noqa: F401
+
+    _plain_elastic_log()
+
+
+def _plain_elastic_log() -> None:
+    """Send torch's records of rank failures and closed processes to this actor's stderr with a plain
+    formatter: the ``torch`` logger's own imports ``torch._dynamo`` (sympy and more) on first use,
+    seconds spent inside a poll or a stop that the driver waits on. The driver reports every failure
+    itself, with the rank's traceback."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not log.propagate:  # done already (the fork server starts again after a full release)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+
+
+def _die_with_parent() -> None:
+    """If the node actor dies (killed, node lost), its ranks must not live on."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
+
+
+def rank_main(payload: WorkerPayload) -> Any:
+    """A forked rank's entry point: the user's environment as they set it, tied to its actor, then the worker."""
+    from cluster.worker import run_worker
+
+    if os.environ.pop(_SAFE_PATH_MARK, None):  # ours, not the user's: their subprocesses get the usual path
+        os.environ.pop("PYTHONSAFEPATH", None)
+    _die_with_parent()
+    return run_worker(payload)
+
+
+FORK_SERVER = ForkServer()
