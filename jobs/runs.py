@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from cluster.errors import RaylaunchError
+from cluster.layout import LOGS, METRICS, TENSORBOARD
 from jobs.events import decode
 from jobs.ledger import CATEGORIES, Ledger, ledger, suggestion
 from jobs.pace import judge, pace_of_records
@@ -235,9 +236,9 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
                 if "blocked_s" in timing and "to_commit_s" in timing else "")
         lines.append(f"    step {c.step:<8} {size / 2**20:9.1f} MiB  {c.uri}{held}")
     logs = run.log_uris()
-    lines.append(f"  logs        {run.uri}/logs/ ({', '.join(u.rsplit('/', 1)[-1] for u in logs) or 'no output yet'})")
-    lines.append(f"  metrics     {run.uri}/metrics.jsonl")
-    lines.append(f"  tensorboard tensorboard --logdir {run.uri}/tensorboard")
+    lines.append(f"  logs        {run.uri}/{LOGS}/ ({', '.join(u.rsplit('/', 1)[-1] for u in logs) or 'no output yet'})")
+    lines.append(f"  metrics     {run.uri}/{METRICS}")
+    lines.append(f"  tensorboard tensorboard --logdir {run.uri}/{TENSORBOARD}")
     lines.append("  spec:")
     lines.extend("    " + line for line in yaml.safe_dump(run.read_spec(), sort_keys=False).splitlines())
     return "\n".join(lines)

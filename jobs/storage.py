@@ -38,7 +38,8 @@ from pyarrow import fs as pafs
 from cluster.context import RECORD_KEYS
 from cluster.errors import RaylaunchError
 from cluster.layout import (
-    CHECKPOINTS, LATEST, RUN_EVENTS, STAGING, checkpoint_name, is_checkpoint_name, rank_part_file, staging_dir,
+    CHECKPOINTS, LATEST, LOGS, MARKER, METRICS, RESULT, RUN_EVENTS, SPEC, STAGING, checkpoint_name,
+    flight_recorder_log, is_checkpoint_name, rank_log_file, rank_part_file, stacks_file, staging_dir,
 )
 from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
@@ -176,11 +177,11 @@ class RunDir:
         Fails with ``StorageError`` when the path cannot be written.
         """
         try:
-            for sub in ("", f"/{CHECKPOINTS}", "/logs"):
+            for sub in ("", f"/{CHECKPOINTS}", f"/{LOGS}"):
                 self.fs.create_dir(self.path + sub, recursive=True)
-            self._write(f"{self.path}/spec.yaml", yaml.safe_dump(spec, sort_keys=False).encode())
+            self._write(f"{self.path}/{SPEC}", yaml.safe_dump(spec, sort_keys=False).encode())
             token = secrets.token_hex(8)
-            self._write(f"{self.path}/.marker", token.encode())
+            self._write(f"{self.path}/{MARKER}", token.encode())
         except OSError as exc:
             raise StorageError(
                 f"cannot write the run directory {self._show(self.path)}: {exc}. Set `storage` in the spec "
@@ -194,13 +195,13 @@ class RunDir:
         self.fs.delete_dir_contents(f"{self.path}/{STAGING}", missing_dir_ok=True)
 
     def marker_uri(self) -> str:
-        return self._uri(f"{self.path}/.marker")
+        return self._uri(f"{self.path}/{MARKER}")
 
     # --- metrics, logs, result -----------------------------------------------------
 
     def append_metrics(self, records: list[dict]) -> None:
         if records:
-            self._append("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            self._append(METRICS, "".join(json.dumps(r) + "\n" for r in records))
 
     def append_events(self, events: list[dict]) -> None:
         """The run's own events (``jobs.events``), after the earlier sessions'."""
@@ -209,7 +210,7 @@ class RunDir:
 
     def append_log(self, rank: int, lines: list[str]) -> None:
         if lines:
-            self._append(f"logs/rank-{rank}.log", "".join(line + "\n" for line in lines))
+            self._append(rank_log_file(rank), "".join(line + "\n" for line in lines))
 
     def _append(self, rel: str, text: str) -> None:
         path = f"{self.path}/{rel}"
@@ -245,27 +246,27 @@ class RunDir:
 
     def write_result(self, result: dict) -> None:
         self.flush()
-        self._write(f"{self.path}/result.json", json.dumps(result, indent=2, default=str).encode())
+        self._write(f"{self.path}/{RESULT}", json.dumps(result, indent=2, default=str).encode())
 
     def read_result(self) -> dict | None:
         try:
-            result = self._read_json(f"{self.path}/result.json")
+            result = self._read_json(f"{self.path}/{RESULT}")
         except ValueError:
             result = None
         if result is not None and not isinstance(result, dict):
             result = None
-        if result is None and self.fs.get_file_info(f"{self.path}/result.json").type == pafs.FileType.File:
-            self._warn_once(f"raylaunch: {self._show(self.path)}/result.json cannot be read; treated as absent")
+        if result is None and self.fs.get_file_info(f"{self.path}/{RESULT}").type == pafs.FileType.File:
+            self._warn_once(f"raylaunch: {self._show(self.path)}/{RESULT} cannot be read; treated as absent")
         return result
 
     def write_stacks(self, attempt: int, text: str, flight_recorder: dict[int, bytes] | None = None) -> str:
         """Write ``logs/stacks-<attempt>-<time>.txt`` (and each rank's NCCL Flight Recorder dump
         beside it, ``logs/nccl-trace-<attempt>-<time>-rank<R>``); returns the stacks file as shown."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = f"{self.path}/logs/stacks-{attempt}-{stamp}.txt"
+        path = f"{self.path}/{stacks_file(attempt, stamp)}"
         self._write(path, text.encode())
         for rank, data in sorted((flight_recorder or {}).items()):
-            self._write(f"{self.path}/logs/nccl-trace-{attempt}-{stamp}-rank{rank}", data)
+            self._write(f"{self.path}/{flight_recorder_log(attempt, stamp, rank)}", data)
         return self._show(path)
 
     # --- checkpoints ---------------------------------------------------------------
@@ -422,19 +423,19 @@ class RunDir:
         dirs = [i for i in infos if i.type == pafs.FileType.Directory]
         return sorted(
             i.base_name for i in dirs
-            if probe.fs.get_file_info(f"{i.path}/spec.yaml").type == pafs.FileType.File
+            if probe.fs.get_file_info(f"{i.path}/{SPEC}").type == pafs.FileType.File
         )
 
     def read_spec(self) -> dict | None:
         try:
-            with self.fs.open_input_stream(f"{self.path}/spec.yaml") as f:
+            with self.fs.open_input_stream(f"{self.path}/{SPEC}") as f:
                 return yaml.safe_load(f.read())
         except FileNotFoundError:
             return None
 
     def read_metrics(self) -> list[dict]:
         """Every record of ``metrics.jsonl``; a line being written (no newline yet) is left out."""
-        return self._read_rows("metrics.jsonl")
+        return self._read_rows(METRICS)
 
     def read_events(self) -> list[dict]:
         """Every event of ``events.jsonl``, in the order written (``jobs.events.decode`` types them)."""
@@ -478,7 +479,7 @@ class RunDir:
         return self._read_json(f"{self._path(checkpoint.uri)}/{MANIFEST}") or {}
 
     def log_uris(self) -> list[str]:
-        infos = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/logs", allow_not_found=True))
+        infos = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/{LOGS}", allow_not_found=True))
         return sorted(self._show(i.path) for i in infos if i.type == pafs.FileType.File)
 
     def local_path(self, rel: str) -> str | None:
