@@ -54,6 +54,10 @@ class WorkerPayload:
     script: ScriptCall | None = None
     # checkpoint.async: a save holds training only while the state is copied into memory.
     checkpoint_async: bool = True
+    # checkpoint.every (seconds, "auto" or None) and the time between failures "auto" assumes: the spec's
+    # checkpoint.mtbf_s, or the run's own (its books' wall clock per failed attempt) once it has failed.
+    checkpoint_every: float | str | None = None
+    mtbf_s: float = 86400.0
 
 
 class EventKind(StrEnum):
@@ -68,6 +72,8 @@ class EventKind(StrEnum):
     # batch was asked for and its latest handed over
     PACE = "pace"
     RESTORED = "restored"  # ``step``, ``seconds``: it loaded the checkpoint an attempt resumes from
+    # rank 0: ``seconds`` between saves that checkpoint.every chose, from ``save_s`` (a save's hold) and ``mtbf_s``
+    CHECKPOINT_INTERVAL = "checkpoint_interval"
     CHECKPOINT = "checkpoint"  # ``step``, ``uri``, ``files``: its part of a checkpoint is written
     PREEMPT_NOTICE = "preempt_notice"  # it got SIGTERM and will checkpoint at the next step
     PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing

@@ -87,6 +87,11 @@ class Session:
         self._events = open(self._events_path, "a", buffering=1)
         self._lock = threading.Lock()
         self._cooperative = False  # the function calls preempted()
+        # checkpoint_due(): when the last save returned (or training began), how long the last save held
+        # training (None before the first), and the interval last announced
+        self._since_save: float | None = None
+        self._save_s: float | None = None
+        self._interval_said: float | None = None
         self._stop_requested = False  # this rank got SIGTERM
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
@@ -165,6 +170,45 @@ class Session:
             self._stopped_for_preemption = True
         return self._stopped_for_preemption
 
+    def checkpoint_due(self, accelerator: Any) -> bool:
+        """True on every rank when the spec's ``checkpoint.every`` says a save is due: that many seconds of
+        training since the last save, or with ``auto`` Young and Daly's interval, about sqrt(2 x the time a save
+        holds training x the time between failures), revised after each save as the cost is measured (before the
+        first, a save is assumed to cost ``ASSUMED_SAVE_S``). Always False when ``checkpoint.every`` is unset.
+
+        A collective when it is set: call it on every rank at the same point, when ``accelerator.sync_gradients``
+        is true, and save with ``session.save`` when it answers True.
+        """
+        every = self.payload.checkpoint_every if self.payload is not None else None
+        if every is None:
+            return False
+        now = time.monotonic()
+        if self._since_save is None:
+            self._since_save = now
+        interval = float(every) if every != "auto" else None
+        elapsed = now - self._since_save
+        import torch
+
+        # Every rank agrees: due if any rank's clock says so, and the cost of a save is the slowest rank's.
+        facts = torch.tensor([elapsed, self._save_s if self._save_s is not None else -1.0], dtype=torch.float64,
+                             device=accelerator.device)
+        if accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(facts, op=dist.ReduceOp.MAX)
+        elapsed, save_s = float(facts[0]), float(facts[1])
+        if interval is None:
+            from cluster.interval import ASSUMED_SAVE_S, checkpoint_interval
+
+            cost = save_s if save_s >= 0 else ASSUMED_SAVE_S
+            interval = checkpoint_interval(max(cost, 1e-3), self.payload.mtbf_s)
+            said = self._interval_said
+            if self.payload.context.world_rank == 0 and (said is None or abs(interval - said) > 0.1 * said):
+                self._interval_said = interval
+                self.emit(EventKind.CHECKPOINT_INTERVAL, seconds=round(interval, 3), save_s=round(cost, 4),
+                          measured=save_s >= 0, mtbf_s=self.payload.mtbf_s)
+        return elapsed >= interval
+
     @property
     def stopped_for_preemption(self) -> bool:
         """Every rank agreed to stop (``preempted`` answered True): the worker reports it."""
@@ -205,6 +249,14 @@ class Session:
         Storage that is full fails the save (or the next one, or the end) with
         ``CheckpointSaveError``; the previous committed checkpoint is kept.
         """
+        began = time.monotonic()
+        try:
+            return self._save(accelerator, step)
+        finally:  # for checkpoint_due: the save's hold, and training starts again now
+            self._save_s = time.monotonic() - began
+            self._since_save = time.monotonic()
+
+    def _save(self, accelerator: Any, step: int) -> str:
         if self._checkpoints is None:
             target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
             accelerator.save_state(str(target), safe_serialization=True)

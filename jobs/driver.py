@@ -334,6 +334,10 @@ class Driver:
                                 accumulation=accumulation,
                                 full_accumulation=self.accelerate.gradient_accumulation_steps)
 
+        # checkpoint.every auto: the time between failures of this run's own books once it has failed
+        books = self.recorder.ledger()
+        mtbf_s = books.wall_s / books.failures if books.failures else spec.checkpoint.mtbf_s
+
         def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
             return WorkerPayload(
                 context=ctx,
@@ -348,6 +352,8 @@ class Driver:
                 accelerate=self.accelerate.at(accumulation),
                 script=script,
                 checkpoint_async=spec.checkpoint.async_,
+                checkpoint_every=spec.checkpoint.every,
+                mtbf_s=mtbf_s,
             )
 
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)

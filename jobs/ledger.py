@@ -29,9 +29,9 @@ failed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from cluster.interval import checkpoint_interval
 from jobs.events import (
     AttemptEnded, AttemptStarted, Committed, FirstStep, Outcome, Reserved, Restored, RunEvent, Saved,
     SessionEnded, SessionStarted, Waiting, Work,
@@ -206,39 +206,32 @@ def _attempt_segments(a: _Attempt, end: float, lost_to: str) -> list[Segment]:
     return out
 
 
-def ledger(events: list[RunEvent]) -> Ledger:
-    """The books of a run from its events, in the order they were written."""
+def ledger(events: list[RunEvent], live: bool = False) -> Ledger:
+    """The books of a run from its events, in the order they were written.
+
+    ``live``: the last command is still driving the run, so its attempt that has not ended is running (its
+    work so far counts as training), not failed as a killed driver's is."""
     books = Ledger()
-    for start, end, attempts in _sessions(events):
+    sessions = _sessions(events)
+    for k, (start, end, attempts) in enumerate(sessions):
         books.wall_s += end - start
         first = min((a.start for a in attempts), default=end)
         books.segments += _carve(start, max(min(first, end), start), "startup", [], None)
         for i, a in enumerate(attempts):
             nxt = attempts[i + 1].start if i + 1 < len(attempts) else end
             nxt = min(max(nxt, a.start), end)
-            outcome = a.outcome or Outcome.FAILED
+            running = live and k == len(sessions) - 1 and i == len(attempts) - 1 and a.outcome is None
+            outcome = a.outcome or (Outcome.SUCCEEDED if running else Outcome.FAILED)
             if a.outcome is None:
                 a.outcome = outcome
             lost_to = {Outcome.GROW: "waiting", Outcome.STOPPED: "other"}.get(outcome, "failure")
             books.segments += _attempt_segments(a, nxt, lost_to)
             books.saves += len(a.saves)
             books.held_s += sum(h for _, h in a.saves)
-            books.failures += outcome in (Outcome.FAILED, Outcome.PREEMPTED)
+            books.failures += outcome in (Outcome.FAILED, Outcome.PREEMPTED) and not running
     for s in books.segments:
         books.seconds[s.category] += s.end - s.start
     return books
-
-
-def checkpoint_interval(save_s: float, mtbf_s: float) -> float:
-    """Young/Daly's interval between checkpoints that loses the least time: about sqrt(2 x the time a save
-    holds training x the mean time between failures), in seconds.
-
-    >>> round(checkpoint_interval(2.0, 3600.0))
-    120
-    """
-    if save_s <= 0 or mtbf_s <= 0:
-        raise ValueError("the cost of a save and the time between failures must be positive")
-    return math.sqrt(2.0 * save_s * mtbf_s)
 
 
 def suggestion(books: Ledger, share: float = 0.03) -> str | None:

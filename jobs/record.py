@@ -132,7 +132,8 @@ class Recorder:
             self.event(Waiting(time=at or time.time(), attempt=self.attempt))
 
     def ledger(self) -> Ledger:
-        return ledger(self.events)
+        """The run's books as they stand (an attempt running now counts as running, not failed)."""
+        return ledger(self.events, live=True)
 
     def write_result(self) -> None:
         """``result.json`` as the run stands: written when each attempt starts and ends, and at the end; the

@@ -129,6 +129,11 @@ class AttemptRouter:
                                        seconds=round(max(s for _, s, _ in a.restored.values()), 4)))
             elif kind == EventKind.CHECKPOINT:
                 self.checkpoint(rank, e)
+            elif kind == EventKind.CHECKPOINT_INTERVAL:
+                cost = f"a save holds training {e['save_s']:.2f} s" if e.get("measured") else \
+                    f"a save assumed to hold training {e['save_s']:.2f} s until one is measured"
+                rec.say(f"raylaunch: checkpoint.every auto: a save every {e['seconds']:.1f} s ({cost}; a failure "
+                        f"every {e['mtbf_s']:.0f} s)")
         rec.metrics(records)
 
     def row(self, rank: int, at: float, step: int | None, values: dict) -> dict:

@@ -22,7 +22,7 @@ from jobs.pace import judge, pace_of_records
 from jobs.spec import run_name_problem
 from jobs.storage import RunDir, numeric_metrics
 
-__all__ = ["RunNotFound", "Series", "books", "format_runs", "format_show", "plot", "plot_goodput", "series",
+__all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "plot_goodput", "series",
            "summaries"]
 
 
@@ -244,16 +244,10 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     return "\n".join(lines)
 
 
-def books(run: RunDir) -> Ledger | None:
-    """A run's goodput ledger from its events (``jobs.ledger``); None for a run that has none."""
-    events = [e for e in map(decode, run.read_events()) if e is not None]
-    return ledger(events) if events else None
-
-
 def _format_books(run: RunDir) -> list[str]:
     """Where the wall clock went: seconds, share and a bar per category, and what the books suggest."""
     events = [e for e in map(decode, run.read_events()) if e is not None]
-    b = ledger(events)
+    b = ledger(events, live=(run.read_result() or {}).get("status", "running") == "running")
     if b.wall_s <= 0:
         return []
     sessions = sum(1 for e in events if e.kind == "session")

@@ -133,6 +133,12 @@ class CheckpointSpec:
 
     keep: int = _within(1, _MANY, 2, " (the latest committed checkpoint is never deleted)")
     async_: bool = field(default=True, metadata={"key": "async"})
+    # When ``session.checkpoint_due`` says a save is due: seconds of training between saves, or "auto" (Young and
+    # Daly's interval from the measured cost of a save and the time between failures); unset, it never says so
+    # (the function saves when it chooses).
+    every: Union[float, Literal["auto"], None] = _within(0, _MONTH_S, None, " seconds or 'auto'", strict=True)
+    # The mean time between failures "auto" assumes until the run's own history has one (a failed attempt).
+    mtbf_s: float = _within(0, 365 * 24 * 3600.0, 86400.0, " seconds", strict=True)
 
 
 @dataclass(frozen=True)

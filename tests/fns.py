@@ -120,7 +120,8 @@ def steady(config: dict) -> dict:
             progress.step += 1
             accelerator.log({"loss": loss.item()}, step=progress.step)
             session.log({"rank_loss": loss.item()}, step=progress.step)
-            if progress.step % config["every"] == 0:
+            due = session.checkpoint_due(accelerator)  # checkpoint.every, when the spec sets it
+            if progress.step % config["every"] == 0 or due:
                 began = time.perf_counter()
                 session.save(accelerator, progress.step)
                 saves.append(time.perf_counter() - began)

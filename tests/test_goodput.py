@@ -102,3 +102,31 @@ def test_a_function_that_only_reads_slow_data_and_logs_nothing_has_its_pace_and_
     board = EventAccumulator(str(tmp_path / "runs" / "reader" / "tensorboard"))
     board.Reload()
     assert {"data_wait", "rank_0/data_wait", "rank_1/data_wait"} <= set(board.Tags()["scalars"])
+
+
+def test_checkpoint_every_auto_saves_at_the_young_daly_interval_and_revises_it(ray_cluster, tmp_path):
+    """A failure assumed every 20 s: before a save is measured, sqrt(2 x 1 s x 20 s) = 6.3 s; once the first
+    save's hold is measured (a few milliseconds for this model), about a second; the commits follow it."""
+    from io import StringIO
+
+    out = StringIO()
+    driver, thread, box = start(tmp_path, "auto", steps=200, restarts=0, out=out,
+                                overrides=["config.every=100000", "checkpoint.every=auto", "checkpoint.mtbf_s=20",
+                                           "checkpoint.keep=100"])
+    thread.join(240)
+    assert box["result"].status == "succeeded", box["result"].error
+    said = [line for line in out.getvalue().splitlines() if "checkpoint.every auto: " in line]
+    assert said and said[0] == ("raylaunch: checkpoint.every auto: a save every 6.3 s (a save assumed to hold "
+                                "training 1.00 s until one is measured; a failure every 20 s)"), said
+    assert len(said) >= 2 and "(a save holds training " in said[1], said
+    events = [json.loads(line) for line in (tmp_path / "runs" / "auto" / "events.jsonl").read_text().splitlines()]
+    saves = [e for e in events if e["kind"] == "saved"]
+    first = next(e for e in events if e["kind"] == "first_step")["time"]
+    assert 6.3 <= saves[0]["time"] - first <= 6.3 + 2.0, (saves[0], first)  # the assumed interval, a step or two
+    from cluster.interval import checkpoint_interval
+
+    for before, after in zip(saves, saves[1:]):  # then the measured one: the previous save's hold, then the interval
+        interval = checkpoint_interval(max(before["held_s"], 1e-3), 20.0)
+        assert interval * 0.5 <= after["time"] - before["time"] <= interval * 1.5 + before["held_s"] + 1.0, (
+            before, after, interval)
+    assert len(saves) >= 4 and len([e for e in events if e["kind"] == "committed"]) == len(saves)

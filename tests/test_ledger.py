@@ -108,6 +108,15 @@ def test_a_rerun_continues_the_books_and_a_killed_driver_ends_at_its_last_event(
     assert books(first)[1] == 30
 
 
+def test_a_running_attempt_is_not_a_failure_while_its_command_is_live():
+    now = [SessionStarted(time=0), AttemptStarted(time=1, attempt=1), FirstStep(time=3, attempt=1),
+           Work(time=10, attempt=1, last=10)]
+    live = ledger(now, live=True)
+    assert live.failures == 0 and live.seconds["training"] == 7 and live.wall_s == 10
+    killed = ledger(now)  # read back after its driver died: the attempt failed, its work lost
+    assert killed.failures == 1 and killed.seconds["recompute"] == 7
+
+
 def test_a_stopped_run_and_events_of_a_newer_version():
     events = [SessionStarted(time=0), AttemptStarted(time=1, attempt=1), FirstStep(time=2, attempt=1),
               Work(time=9, attempt=1, last=9), AttemptEnded(time=10, attempt=1, outcome=Outcome.STOPPED),

@@ -133,7 +133,10 @@ def train(config: dict) -> dict:
                              "samples_per_s": samples_per_s, "total_steps": total_steps}, step=progress.step)
             session.log({"rank_loss": running / count, "samples": count * cfg["batch_size"]}, step=progress.step)
             running, count = 0.0, 0
-            if cfg["checkpoint_every"] and progress.step % cfg["checkpoint_every"] == 0:
+            # Every checkpoint_every steps, and whenever the spec's checkpoint.every says a save is due
+            # (seconds of training, or auto: from what a save costs and how often the run fails).
+            due = session.checkpoint_due(accelerator)
+            if due or (cfg["checkpoint_every"] and progress.step % cfg["checkpoint_every"] == 0):
                 session.save(accelerator, progress.step)
                 last_saved = progress.step
             if session.preempted(accelerator):
