@@ -25,7 +25,7 @@ from typing import Any
 from cluster.errors import RaylaunchError
 from cluster.forkserver import FORK_SERVER, rank_main
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
-from cluster.protocol import NodePoll, NodeState, RankFailure, WorkerPayload
+from cluster.protocol import FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 from cluster.tail import Tail
 
@@ -264,5 +264,6 @@ def _failure(rank: int, f: Any) -> RankFailure:
     message = data.get("message")
     if isinstance(message, dict):  # written by the @record handler around our entry point
         traceback = message.get("extraInfo", {}).get("py_callstack", "")
-        return RankFailure(rank, f.exitcode, str(message.get("message", "")), str(traceback))
-    return RankFailure(rank, f.exitcode, f"exited with code {f.exitcode} (no Python exception)", "")
+        return RankFailure.raised(rank, f.exitcode, str(message.get("message", "")), str(traceback))
+    return RankFailure(rank, f.exitcode, f"exited with code {f.exitcode} (no Python exception)", "",
+                       cause=FailureCause.EXITED)

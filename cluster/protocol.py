@@ -103,6 +103,28 @@ class RunStatus(StrEnum):
     STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
 
 
+class FailureCause(StrEnum):
+    """Why a rank failed, set where the fact first enters (the rank's error file, its exit, the driver's clock);
+    what the driver does with a failure is decided by this, never by its message."""
+
+    EXCEPTION = "exception"  # the function raised
+    COLLECTIVE_TIMEOUT = "collective_timeout"  # it raised because a collective outlived the group's timeout
+    EXITED = "exited"  # it exited with a code, no Python exception
+    SIGNAL = "signal"  # a signal ended it (``RankFailure.signal`` says which)
+    SILENT = "silent"  # no heartbeat for ``timeouts.heartbeat_s``: stopped or frozen
+    NODE_LOST = "node_lost"  # its node (actor, raylet, host or link) is gone
+
+    @property
+    def is_hang(self) -> bool:
+        """A rank that hung (stopped, frozen, or stuck in a collective) rather than crashed."""
+        return self in (FailureCause.SILENT, FailureCause.COLLECTIVE_TIMEOUT)
+
+
+# What torch says when a collective outlives the process group's timeout: gloo, then NCCL's watchdog. Torch's
+# own text, read once where a rank's exception enters (``RankFailure.raised``).
+_COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout")
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """A rank that ended badly: its exception (grouped by ``message`` across ranks), or the signal that ended it."""
@@ -112,10 +134,18 @@ class RankFailure:
     message: str  # the exception line, or the signal that ended the process
     traceback: str
     signal: str | None = None  # "SIGTERM", "SIGKILL", ... when a signal ended the process
+    cause: FailureCause = FailureCause.EXCEPTION
 
     @classmethod
     def killed(cls, rank: int, exitcode: int, signal: str) -> "RankFailure":
-        return cls(rank, exitcode, f"killed by signal {signal}", "", signal)
+        return cls(rank, exitcode, f"killed by signal {signal}", "", signal, FailureCause.SIGNAL)
+
+    @classmethod
+    def raised(cls, rank: int, exitcode: int, message: str, traceback: str) -> "RankFailure":
+        """The function raised: a collective's timeout is told apart here, from torch's message."""
+        timed_out = any(m in message for m in _COLLECTIVE_TIMEOUTS)
+        return cls(rank, exitcode, message, traceback,
+                   cause=FailureCause.COLLECTIVE_TIMEOUT if timed_out else FailureCause.EXCEPTION)
 
 
 @dataclass

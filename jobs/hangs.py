@@ -18,20 +18,15 @@ from cluster.protocol import RankFailure
 from cluster.stacks import find_stragglers, format_full, group_stacks, stack_from_traceback
 from jobs.storage import RunDir
 
-__all__ = ["HEARTBEAT_LOST", "StacksError", "is_hang", "job_stacks", "live_stacks", "where_ranks_are"]
+__all__ = ["StacksError", "is_hang", "job_stacks", "live_stacks", "where_ranks_are"]
 
 # Between two readings of `raylaunch stacks --samples N`.
 SAMPLE_INTERVAL_S = 0.5
-# How the driver words a rank that stopped beating (it is a hang, not a crash).
-HEARTBEAT_LOST = "no heartbeat for"
-# What torch says when a collective outlives the process group's timeout: gloo, then NCCL's watchdog.
-_COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout")
 
 
 def is_hang(failures: Iterable[RankFailure]) -> bool:
     """Whether an attempt's failures are a hang (silent rank, collective timeout) rather than a crash."""
-    return any(f.message.startswith(HEARTBEAT_LOST) or any(m in f.message for m in _COLLECTIVE_TIMEOUTS)
-               for f in failures)
+    return any(f.cause.is_hang for f in failures)
 
 
 def where_ranks_are(group: NodeGroup, run_dir: RunDir, attempt: int, failures: Iterable[RankFailure] = ()) -> str:

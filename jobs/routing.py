@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from cluster.storage_io import join_uri
 from cluster.layout import checkpoint_name
 from cluster.node import NodeInfo
-from cluster.protocol import EventKind, NodePoll, NodeState, RankFailure
+from cluster.protocol import EventKind, FailureCause, NodePoll, NodeState, RankFailure
 from jobs.events import Committed, FirstStep, Restored, Saved, Work
-from jobs.hangs import HEARTBEAT_LOST
 from jobs.pace import PACE_KEYS, PaceTracker
 from jobs.record import Recorder
 from jobs.storage import RunDir
@@ -212,11 +211,11 @@ class AttemptRouter:
             why = "was lost" if p.silent_s is None else (
                 f"did not answer for {p.silent_s:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
                 "its host or its network link is down; treated as lost")
-            return [RankFailure(rank=r, exitcode=-9, traceback="",
+            return [RankFailure(rank=r, exitcode=-9, traceback="", cause=FailureCause.NODE_LOST,
                                 message=f"node {node_rank} ({info.node_id[:12]}, {info.ip}) {why}")
                     for r, n in sorted(self.a.node_of.items()) if n == node_rank]
-        return [RankFailure(rank=rank, exitcode=-1, traceback="",
-                            message=f"{HEARTBEAT_LOST} {age:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
+        return [RankFailure(rank=rank, exitcode=-1, traceback="", cause=FailureCause.SILENT,
+                            message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
                                     "the process is stopped or frozen")
                 for rank, age in p.beat_age_s.items() if age > heartbeat_s and rank not in known]
 

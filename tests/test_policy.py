@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.protocol import RankFailure
+from cluster.protocol import FailureCause, RankFailure
+from jobs.hangs import is_hang
 from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, fit, grow_to, resize_note, world_sizes
 from jobs.spec import FailureSpec, ScalingSpec
 
@@ -120,3 +121,21 @@ def test_what_the_driver_says_when_the_world_resizes():
         "world size 2 -> 1 (node 1 lost); gradient accumulation 1 -> 2 keeps the global batch")
     assert resize_note(WorldSize(1, 1, 2), WorldSize(2, 2, 1), "nodes came back") == (
         "world size 1 -> 2 (nodes came back); gradient accumulation 2 -> 1 keeps the global batch")
+
+
+@pytest.mark.parametrize("failure, cause, hang", [
+    (RankFailure.raised(0, 1, "ValueError: bad shape", "tb"), FailureCause.EXCEPTION, False),
+    # torch's own words for a collective that outlived the group's timeout, read once where the failure enters
+    (RankFailure.raised(1, 1, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for "
+                              "recv operation to complete", "tb"), FailureCause.COLLECTIVE_TIMEOUT, True),
+    (RankFailure.raised(1, 1, "DistBackendError: [Rank 1] Watchdog caught collective operation timeout", ""),
+     FailureCause.COLLECTIVE_TIMEOUT, True),
+    (RankFailure.killed(1, -9, "SIGKILL"), FailureCause.SIGNAL, False),
+    (RankFailure(1, -1, "no heartbeat for 12 s", "", cause=FailureCause.SILENT), FailureCause.SILENT, True),
+    # a function's own message that reads like the runner's words is still an exception, not a hang
+    (RankFailure.raised(0, 1, "no heartbeat for 12 s (timeouts.heartbeat_s is 10)", ""), FailureCause.EXCEPTION,
+     False),
+    (RankFailure(0, -9, "node 1 was lost", "", cause=FailureCause.NODE_LOST), FailureCause.NODE_LOST, False),
+])
+def test_a_failure_carries_its_cause_from_where_it_entered(failure, cause, hang):
+    assert failure.cause is cause and is_hang([failure]) is hang
