@@ -476,6 +476,13 @@ def digits_slow_writes(config: dict) -> dict:
     return train(config)
 
 
+def sharded_slow_writes(config: dict) -> dict:
+    """``sharded`` on storage whose checkpoint writes are slow (``write_delay_s`` a file)."""
+    config = dict(config)
+    _slow_background_writes(config.pop("write_delay_s"), Path(config.pop("marks")))
+    return sharded(config)
+
+
 def two_quick_saves(config: dict) -> dict:
     """Two saves one right after the other on slow storage: how long each held training."""
     import time

@@ -11,7 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
-from conftest import wait_for
+from conftest import committed_step, wait_for
 from jobs.driver import Driver
 from jobs.runs import format_show
 from jobs.spec import load_spec_text
@@ -44,7 +44,7 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
     marks = tmp_path / "killed" / "marks"
-    latest = tmp_path / "runs" / "killed" / "checkpoints" / "latest.json"
+    run_dir = tmp_path / "runs" / "killed"
     try:
         # Rank 0's save of step 8 has returned (training goes on) while its files are still being written.
         mark = wait_for(lambda: (marks / "returned-a1-r0-s8").exists() and marks / "returned-a1-r0-s8", 180,
@@ -52,16 +52,10 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
         said = json.loads(mark.read_text())
         assert said["written"] is False  # save returned before this rank's files were on storage
 
-        def committed() -> int | None:
-            try:
-                return json.loads(latest.read_text())["step"]
-            except (OSError, ValueError, KeyError):  # not written yet, or being replaced
-                return None
-
         # Its save of step 8 waited for its write of step 4, whose commit follows within a poll or two,
         # while step 8's own write (a second a file) goes on.
-        wait_for(lambda: committed() is not None, 30, "the commit of step 4")
-        assert committed() == 4  # step 8 not committed: its write still runs
+        wait_for(lambda: committed_step(run_dir) is not None, 30, "the commit of step 4")
+        assert committed_step(run_dir) == 4  # step 8 not committed: its write still runs
         os.kill(said["pid"], signal.SIGKILL)
     finally:
         thread.join(300)
