@@ -148,3 +148,15 @@ def test_a_checkpoint_of_a_lower_step_committed_last_is_the_latest_and_never_pru
     assert run.latest_checkpoint().step == 5
     assert [c.step for c in run.committed_checkpoints()] == [5, 20]  # keep 2: the latest and the newest other
     assert run.loadable_checkpoint().step == 5
+
+
+def test_dcp_files_captured_in_memory_are_the_bytes_dcp_writes_and_load_back(tmp_path):
+    """FSDP's sharded state: DCP's save (its collectives) runs in the capture, its files only in memory; written
+    later, each rank's shard file equals a direct save's and the checkpoint loads the state as it was saved."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_ports
+    from fns import dcp_captured
+
+    mp.spawn(dcp_captured, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
+    assert sorted(p.name for p in (tmp_path / "held").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
