@@ -8,7 +8,8 @@ Figures: the seconds the call held training (median and range, and the ratio of 
 from ``session.save`` to its commit (the manifests' ``timing``), the step time while a background write runs
 against the steps before any save, the host memory an in-flight save holds, and with ``checkpoint.async:
 false`` (BENCH_CKPT_SYNC=0 to skip) the same run as before this bench's issue. Storage: a local folder, or
-BENCH_CKPT_STORAGE (an s3:// URI, e.g. the tests' moto server). Writes bench/results-checkpoints.md.
+BENCH_CKPT_STORAGE (an s3:// URI, e.g. the tests' moto server). Writes its storage's section of
+bench/results-checkpoints.md (a local folder's or an object store's; BENCH_CKPT_NOTE adds a sentence to it).
 """
 
 from __future__ import annotations
@@ -97,18 +98,22 @@ def main() -> int:
 
 
 def report(results: dict, storage: str, load_before: str) -> None:
+    """This storage's section of bench/results-checkpoints.md (a local folder's, an object store's); the other
+    storage's section is kept as it was."""
     import torch
 
     a = results["async"]
     ratio = statistics.median(a["session_save_s"]) / statistics.median(a["save_state_s"])
     before = statistics.median(a["steps_before_s"])
     during = statistics.median(a["steps_during_write_s"]) if a["steps_during_write_s"] else float("nan")
+    kind = "an object store" if "://" in storage else "a local folder"
+    note = os.environ.get("BENCH_CKPT_NOTE", "")
     lines = [
-        "# Checkpoint bench: how long a save holds training",
+        f"## Storage: {kind}",
         "",
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, {platform.system()} {platform.release()}; "
-        f"torch {torch.__version__}; load average before: {load_before}. Storage: "
-        f"{'object store' if '://' in storage else 'a local folder'}. World size 2 on 2 simulated nodes; "
+        f"torch {torch.__version__}; load average before: {load_before}.{' ' + note if note else ''} "
+        f"Storage: {storage.split('?')[0] if '://' in storage else 'a local folder'}. World size 2 on 2 simulated nodes; "
         f"{a['state_mb']:.0f} MiB of state a rank (50M parameters and AdamW's moments, fp32); "
         f"{REPS} saves each way, alternating.",
         "",
@@ -129,9 +134,19 @@ def report(results: dict, storage: str, load_before: str) -> None:
         f"- Host memory an in-flight save holds: {a['host_mb']:.0f} MiB on rank 0 (one copy of its state); the "
         f"rank's peak resident memory grew {a['peak_rss_extra_mb']:.0f} MiB over the saves.",
     ]
-    text = "\n".join(lines) + "\n"
-    (ROOT / "bench" / "results-checkpoints.md").write_text(text)
-    print(text)
+    if "sync" in results and results["sync"].get("to_commit_s"):
+        lines.append(f"- With `checkpoint.async: false`, from `session.save` to its commit: "
+                     f"{_summary(results['sync']['to_commit_s'])}.")
+    path = ROOT / "bench" / "results-checkpoints.md"
+    sections = {}
+    if path.exists():
+        for part in path.read_text().split("\n## Storage: ")[1:]:
+            sections[part.split("\n", 1)[0]] = "## Storage: " + part.strip() + "\n"
+    sections[kind] = "\n".join(lines) + "\n"
+    text = "\n".join(["# Checkpoint bench: how long a save holds training", "",
+                      *[sections[k] for k in ("a local folder", "an object store") if k in sections]])
+    path.write_text(text)
+    print(sections[kind])
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ class StagedCheckpoints:
 
     def _save_now(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
                   saved: Callable[[dict[str, dict] | None], None]) -> None:
-        """checkpoint.async: false (or sharded FSDP, DeepSpeed): the state is written before training goes on."""
+        """checkpoint.async: false (or DeepSpeed): the state is written before training goes on."""
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
         if is_local(fs):
@@ -297,17 +297,12 @@ BACKGROUND_NICE = 10
 
 
 def _copies_in_memory(accelerator: Any) -> bool:
-    """Whether this save's state can be held in memory and written later: not DeepSpeed's (its engine writes its
-    own files), nor FSDP's sharded state (PyTorch distributed checkpointing writes it, a collective)."""
+    """Whether this save's state can be held in memory and written later: not DeepSpeed's or Megatron-LM's (their
+    engines write their own files). FSDP's sharded state is (``cluster.snapshot`` keeps DCP's writes)."""
     from accelerate.utils import DistributedType
 
-    kind = getattr(accelerator, "distributed_type", None)
-    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        return False
-    if kind == DistributedType.FSDP:
-        plugin = getattr(accelerator.state, "fsdp_plugin", None)
-        return plugin is not None and "FULL" in str(plugin.state_dict_type)
-    return True
+    return getattr(accelerator, "distributed_type", None) not in (DistributedType.DEEPSPEED,
+                                                                  DistributedType.MEGATRON_LM)
 
 
 class _Write:

@@ -7,8 +7,13 @@ a copy of its object in host memory (tensors copied off the device, into pinned 
 writes nothing. Training goes on as soon as the copy is made; :meth:`Snapshot.write` writes the files,
 exactly as ``save_state`` would have, later, in another thread.
 
-What does not go through those two (PyTorch distributed checkpointing's sharded FSDP files, which are
-a collective) is written by ``save_state`` itself, during the capture. Imports nothing from Ray.
+FSDP's sharded state goes through PyTorch distributed checkpointing (DCP), whose ``save`` is a
+collective: the ranks agree on a plan, each writes its shard, and rank 0 gathers what they wrote into
+``.metadata``. :func:`capture` runs that ``save`` on the training thread, in step with the other
+ranks, with its ``FileSystemWriter`` writing into memory instead of files (:class:`_MemoryFiles`): the
+collectives stay where they were, the bytes of each file are what DCP would have written, and only
+writing them to disk moves to the other thread. A DCP writer of another kind (not the local file
+system) writes itself, during the capture. Imports nothing from Ray.
 """
 
 from __future__ import annotations
@@ -100,11 +105,74 @@ class _Serialised:
     def __init__(self, obj: Any) -> None:
         import io
 
-        import torch
-
         buf = io.BytesIO()
         _REAL_SAVE[0](obj, buf)
         self.data = buf.getvalue()
+
+
+class _Bytes(_Serialised):
+    """A file's bytes as DCP wrote them into memory."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class _MemoryFiles:
+    """DCP's ``FileSystemBase`` for one ``save`` on the training thread: every file it creates is kept, whole, as
+    bytes in the snapshot (``.metadata`` written as ``.metadata.tmp`` then renamed, as on disk). DCP's own write
+    threads (``thread_count`` > 1) may create files at once."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self._snap, self._lock = snap, threading.Lock()
+
+    def _find(self, path: Any) -> _Write | None:
+        return next((w for w in self._snap.writes if w.path == os.fspath(path)), None)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        import io
+
+        if "w" not in mode:
+            raise OSError(f"{path}: not readable while its checkpoint is held in memory")
+
+        class Stream(io.BytesIO):
+            def close(self) -> None:  # DCP closes its stream before the block ends: the bytes are taken after it
+                pass
+
+        stream = Stream()
+        yield stream
+        data = stream.getvalue()
+        io.BytesIO.close(stream)
+        with self._lock:
+            self._snap.writes.append(_Write(os.fspath(path), _Bytes(data), False, {}))
+            self._snap.nbytes += len(data)
+
+    def concat_path(self, path: Any, suffix: str) -> Path:
+        return Path(path) / suffix
+
+    def init_path(self, path: Any) -> Path:
+        return Path(path)
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        with self._lock:
+            self._find(path).path = os.fspath(new_path)
+
+    def mkdir(self, path: Any) -> None:
+        pass  # made when the files are written
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def exists(self, path: Any) -> bool:
+        return self._find(path) is not None
+
+    def rm_file(self, path: Any) -> None:
+        with self._lock:
+            self._snap.writes.remove(self._find(path))
+
+    def ls(self, path: Any) -> list[str]:
+        return [w.path for w in self._snap.writes if Path(w.path).parent == Path(path)]
 
 
 def _holds_objects(value: Any) -> bool:
@@ -120,9 +188,11 @@ def _holds_objects(value: Any) -> bool:
 @contextlib.contextmanager
 def _captured(snap: Snapshot) -> Iterator[None]:
     import torch
+    import torch.distributed.checkpoint as dcp
     from accelerate.utils import other
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    save, safe_save = torch.save, other.safe_save_file
+    save, safe_save, dcp_save = torch.save, other.safe_save_file, dcp.save
     _REAL_SAVE[0] = save
     cuda: list = []
 
@@ -143,14 +213,21 @@ def _captured(snap: Snapshot) -> Iterator[None]:
         snap.writes.append(_Write(os.fspath(filename), _copy(tensors, snap, cuda), True,
                                   {"metadata": metadata} if metadata is not None else {}))
 
+    def distributed_save(state_dict: Any, *args: Any, storage_writer: Any = None, **kwargs: Any) -> Any:
+        # The collectives run here, now, in step with the other ranks; only the local file system's writes are kept.
+        if threading.current_thread() is _CAPTURING.thread and type(getattr(storage_writer, "fs", None)) is FileSystem:
+            storage_writer.fs = _MemoryFiles(snap)
+            storage_writer.sync_files = False  # nothing to sync in memory (DCP would sync the whole machine instead)
+        return dcp_save(state_dict, *args, storage_writer=storage_writer, **kwargs)
+
     _CAPTURING.thread = threading.current_thread()
-    torch.save, other.safe_save_file = torch_save, safe_save_file
+    torch.save, other.safe_save_file, dcp.save = torch_save, safe_save_file, distributed_save
     try:
         yield
         if cuda:
             torch.cuda.synchronize()  # the non-blocking copies are done before training changes the tensors
     finally:
-        torch.save, other.safe_save_file = save, safe_save
+        torch.save, other.safe_save_file, dcp.save = save, safe_save, dcp_save
         _CAPTURING.thread = None
 
 

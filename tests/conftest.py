@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -84,6 +85,15 @@ def wait_for(condition, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def committed_step(run_dir: Path) -> int | None:
+    """The step ``latest.json`` of a run on a local path names; None before the first commit (or while it is
+    replaced)."""
+    try:
+        return json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def interruptible() -> None:

@@ -477,6 +477,13 @@ def digits_slow_writes(config: dict) -> dict:
     return train(config)
 
 
+def sharded_slow_writes(config: dict) -> dict:
+    """``sharded`` on storage whose checkpoint writes are slow (``write_delay_s`` a file)."""
+    config = dict(config)
+    _slow_background_writes(config.pop("write_delay_s"), Path(config.pop("marks")))
+    return sharded(config)
+
+
 def two_quick_saves(config: dict) -> dict:
     """Two saves one right after the other on slow storage: how long each held training."""
     import time
@@ -512,3 +519,36 @@ def only_reads(config: dict) -> dict:
             if read >= config["batches"]:
                 break
     return {"batches": read}
+
+
+def dcp_captured(rank: int, world: int, port: int, base: str) -> None:
+    """One rank of a 2-process gloo group: an FSDP2 model's state saved with DCP directly and through
+    ``cluster.snapshot.capture`` (nothing on disk until the snapshot is written, after the model changed), then the
+    same shard file on both sides and the captured checkpoint loaded back into the state it was saved from."""
+    import filecmp
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    from cluster.snapshot import capture
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4))
+    fully_shard(model)
+    dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(f"{base}/direct"))
+    snap = capture(lambda: dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(f"{base}/held")))
+    assert not list(Path(base, "held").glob("*")), "DCP wrote files during the capture"
+    saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # training goes on before the files are written
+    snap.write()
+    dist.barrier()
+    assert filecmp.cmp(f"{base}/direct/__{rank}_0.distcp", f"{base}/held/__{rank}_0.distcp", shallow=False)
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(f"{base}/held"))
+    assert all(torch.equal(state["model"][k].to_local(), v) for k, v in saved.items())
+    dist.destroy_process_group()

@@ -11,7 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
-from conftest import wait_for
+from conftest import committed_step, wait_for
 from jobs.driver import Driver
 from jobs.runs import format_show
 from jobs.spec import load_spec_text
@@ -44,7 +44,7 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
     marks = tmp_path / "killed" / "marks"
-    latest = tmp_path / "runs" / "killed" / "checkpoints" / "latest.json"
+    run_dir = tmp_path / "runs" / "killed"
     try:
         # Rank 0's save of step 8 has returned (training goes on) while its files are still being written.
         mark = wait_for(lambda: (marks / "returned-a1-r0-s8").exists() and marks / "returned-a1-r0-s8", 180,
@@ -52,16 +52,10 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
         said = json.loads(mark.read_text())
         assert said["written"] is False  # save returned before this rank's files were on storage
 
-        def committed() -> int | None:
-            try:
-                return json.loads(latest.read_text())["step"]
-            except (OSError, ValueError, KeyError):  # not written yet, or being replaced
-                return None
-
         # Its save of step 8 waited for its write of step 4, whose commit follows within a poll or two,
         # while step 8's own write (a second a file) goes on.
-        wait_for(lambda: committed() is not None, 30, "the commit of step 4")
-        assert committed() == 4  # step 8 not committed: its write still runs
+        wait_for(lambda: committed_step(run_dir) is not None, 30, "the commit of step 4")
+        assert committed_step(run_dir) == 4  # step 8 not committed: its write still runs
         os.kill(said["pid"], signal.SIGKILL)
     finally:
         thread.join(300)
@@ -154,3 +148,15 @@ def test_a_checkpoint_of_a_lower_step_committed_last_is_the_latest_and_never_pru
     assert run.latest_checkpoint().step == 5
     assert [c.step for c in run.committed_checkpoints()] == [5, 20]  # keep 2: the latest and the newest other
     assert run.loadable_checkpoint().step == 5
+
+
+def test_dcp_files_captured_in_memory_are_the_bytes_dcp_writes_and_load_back(tmp_path):
+    """FSDP's sharded state: DCP's save (its collectives) runs in the capture, its files only in memory; written
+    later, each rank's shard file equals a direct save's and the checkpoint loads the state as it was saved."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_ports
+    from fns import dcp_captured
+
+    mp.spawn(dcp_captured, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
+    assert sorted(p.name for p in (tmp_path / "held").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]

@@ -228,8 +228,9 @@ def test_a_growing_metrics_file_on_the_bucket_is_rewritten_less_often_as_it_grow
         list(range(1, 1001))
 
 
-def run_steady(s3, tmp_path, name: str, steps: int, out: io.StringIO | None = None):
-    spec = load_spec_text(STEADY.format(name=name, steps=steps, pid_dir=tmp_path / "pids", storage=s3.uri("runs")))
+def run_steady(s3, tmp_path, name: str, steps: int, out: io.StringIO | None = None, sets: list[str] | None = None):
+    spec = load_spec_text(STEADY.format(name=name, steps=steps, pid_dir=tmp_path / "pids", storage=s3.uri("runs")),
+                          sets)
     return Driver(spec, can_grow=False, out=out).run()
 
 
@@ -293,6 +294,41 @@ def test_a_slow_upload_does_not_hold_training_and_the_last_checkpoint_is_committ
     (curve,) = plot(storage, ["slow"], "loss", str(png))
     assert png.stat().st_size > 10_000 and curve.steps == list(range(1, 21))
     assert [k for k in s3.keys("runs/slow/tensorboard") if "events.out.tfevents" in k]
+
+
+def test_async_false_on_s3_writes_before_the_save_returns_commits_and_resumes(ray_cluster, s3, tmp_path):
+    """checkpoint.async: false on an object store: each save writes the rank's part to local disk before it returns
+    (the upload still follows in the background); the commit happens, its manifest says how long training was held
+    and when the checkpoint was committed, and a rerun resumes from it."""
+    s3.slow_staging_s = 1.0  # every upload of data into .staging/ takes a second: longer than the local write
+    try:
+        first = run_steady(s3, tmp_path, "syncs3", steps=20, sets=["checkpoint.async=false"])
+    finally:
+        s3.slow_staging_s = 0.0
+    assert first.status == "succeeded", first.error
+    assert json.loads(s3.read("runs/syncs3/checkpoints/latest.json")) == {"name": "checkpoint-00000020", "step": 20}
+    for step in (10, 20):
+        manifest = json.loads(s3.read(f"runs/syncs3/checkpoints/checkpoint-{step:08d}/manifest.json"))
+        assert {"model.safetensors", "random_states_0.pkl", "random_states_1.pkl"} <= set(manifest["files"])
+        timing = manifest["timing"]
+        # committed after the upload (a second at least), and never before the save returned
+        assert 0 < timing["blocked_s"] < timing["to_commit_s"] < 60 and timing["to_commit_s"] >= 1.0, timing
+        if step == 10:  # nothing in flight before it: held while written to local disk, not while uploaded
+            assert timing["blocked_s"] < 1.0, timing
+        # (step 20's save first waits for the rest of step 10's upload: one in flight per rank)
+    rows = [json.loads(line) for line in s3.read("runs/syncs3/metrics.jsonl").splitlines()]
+    held = {(r["rank"], r["step"]): r for r in rows if "checkpoint_blocked_s" in r}
+    assert sorted(held) == [(0, 10), (0, 20), (1, 10), (1, 20)]
+    assert all(r["checkpoint_host_mb"] == 0 and r["checkpoint_blocked_s"] > 0 for r in held.values()), held
+    assert held[(0, 10)]["checkpoint_blocked_s"] < 1.0 and held[(1, 10)]["checkpoint_blocked_s"] < 1.0, held
+    assert not [k for k in s3.keys("runs/syncs3") if "/.staging/" in k]
+
+    out = io.StringIO()
+    again = run_steady(s3, tmp_path, "syncs3", steps=30, out=out, sets=["checkpoint.async=false"])
+    assert again.status == "succeeded", again.error
+    assert f"resuming from s3://{BUCKET}/runs/syncs3/checkpoints/checkpoint-00000020" in out.getvalue()
+    assert again.rank_results["0"]["restored_step"] == 20 and again.rank_results["0"]["steps"] == 30
+    assert json.loads(s3.read("runs/syncs3/checkpoints/latest.json"))["step"] == 30
 
 
 def test_a_long_run_on_the_bucket_writes_rolled_segments_that_readers_see_whole_and_in_order(s3, monkeypatch):

@@ -11,14 +11,16 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from cluster.sharding import missing_shards, resolve, strategy_env
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, committed_step, wait_for
 from jobs.driver import Driver
 from jobs.spec import SpecError, load_spec, load_spec_text
 from jobs.storage import CheckpointError, RunDir
@@ -270,6 +272,47 @@ def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_c
     assert cut.restarts == 1
     assert cut.rank_results["0"]["restored_step"] == 4
     assert cut.rank_results["0"]["final"] == ranks["0"]["final"]
+
+
+def test_fsdp_shards_are_written_in_the_background_and_a_rank_killed_meanwhile_resumes_exactly(ray_cluster, tmp_path):
+    """checkpoint.async (the default) with FSDP's sharded state: DCP's collectives run in the save, its files are
+    held in memory and written beside training (slow storage: every file the background thread writes with
+    torch.save waits 2 s). Rank 0 killed while its shards of step 8 are being written: step 8 is never committed,
+    the run resumes from step 4 and ends bitwise equal to an uninterrupted run."""
+    whole, _ = run("straight", tmp_path, steps=12)
+    marks = tmp_path / "marks"
+    spec = load_spec_text(SHARDED.format(name="held", storage=tmp_path, steps=12, nodes=2, workers=1, cpus=1,
+                                         extra=f", write_delay_s: 2.0, marks: {marks}", accelerate="{fsdp: {}}"),
+                          ["train_fn=fns:sharded_slow_writes"])
+    out = io.StringIO()
+    driver = Driver(spec, can_grow=False, out=out)
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    try:
+        mark = wait_for(lambda: (marks / "returned-a1-r0-s8").exists() and marks / "returned-a1-r0-s8", 240,
+                        "rank 0's save of step 8 to return")
+        said = json.loads(mark.read_text())
+        assert said["written"] is False  # the save returned before this rank's files were on storage
+        wait_for(lambda: committed_step(tmp_path / "held") is not None, 30, "the commit of step 4")
+        assert committed_step(tmp_path / "held") == 4  # step 8's write still runs
+        os.kill(said["pid"], signal.SIGKILL)
+    finally:
+        thread.join(300)
+    result = box["result"]
+    assert result.status == "succeeded", result.error + out.getvalue()[-3000:]
+    assert result.restarts == 1 and result.rank_results["0"]["restored_step"] == 4
+    assert "checkpoint-00000004 (step 4)" in out.getvalue()
+    for rank in "01":
+        assert result.rank_results[rank]["final"] == whole.rank_results[rank]["final"]  # bitwise, model and optimizer
+    files = manifest(tmp_path, "held", 12)["files"]
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(files)
+    assert RunDir(str(tmp_path), "held").loadable_checkpoint().step == 12
+    rows = [json.loads(l) for l in (tmp_path / "held" / "metrics.jsonl").read_text().splitlines()]
+    held = {(r["rank"], r["step"]): r for r in rows if "checkpoint_blocked_s" in r and r["attempt"] == 2}
+    assert sorted(held) == [(0, 8), (0, 12), (1, 8), (1, 12)]
+    assert all(r["checkpoint_host_mb"] > 0 for r in held.values()), held  # the shards were held in memory
 
 
 def test_a_run_that_asked_for_fsdp_and_would_train_ddp_fails_saying_so(ray_cluster, tmp_path):
