@@ -10,13 +10,18 @@ Nothing here imports Ray or torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from cluster.context import WorkerContext
 
-__all__ = ["EventKind", "NodePoll", "NodeState", "Progress", "RankFailure", "RunStatus", "ScriptCall", "WorkerPayload"]
+__all__ = [
+    "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
+    "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
+    "RestoredPart", "RunStatus", "ScriptCall", "WorkerPayload", "decode_rank_event",
+]
 
 
 @dataclass(frozen=True)
@@ -188,3 +193,134 @@ class Progress:
         """From a metrics record's step and values (floats shown with 4 significant digits)."""
         return cls(step, {k: f"{v:.4g}" if isinstance(v, float) else f"{v}" for k, v in values.items()})
 
+
+
+# --- what a rank reports (its events file: one JSON object a line) --------------------
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """One fact a rank reports, typed where it is written and where the driver reads it (``decode_rank_event``);
+    ``time`` and ``rank`` are filled in by the session that emits it."""
+
+    kind: ClassVar[EventKind]
+    time: float = 0.0
+    rank: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class Arrived(RankEvent):
+    kind: ClassVar[EventKind] = EventKind.ARRIVED
+
+
+@dataclass(frozen=True)
+class Joined(RankEvent):
+    kind: ClassVar[EventKind] = EventKind.JOINED
+
+
+@dataclass(frozen=True)
+class Metrics(RankEvent):
+    """One log call: ``values`` at ``step`` (None: logged without one)."""
+
+    kind: ClassVar[EventKind] = EventKind.METRICS
+    step: int | None = None
+    values: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resources(RankEvent):
+    """The rank's peak memory so far, in MiB (GPU where CUDA is in use)."""
+
+    kind: ClassVar[EventKind] = EventKind.RESOURCES
+    peak_rss_mb: float | None = None
+    peak_gpu_mb: float | None = None
+
+    def peaks(self) -> dict[str, float]:
+        return {k: v for k, v in (("peak_rss_mb", self.peak_rss_mb), ("peak_gpu_mb", self.peak_gpu_mb))
+                if v is not None}
+
+
+@dataclass(frozen=True)
+class Pace(RankEvent):
+    """Where a window of the rank's step time went (``cluster.pace``): shares waiting for data and for the other
+    ranks, the window's length and batches, and when its batches were asked for and handed over (Unix times)."""
+
+    kind: ClassVar[EventKind] = EventKind.PACE
+    data_wait: float = 0.0
+    sync_wait: float = 0.0
+    batch_s: float = 0.0
+    span_s: float = 0.0
+    batches: int = 0
+    last_batch: float | None = None
+    first_batch: float | None = None  # in the rank's first window only
+
+
+@dataclass(frozen=True)
+class CheckpointPart(RankEvent):
+    """The rank's part of the checkpoint of ``step`` is on storage (``files``: {rel: {size, sha256}} on an object
+    store); ``requested``: when the save was asked for; ``blocked_s``: how long it held training."""
+
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT
+    step: int = 0
+    uri: str = ""
+    requested: float | None = None
+    blocked_s: float = 0.0
+    files: dict | None = None
+
+
+@dataclass(frozen=True)
+class PreemptNotice(RankEvent):
+    kind: ClassVar[EventKind] = EventKind.PREEMPT_NOTICE
+
+
+@dataclass(frozen=True)
+class Preempted(RankEvent):
+    kind: ClassVar[EventKind] = EventKind.PREEMPTED
+
+
+@dataclass(frozen=True)
+class RestoredPart(RankEvent):
+    """The rank loaded the checkpoint of ``step`` in ``seconds``."""
+
+    kind: ClassVar[EventKind] = EventKind.RESTORED
+    step: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointInterval(RankEvent):
+    """Rank 0: ``checkpoint.every`` chose a save every ``seconds``, from a save's hold ``save_s`` (``measured``, or
+    assumed before the first) and ``mtbf_s``."""
+
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT_INTERVAL
+    seconds: float = 0.0
+    save_s: float = 0.0
+    measured: bool = False
+    mtbf_s: float = 0.0
+
+
+_RANK_EVENTS: dict[str, type[RankEvent]] = {
+    str(c.kind): c for c in (Arrived, Joined, Metrics, Resources, Pace, CheckpointPart, PreemptNotice, Preempted,
+                             RestoredPart, CheckpointInterval)
+}
+
+
+def decode_rank_event(row: Any) -> RankEvent | None:
+    """A rank's event from its line's object; None for a kind this version does not know or fields that do not fit.
+
+    >>> decode_rank_event({"kind": "metrics", "time": 1.0, "rank": 1, "step": 3, "values": {"loss": 0.5}})
+    Metrics(time=1.0, rank=1, step=3, values={'loss': 0.5})
+    >>> decode_rank_event(Pace(data_wait=0.5, batches=4).to_dict()) == Pace(data_wait=0.5, batches=4)
+    True
+    """
+    cls = _RANK_EVENTS.get(row.get("kind")) if isinstance(row, dict) else None
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in row.items() if k in names})
+    except TypeError:
+        return None

@@ -23,6 +23,7 @@ entry point (``cluster.worker``) drives the session's runner side (``emit``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -37,7 +38,9 @@ from cluster.checkpoints import CheckpointError, CheckpointSaveError, ScriptSave
 from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, LOCAL_LATEST, checkpoint_name, checkpoint_step
 from cluster.loaderstate import load_loader_states, save_loader_states
-from cluster.protocol import EventKind, WorkerPayload
+from cluster.protocol import (
+    CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
+)
 from cluster.sharding import Resolved, init_optimizers_for_load
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
@@ -151,7 +154,7 @@ class Session:
 
     def log(self, values: dict, step: int | None = None) -> None:
         """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank."""
-        self.emit(EventKind.METRICS, step=step, values=self._clean(values, "metrics"))
+        self.emit(Metrics(step=step, values=self._clean(values, "metrics")))
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -205,8 +208,8 @@ class Session:
             said = self._interval_said
             if self.payload.context.world_rank == 0 and (said is None or abs(interval - said) > 0.1 * said):
                 self._interval_said = interval
-                self.emit(EventKind.CHECKPOINT_INTERVAL, seconds=round(interval, 3), save_s=round(cost, 4),
-                          measured=save_s >= 0, mtbf_s=self.payload.mtbf_s)
+                self.emit(CheckpointInterval(seconds=round(interval, 3), save_s=round(cost, 4), measured=save_s >= 0,
+                                             mtbf_s=self.payload.mtbf_s))
         return elapsed >= interval
 
     @property
@@ -224,7 +227,7 @@ class Session:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self._stop_requested = True
-        self.emit(EventKind.PREEMPT_NOTICE)
+        self.emit(PreemptNotice())
 
     def tracker(self) -> RunnerTracker:
         """Pass to ``Accelerator(log_with=[...])``; ``accelerator.log`` then reaches the driver."""
@@ -314,23 +317,22 @@ class Session:
 
     def restored(self, step: int, seconds: float) -> None:
         """This rank loaded the checkpoint of ``step`` in ``seconds`` (for the goodput ledger's ``restore``)."""
-        self.emit(EventKind.RESTORED, step=step, seconds=round(seconds, 4))
+        self.emit(RestoredPart(step=step, seconds=round(seconds, 4)))
 
     # --- events --------------------------------------------------------------
 
-    def _saved(self, step: int, uri: str, files: dict[str, dict] | None, **timing: float) -> None:
+    def _saved(self, step: int, uri: str, files: dict[str, dict] | None, requested: float | None = None,
+               blocked_s: float = 0.0) -> None:
         """This rank's part of a checkpoint is on storage: the driver commits on the last rank's report.
-        ``timing``: ``requested`` (when the save was asked for) and ``blocked_s`` (how long it held training)."""
-        self.emit(EventKind.CHECKPOINT, step=step, uri=uri, **timing,
-                  **({"files": files} if files is not None else {}))
+        ``requested``: when the save was asked for; ``blocked_s``: how long it held training."""
+        self.emit(CheckpointPart(step=step, uri=uri, requested=requested, blocked_s=blocked_s, files=files))
 
-    def emit(self, kind: EventKind, **fields: Any) -> None:
-        """Report an event to the runner (``cluster.protocol.EventKind``); outside it, to the local file."""
-        event = {"time": time.time(), "kind": kind, **fields}
-        if self.payload is not None:
-            event["rank"] = self.payload.context.world_rank
+    def emit(self, event: RankEvent) -> None:
+        """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file."""
+        rank = self.payload.context.world_rank if self.payload is not None else 0
+        line = json.dumps(dataclasses.replace(event, time=time.time(), rank=rank).to_dict())
         with self._lock:
-            self._events.write(json.dumps(event) + "\n")
+            self._events.write(line + "\n")
             self._events.flush()
 
 

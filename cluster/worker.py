@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cluster.protocol import EventKind, ScriptCall, WorkerPayload
+from cluster.protocol import Arrived, Joined, Pace, Preempted, Resources, ScriptCall, WorkerPayload
 from cluster.sharding import install as install_strategy
 from cluster.layout import heartbeat_file, stack_dump_file
 from cluster.pace import install as install_pace
@@ -44,22 +44,22 @@ def run_worker(payload: WorkerPayload) -> Any:
     # Accelerate adopts an existing group unchanged.
     _start_heartbeat(heartbeat_file(payload.events_path), session)
     install_signal_dump(stack_dump_file(payload.events_path))  # where this rank is, when asked
-    pace = install_pace(lambda window: session.emit(EventKind.PACE, **window))  # data_wait, sync_wait
-    session.emit(EventKind.ARRIVED)  # at the rendezvous; "joined" once every rank is there
+    pace = install_pace(lambda window: session.emit(Pace(**window)))  # data_wait, sync_wait
+    session.emit(Arrived())  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,
         timeout=timedelta(seconds=payload.collective_timeout_s),
     )
-    session.emit(EventKind.JOINED)
+    session.emit(Joined())
     signal.signal(signal.SIGTERM, session.handle_sigterm)
     result = fn(dict(payload.config)) if script is None else _run_script(session, script, payload.context.world_rank)
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
     session.wait_for_upload()
     pace.report()
-    session.emit(EventKind.RESOURCES, **peak_memory())
+    session.emit(Resources(**peak_memory()))
     if session.stopped_for_preemption:
-        session.emit(EventKind.PREEMPTED)
+        session.emit(Preempted())
     if dist.is_initialized():
         dist.destroy_process_group()
     return _storable_return(result, payload.context.world_rank)
@@ -150,7 +150,7 @@ def _start_heartbeat(path: str, session: runtime.Session, every_s: float = 0.5, 
         while True:
             os.utime(path)
             if time.monotonic() - last_report >= resources_every_s:
-                session.emit(EventKind.RESOURCES, **peak_memory())
+                session.emit(Resources(**peak_memory()))
                 last_report = time.monotonic()
             time.sleep(every_s)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 import psutil
@@ -25,7 +24,10 @@ from cluster.train_function import check_entry
 from jobs.environment import Secrets, check_requirements
 from jobs.events import AttemptEnded, AttemptStarted, FirstStep, Outcome, RunEvent, SessionEnded
 from jobs.hangs import is_hang, where_ranks_are
-from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, grow_to, resize_note, world_sizes
+from jobs.policy import (
+    AttemptOutcome, Failure, RunState, WorldSize, failure_kind, grow_to, next_step, resize_note, resize_reason,
+    world_sizes,
+)
 from jobs.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.record import Recorder, RunResult
 from jobs.routing import AttemptRouter, AttemptState, group_failures
@@ -44,18 +46,6 @@ BOARD_FLUSH_S = 2.0
 WORK_EVERY_S = 5.0
 # How often an elastic run below num_nodes looks for nodes to grow back onto.
 GROW_CHECK_S = 2.0
-# Growing back, the least time to wait for all the nodes seen (released bundles free up within moments).
-GROW_SETTLE_S = 10.0
-GREW = "nodes came back"  # the reason a resize records when the run grows back
-
-
-@dataclass
-class _Outcome:
-    ok: bool
-    error: str | None = None
-    lost_nodes: list[int] = field(default_factory=list)
-    failure: Failure = Failure.FAILED
-    grow: WorldSize | None = None  # stopped at a committed checkpoint to grow back to this size
 
 
 def _job_workdir() -> str | None:
@@ -216,18 +206,19 @@ class Driver:
             self._say("raylaunch: elastic: can run at " + ", ".join(w.describe() for w in self.sizes)
                       + ("" if s.keep_global_batch else " (scaling.keep_global_batch is false: the global batch "
                          "changes with the world size)"))
-        resize_why, wait_full_s = "", 0.0
+        state, step = RunState.RESERVING, None
         while True:
             self._open = r.attempts + 1
             rec.event(AttemptStarted(time=time.time(), attempt=self._open, restarts=r.restarts,
                                      max_restarts=self.spec.failure.max_restarts, world_size=r.world_size))
-            if self.group is None:
+            if state is RunState.RESERVING:
                 old = self.size
                 if elastic:
                     if self.can_grow and self.node_request is None:  # an autoscaler adds what the run is short of
                         self.node_request = NodeRequest(placement)
                     self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
-                                                            can_grow=self.can_grow, wait_full_s=wait_full_s,
+                                                            can_grow=self.can_grow,
+                                                            wait_full_s=step.wait_full_s if step else 0.0,
                                                             request=self.node_request)
                     if self.node_request is not None and self.size == self.sizes[0]:
                         self.node_request.withdraw()
@@ -236,9 +227,7 @@ class Driver:
                     self.size = self.sizes[0]
                 r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
                 if old is not None and old != self.size:
-                    if resize_why == GREW and self.size.nodes < old.nodes:
-                        resize_why = "nodes left while it grew back"
-                    self._resized(old, r.attempts + 1, resize_why)
+                    self._resized(old, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
             r.attempts += 1
             # Every rank of the previous attempt is stopped: what it left half-saved goes.
             self.run_dir.clear_staging()
@@ -251,37 +240,25 @@ class Driver:
             r.status = RunStatus.RUNNING
             rec.write_result()
             rec.board.start_attempt(latest.step if latest else None)
-            outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None)
-            if outcome.ok:
-                r.status, r.error = RunStatus.SUCCEEDED, None
-                self._end_attempt(Outcome.SUCCEEDED)
+            outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, latest.step if latest else 0)
+            # What next is one pure function of how the attempt ended and the budgets (jobs/policy.py).
+            step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
+                             self.spec.timeouts.resize_s)
+            state = step.state
+            r.restarts, r.preemptions = step.restarts, step.preemptions
+            r.error = None if outcome.ok or step.grew else outcome.error
+            if state is RunState.RESERVING:  # the bundles of lost nodes are gone; growing needs a larger group
+                self.group.shutdown()
+                self.group = None
+            self._end_attempt(step.ended)
+            if state is RunState.SUCCEEDED:
+                r.status = RunStatus.SUCCEEDED
                 return
-            r.error = outcome.error
-            if outcome.grow is not None:
-                self._end_attempt(Outcome.GROW)
-                # Nodes came back and a checkpoint was committed since: restart there on more
-                # nodes; this is not a failure, and no budget is used.
-                self.group.shutdown()
-                self.group = None
-                # The nodes are there: wait long enough for the ones this run just released to show as free.
-                resize_why, wait_full_s = GREW, max(self.spec.timeouts.resize_s, GROW_SETTLE_S)
-                r.error = None
-                continue
-            resize_why = ("node" + ("s " if len(outcome.lost_nodes) > 1 else " ")
-                          + ", ".join(map(str, outcome.lost_nodes)) + " lost") if outcome.lost_nodes else "a failure"
-            wait_full_s = self.spec.timeouts.resize_s
-            if outcome.lost_nodes:
-                # The placement group's bundles on lost nodes are gone: reserve anew,
-                # on the nodes that are left or that the cluster adds.
-                self.group.shutdown()
-                self.group = None
-            decision = decide(outcome.failure, r.attempts, r.restarts, r.preemptions, self.spec.failure)
-            r.restarts, r.preemptions = decision.restarts, decision.preemptions
-            self._end_attempt(Outcome.PREEMPTED if outcome.failure is Failure.PREEMPTED else Outcome.FAILED)
-            if decision.action is Action.GIVE_UP:
+            if state is RunState.FAILED:
                 r.status = RunStatus.FAILED
                 return
-            self._say(decision.message)
+            if step.message:
+                self._say(step.message)
 
     def _end_attempt(self, outcome: str) -> None:
         """Say how the open attempt ended (and where its training stood), and write result.json's books."""
@@ -289,6 +266,7 @@ class Driver:
         self._open = None
         route, self._route = self._route, None
         if route is not None:
+            route.finish()
             a = route.a
             if a.first_step is None and a.joined_at is not None:  # a function that reports no step at all
                 rec.event(FirstStep(time=a.joined_at, attempt=a.number))
@@ -323,7 +301,7 @@ class Driver:
 
     # --- one attempt ------------------------------------------------------------------
 
-    def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None) -> _Outcome:
+    def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None, resume_step: int) -> AttemptOutcome:
         spec = self.spec
         staging = self.run_dir.staging_uri(attempt)
         use_gpu = group.placement.use_gpu
@@ -359,7 +337,7 @@ class Driver:
         contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         rec = self.recorder
         rec.mark("ranks_started")
-        a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts})
+        a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
         route = self._route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s)
         started = last_board = last_grow_check = last_work = time.monotonic()
         grow: WorldSize | None = None
@@ -382,9 +360,9 @@ class Driver:
             if all(s == NodeState.SUCCEEDED for s in group.states):
                 if a.preempted:
                     step = rec.result.last_step
-                    return _Outcome(False, f"preempted: ranks {sorted(a.preempted)} checkpointed "
-                                           f"within the grace period at step {step} and stopped",
-                                    failure=Failure.PREEMPTED)
+                    return AttemptOutcome(False, f"preempted: ranks {sorted(a.preempted)} checkpointed "
+                                                 f"within the grace period at step {step} and stopped",
+                                          failure=Failure.PREEMPTED)
                 break
             if len(a.joined) < a.world and time.monotonic() - started > spec.timeouts.rendezvous_s:
                 # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
@@ -392,7 +370,7 @@ class Driver:
                 nodes = sorted({a.node_of[m] for m in missing})
                 where = where_ranks_are(group, self.run_dir, attempt)
                 group.stop()
-                return _Outcome(False, (
+                return AttemptOutcome(False, (
                     f"ranks {missing} on nodes {nodes} did not join the process group within "
                     f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained\n{where}"
                 ))
@@ -406,8 +384,8 @@ class Driver:
             if grow is not None and a.last_commit is not None and a.last_commit[1] > grow_seen:
                 for node_rank, p in enumerate(group.stop()):
                     route.forward(node_rank, p)
-                return _Outcome(False, f"stopped at the checkpoint of step {a.last_commit[0]} to grow to "
-                                       f"world size {grow.world_size}", grow=grow)
+                return AttemptOutcome(False, f"stopped at the checkpoint of step {a.last_commit[0]} to grow to "
+                                             f"world size {grow.world_size}", grow=grow)
             if time.monotonic() - last_board > BOARD_FLUSH_S:
                 rec.board.flush()
                 last_board = time.monotonic()
@@ -438,8 +416,8 @@ class Driver:
             lost += [i for i, state in enumerate(group.states) if state == NodeState.LOST and i not in lost]
             error = self.secrets.mask(group_failures(failures) + (f"\n{where}" if where else ""))
             print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
-            return _Outcome(False, error, lost, failure_kind(failures, lost_nodes=bool(lost)))
+            return AttemptOutcome(False, error, tuple(lost), failure_kind(failures, lost_nodes=bool(lost)))
         # Rank return values are JSON data already (``cluster.worker`` made them so).
         rec.result.return_value = returns.get(0)
         rec.result.rank_results = {str(k): v for k, v in sorted(returns.items())}
-        return _Outcome(True)
+        return AttemptOutcome(True)

@@ -22,10 +22,16 @@ from enum import StrEnum
 from typing import Iterable
 
 from cluster.protocol import RankFailure
+from jobs.events import Outcome
 from jobs.spec import FailureSpec, ScalingSpec
 
-__all__ = ["Action", "Decision", "Failure", "Fit", "WorldSize", "decide", "failure_kind", "fit", "grow_to",
-           "resize_note", "world_sizes"]
+__all__ = ["Action", "AttemptOutcome", "Decision", "Failure", "Fit", "RunState", "Step", "WorldSize", "decide",
+           "failure_kind", "fit", "grow_to", "next_step", "resize_note", "resize_reason", "world_sizes"]
+
+# Growing back, the least time to wait for all the nodes seen (released bundles free up within moments).
+GROW_SETTLE_S = 10.0
+# The reason a resize records when the run grows back.
+GREW = "nodes came back"
 
 
 class Failure(StrEnum):
@@ -80,6 +86,89 @@ def decide(kind: Failure, attempt: int, restarts: int, preemptions: int, budgets
                         f"raylaunch: attempt {attempt} failed; restarting from the last committed "
                         f"checkpoint ({restarts} of {budgets.max_restarts} restarts)")
     return Decision(Action.GIVE_UP, restarts, preemptions)
+
+
+# --- the driver's states -------------------------------------------------------------
+
+
+class RunState(StrEnum):
+    """Where the driver is in a run. Every transition after an attempt is ``next_step``'s:
+
+    - RESERVING -> RUNNING: the nodes are held (``jobs.preflight``), an attempt starts;
+    - RUNNING -> SUCCEEDED: every rank returned;
+    - RUNNING -> RUNNING: a failure or a preemption within the budgets, no node lost: restart on the same nodes;
+    - RUNNING -> RESERVING: nodes were lost (restart on the nodes there are, or that come), or the run stopped at
+      a committed checkpoint to grow back onto more nodes;
+    - RUNNING -> FAILED: the budgets are spent;
+    - any -> STOPPED, FAILED: Ctrl-C, SIGTERM, or an error no restart can fix (raised, not decided here).
+    """
+
+    RESERVING = "reserving"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class AttemptOutcome:
+    """How one attempt ended, as the driver saw it."""
+
+    ok: bool
+    error: str | None = None
+    lost_nodes: tuple[int, ...] = ()
+    failure: Failure = Failure.FAILED
+    grow: "WorldSize | None" = None  # stopped at a committed checkpoint to grow back to this size
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the driver does after an attempt: the state it goes to and what that takes."""
+
+    state: RunState
+    ended: str  # the attempt's outcome (``jobs.events.Outcome``)
+    restarts: int  # restarts used, counting this one
+    preemptions: int  # preemptions used, counting this one
+    wait_full_s: float = 0.0  # an elastic run's next reservation waits this long for all of num_nodes
+    resize_why: str = ""  # why the next reservation may change the world size
+    grew: bool = False  # it stopped to grow back onto more nodes
+    message: str = ""  # what the driver says (a restart)
+
+
+def next_step(outcome: AttemptOutcome, attempt: int, restarts: int, preemptions: int, budgets: FailureSpec,
+              resize_s: float) -> Step:
+    """The driver's next state after attempt number ``attempt``, from how it ended and the budgets left: a pure
+    function (``tests/test_policy.py`` has a row for every case).
+
+    >>> next_step(AttemptOutcome(False, lost_nodes=(1,)), 1, 0, 0, FailureSpec(max_restarts=1), 30.0).state
+    <RunState.RESERVING: 'reserving'>
+    """
+    if outcome.ok:
+        return Step(RunState.SUCCEEDED, Outcome.SUCCEEDED, restarts, preemptions)
+    if outcome.grow is not None:
+        # Nodes came back and a checkpoint was committed since: no failure, no budget used; wait long enough for
+        # the nodes this run just released to show as free.
+        return Step(RunState.RESERVING, Outcome.GROW, restarts, preemptions,
+                    wait_full_s=max(resize_s, GROW_SETTLE_S), resize_why=GREW, grew=True)
+    lost = outcome.lost_nodes
+    why = (f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost") if lost else "a failure"
+    decision = decide(outcome.failure, attempt, restarts, preemptions, budgets)
+    ended = Outcome.PREEMPTED if outcome.failure is Failure.PREEMPTED else Outcome.FAILED
+    if decision.action is Action.GIVE_UP:
+        return Step(RunState.FAILED, ended, decision.restarts, decision.preemptions)
+    # A lost node's bundle is gone with it: reserve anew, on the nodes that are left or that the cluster adds.
+    return Step(RunState.RESERVING if lost else RunState.RUNNING, ended, decision.restarts, decision.preemptions,
+                wait_full_s=resize_s, resize_why=why, message=decision.message)
+
+
+def resize_reason(step: Step, old_nodes: int, new_nodes: int) -> str:
+    """Why the world size changed after ``step``: its reason, unless the run meant to grow and got fewer nodes.
+
+    >>> grow = Step(RunState.RESERVING, Outcome.GROW, 0, 0, resize_why=GREW, grew=True)
+    >>> resize_reason(grow, 2, 1), resize_reason(grow, 1, 2)
+    ('nodes left while it grew back', 'nodes came back')
+    """
+    return "nodes left while it grew back" if step.grew and new_nodes < old_nodes else step.resize_why
 
 
 # --- elastic world size ------------------------------------------------------------

@@ -12,7 +12,6 @@ import ray
 
 from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, fitting_nodes
 from jobs.environment import runner_versions, with_runner_pins
-from jobs.events import Reserved
 from jobs.policy import WorldSize, fit
 from jobs.record import Recorder
 from jobs.spec import JobSpec
@@ -42,18 +41,8 @@ def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str 
                    secrets=recorder.secrets.values,
                    pip=with_runner_pins(env.requirements, _cluster_runner_versions()) if env.requirements else []),
     )
-    recorder.mark("reserved")
-    recorder.event(Reserved(time=time.time(), attempt=recorder.attempt, world_size=placement.world_size))
-    r = recorder.result
-    r.live = {"ray_address": ray.get_runtime_context().gcs_address, "namespace": ACTOR_NAMESPACE,
-              "node_actors": group.actor_names, "ranks": group.ranks_by_node}
-    r.nodes = [
-        {"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname,
-         "socket_ifname": socket.name}
-        for i, (info, socket) in enumerate(zip(group.infos, group.sockets))
-    ]
-    for i, (info, socket) in enumerate(zip(group.infos, group.sockets)):
-        recorder.say(f"raylaunch: node {i} ({info.ip}, {info.hostname}): {socket.describe()}")
+    recorder.reserved(group, live={"ray_address": ray.get_runtime_context().gcs_address, "namespace": ACTOR_NAMESPACE,
+                                   "node_actors": group.actor_names, "ranks": group.ranks_by_node})
     try:
         check_shared_storage(group, recorder.run_dir, token)
     except BaseException:

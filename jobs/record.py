@@ -13,14 +13,17 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from cluster.protocol import Progress, RunStatus
 from jobs.board import Board
 from jobs.environment import Secrets
-from jobs.events import AttemptStarted, ProgressShown, RunEvent, SessionStarted, Waiting, decode
+from jobs.events import AttemptStarted, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting, decode
 from jobs.ledger import Ledger, ledger
 from jobs.storage import RECORD_KEYS, RunDir
+
+if TYPE_CHECKING:
+    from cluster.group import NodeGroup
 
 __all__ = ["Recorder", "RunResult"]
 
@@ -124,6 +127,18 @@ class Recorder:
             self.attempt, self._waiting = e.attempt, False
         if self.on_event is not None:
             self.on_event(e)
+
+    def reserved(self, group: "NodeGroup", live: dict) -> None:
+        """The attempt holds its nodes: result.json names them (and how `raylaunch stacks` reaches them), the
+        books' wait ends, each node's interface is said."""
+        self.mark("reserved")
+        self.event(Reserved(time=time.time(), attempt=self.attempt, world_size=group.placement.world_size))
+        r = self.result
+        r.live = live
+        r.nodes = [{"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname,
+                    "socket_ifname": socket.name} for i, (info, socket) in enumerate(zip(group.infos, group.sockets))]
+        for i, (info, socket) in enumerate(zip(group.infos, group.sockets)):
+            self.say(f"raylaunch: node {i} ({info.ip}, {info.hostname}): {socket.describe()}")
 
     def waiting(self, at: float | None = None) -> None:
         """The attempt being reserved waits for nodes since ``at`` (now by default); said once per attempt."""

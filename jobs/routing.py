@@ -15,13 +15,19 @@ from dataclasses import dataclass, field
 from cluster.storage_io import join_uri
 from cluster.layout import checkpoint_name
 from cluster.node import NodeInfo
-from cluster.protocol import EventKind, FailureCause, NodePoll, NodeState, RankFailure
+from cluster.protocol import (
+    Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, Metrics, NodePoll, NodeState, Pace,
+    PreemptNotice, Preempted, RankFailure, Resources, RestoredPart, decode_rank_event,
+)
 from jobs.events import Committed, FirstStep, Restored, Saved, Work
 from jobs.pace import PACE_KEYS, PaceTracker
 from jobs.record import Recorder
 from jobs.storage import RunDir
 
 __all__ = ["AttemptRouter", "AttemptState", "group_failures"]
+
+# How long measurements wait for a first logged step before they are stored at the batches read instead.
+PENDING_S = 30.0
 
 
 @dataclass
@@ -48,6 +54,9 @@ class AttemptState:
     last_work: float | None = None
     data_wait_s: dict[int, float] = field(default_factory=dict)
     restored: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    resume_step: int = 0  # the checkpoint the attempt resumed from (0: the beginning)
+    # Measurements (pace, peak memory) made before any step was logged: (rank, time, values, batches read by then)
+    pending: list[tuple[int, float, dict, int]] = field(default_factory=list)
 
     @property
     def world(self) -> int:
@@ -87,52 +96,55 @@ class AttemptRouter:
         self.events(p.events)
 
     def events(self, events: list[dict]) -> None:
+        """One node's events, typed (``cluster.protocol.decode_rank_event``; a kind this version does not know is
+        left out), each handled by its kind."""
         a, rec = self.a, self.recorder
-        records = []
-        for e in events:
-            rank = e.get("rank", 0)
-            kind = e.get("kind")
-            if kind == EventKind.ARRIVED:
-                a.arrived.add(rank)
-                if len(a.arrived) == a.world:
-                    rec.mark("arrived", e["time"])
-            elif kind == EventKind.PREEMPTED:
-                a.preempted.add(rank)
-            elif kind == EventKind.PREEMPT_NOTICE:
-                rec.say(f"raylaunch: rank {rank} got a stop notice (SIGTERM): checkpointing at the next step")
-            elif kind == EventKind.JOINED:
-                a.joined.add(rank)
-                if len(a.joined) == a.world:
-                    a.joined_at = e["time"]
-                    rec.mark("joined", e["time"])
-            elif kind == EventKind.METRICS:
-                record = self.row(rank, e["time"], e.get("step"), e.get("values", {}))
-                records.append(record)
-                if record["step"] is not None:
-                    a.steps[rank] = max(int(record["step"]), a.steps.get(rank, 0))
-                self._worked(e["time"], e["time"])
-                if rank == 0:
-                    rec.mark("first_step", e["time"])
-                    rec.progress(record, self.pace_tracker.verdict.values())
-            elif kind == EventKind.RESOURCES:
-                # Peak memory, at the rank's latest step, beside its metrics.
-                records.append(self.row(rank, e["time"], self.step_of(rank),
-                                        {k: v for k, v in e.items() if k.startswith("peak_")}))
-            elif kind == EventKind.PACE:
-                records.extend(self.pace(rank, e))
-            elif kind == EventKind.RESTORED:
-                a.restored[rank] = (e["time"], float(e.get("seconds", 0.0)), int(e.get("step", 0)))
-                if len(a.restored) == a.world:
-                    rec.event(Restored(time=max(t for t, _, _ in a.restored.values()), attempt=a.number,
-                                       step=max(s for _, _, s in a.restored.values()),
-                                       seconds=round(max(s for _, s, _ in a.restored.values()), 4)))
-            elif kind == EventKind.CHECKPOINT:
-                self.checkpoint(rank, e)
-            elif kind == EventKind.CHECKPOINT_INTERVAL:
-                cost = f"a save holds training {e['save_s']:.2f} s" if e.get("measured") else \
-                    f"a save assumed to hold training {e['save_s']:.2f} s until one is measured"
-                rec.say(f"raylaunch: checkpoint.every auto: a save every {e['seconds']:.1f} s ({cost}; a failure "
-                        f"every {e['mtbf_s']:.0f} s)")
+        records: list[dict] = []
+        for e in filter(None, map(decode_rank_event, events)):
+            rank = e.rank
+            match e:
+                case Arrived():
+                    a.arrived.add(rank)
+                    if len(a.arrived) == a.world:
+                        rec.mark("arrived", e.time)
+                case Joined():
+                    a.joined.add(rank)
+                    if len(a.joined) == a.world:
+                        a.joined_at = e.time
+                        rec.mark("joined", e.time)
+                case Preempted():
+                    a.preempted.add(rank)
+                case PreemptNotice():
+                    rec.say(f"raylaunch: rank {rank} got a stop notice (SIGTERM): checkpointing at the next step")
+                case Metrics():
+                    record = self.row(rank, e.time, e.step, e.values)
+                    records.append(record)
+                    if e.step is not None:
+                        a.steps[rank] = max(int(e.step), a.steps.get(rank, 0))
+                        records += self._pending(final=False)  # measured before the first step: now at it
+                    self._worked(e.time, e.time)
+                    if rank == 0:
+                        rec.mark("first_step", e.time)
+                        rec.progress(record, self.pace_tracker.verdict.values())
+                case Resources():  # peak memory, beside the rank's metrics
+                    records += self._measured(rank, e.time, e.peaks())
+                case Pace():
+                    records += self.pace(e)
+                case RestoredPart():
+                    a.restored[rank] = (e.time, e.seconds, e.step)
+                    if len(a.restored) == a.world:
+                        rec.event(Restored(time=max(t for t, _, _ in a.restored.values()), attempt=a.number,
+                                           step=max(s for _, _, s in a.restored.values()),
+                                           seconds=round(max(s for _, s, _ in a.restored.values()), 4)))
+                case CheckpointPart():
+                    self.checkpoint(e)
+                case CheckpointInterval():
+                    cost = (f"a save holds training {e.save_s:.2f} s" if e.measured else
+                            f"a save assumed to hold training {e.save_s:.2f} s until one is measured")
+                    rec.say(f"raylaunch: checkpoint.every auto: a save every {e.seconds:.1f} s ({cost}; a failure "
+                            f"every {e.mtbf_s:.0f} s)")
+        if a.pending and time.time() - a.pending[0][1] > PENDING_S:  # a function that logs no step at all
+            records += self._pending(final=True)
         rec.metrics(records)
 
     def row(self, rank: int, at: float, step: int | None, values: dict) -> dict:
@@ -141,11 +153,38 @@ class AttemptRouter:
         return {"step": step, "rank": rank, "node": a.node_of.get(rank), "attempt": a.number, "world_size": a.world,
                 "time": at, **values}
 
-    def step_of(self, rank: int) -> int:
-        """The step a rank's measurements are stored at: its latest logged step, else rank 0's, else (a function
-        that logs no step) the number of batches it has read this attempt."""
+    def _measured(self, rank: int, at: float, values: dict) -> list[dict]:
+        """A rank's measurement (pace, peak memory) as a row at its step; held while no step is known yet."""
+        step = self.step_of(rank)
+        if step is None:
+            self.a.pending.append((rank, at, values, self.a.batches.get(rank, 0)))
+            return []
+        return [self.row(rank, at, step, values)]
+
+    def _pending(self, final: bool) -> list[dict]:
+        """The held measurements: at their rank's step once one is known; ``final`` (the attempt ends, or none came
+        for ``PENDING_S``) the rest at the step the attempt resumed from plus the batches the rank had read."""
         a = self.a
-        return a.steps.get(rank, a.steps.get(0, a.batches.get(rank, 0)))
+        out, keep = [], []
+        for rank, at, values, batches in a.pending:
+            step = self.step_of(rank)
+            if step is None and final:
+                step = a.resume_step + batches
+            if step is None:
+                keep.append((rank, at, values, batches))
+            else:
+                out.append(self.row(rank, at, step, values))
+        a.pending = keep
+        return out
+
+    def finish(self) -> None:
+        """The attempt ended: what it measured before any step was known is stored."""
+        self.recorder.metrics(self._pending(final=True))
+
+    def step_of(self, rank: int) -> int | None:
+        """The step a rank's measurements are stored at: its latest logged step, else rank 0's; None before any."""
+        a = self.a
+        return a.steps.get(rank, a.steps.get(0))
 
     def _worked(self, began: float, seen: float) -> None:
         """Training was seen from ``began`` (a step's first batch, or a step logged) to ``seen``."""
@@ -155,12 +194,12 @@ class AttemptRouter:
             self.recorder.event(FirstStep(time=began, attempt=a.number))
         a.first_step = min(a.first_step or began, began)  # a rank's earlier first batch, reported later: in Work
 
-    def checkpoint(self, rank: int, e: dict) -> None:
+    def checkpoint(self, e: CheckpointPart) -> None:
         """A rank's part of a checkpoint is on storage: commit once every rank's is."""
         a, rec = self.a, self.recorder
-        step = int(e["step"])
-        a.parts[step][rank] = e.get("files") or {}
-        a.save_times[step][rank] = (float(e.get("requested", e["time"])), float(e.get("blocked_s", 0.0)))
+        step = e.step
+        a.parts[step][e.rank] = e.files or {}
+        a.save_times[step][e.rank] = (e.requested if e.requested is not None else e.time, e.blocked_s)
         if len(a.parts[step]) < a.world:
             return
         times = a.save_times.pop(step).values()
@@ -177,18 +216,19 @@ class AttemptRouter:
         a.last_commit = (step, time.time())
         rec.event(Committed(time=a.last_commit[1], attempt=a.number, step=step, state_time=asked))
 
-    def pace(self, rank: int, e: dict) -> list[dict]:
-        """A rank's data_wait and sync_wait, at its latest step (``step_of``); said when the ranks starved for
-        data or waited for change."""
-        a = self.a
-        if verdict := self.pace_tracker.add(rank, e):
+    def pace(self, e: Pace) -> list[dict]:
+        """A rank's data_wait and sync_wait, at its step (``_measured``); said when the ranks starved for data or
+        waited for change; the seconds it waited for data, for the goodput ledger."""
+        a, rank = self.a, e.rank
+        values = {k: getattr(e, k) for k in PACE_KEYS}
+        if verdict := self.pace_tracker.add(rank, values):
             for line in verdict.lines or ["no rank is starved for data or waited for any more"]:
                 self.recorder.say(f"raylaunch: {line}")
-        a.batches[rank] = a.batches.get(rank, 0) + int(e.get("batches", 0))
-        a.data_wait_s[rank] = a.data_wait_s.get(rank, 0.0) + float(e.get("data_wait", 0.0)) * float(e.get("span_s", 0.0))
-        seen = float(e.get("last_batch", e["time"]))
-        self._worked(float(e.get("first_batch", seen - float(e.get("span_s", 0.0)))), seen)
-        return [self.row(rank, e["time"], self.step_of(rank), {k: e[k] for k in PACE_KEYS if k in e})]
+        a.batches[rank] = a.batches.get(rank, 0) + e.batches
+        a.data_wait_s[rank] = a.data_wait_s.get(rank, 0.0) + e.data_wait * e.span_s
+        seen = e.last_batch if e.last_batch is not None else e.time
+        self._worked(e.first_batch if e.first_batch is not None else seen - e.span_s, seen)
+        return self._measured(rank, e.time, values)
 
     def work(self) -> Work | None:
         """Where this attempt's training stands, as a ``Work`` event, when it changed since the last one."""

@@ -95,7 +95,7 @@ def test_runs_lists_every_run_with_its_outcome(runs):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["NAME", "STATUS", "NODES", "x", "WORKERS", "STEPS", "LAST", "LOSS", "BEST",
-                                "DURATION", "STARTED"]
+                                "DURATION", "GOODPUT", "STARTED"]
     table = {line.split()[0]: line.split() for line in lines[1:]}
     assert set(table) == {"steady", "digits", "broken"}
     last_loss = [r["loss"] for r in rows(storage, "steady") if r.get("step") == 40 and "loss" in r]
@@ -105,6 +105,9 @@ def test_runs_lists_every_run_with_its_outcome(runs):
     accuracy = json.loads((storage / "digits" / "result.json").read_text())["return_value"]["eval_accuracy"]
     assert table["digits"][7] == f"eval_accuracy={accuracy:.4g}"
     assert table["broken"][1:5] == ["failed", "2", "x", "1"] and table["broken"][5] == "-"
+    for name in ("steady", "digits"):  # the share of the wall clock that trained the model
+        ratio = json.loads((storage / name / "result.json").read_text())["goodput"]["ratio"]
+        assert table[name][9] == f"{100 * ratio:.0f}%" and 0 < ratio < 1
 
 
 def test_show_tells_restarts_checkpoints_logs_and_errors(runs):

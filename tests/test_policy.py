@@ -6,7 +6,10 @@ import pytest
 
 from cluster.protocol import FailureCause, RankFailure
 from jobs.hangs import is_hang
-from jobs.policy import Action, Failure, WorldSize, decide, failure_kind, fit, grow_to, resize_note, world_sizes
+from jobs.policy import (
+    Action, AttemptOutcome, Failure, RunState, WorldSize, decide, failure_kind, fit, grow_to, next_step, resize_note,
+    resize_reason, world_sizes,
+)
 from jobs.spec import FailureSpec, ScalingSpec
 
 SIGTERM = RankFailure.killed(1, -15, "SIGTERM")
@@ -139,3 +142,47 @@ def test_what_the_driver_says_when_the_world_resizes():
 ])
 def test_a_failure_carries_its_cause_from_where_it_entered(failure, cause, hang):
     assert failure.cause is cause and is_hang([failure]) is hang
+
+
+GIVE = FailureSpec(max_restarts=1, max_preemptions=1)
+W1, W2 = WorldSize(1, 1, 2), WorldSize(2, 2, 1)
+
+
+# outcome, restarts used, preemptions used -> state, the attempt's outcome, restarts, preemptions, wait, why
+@pytest.mark.parametrize("outcome, used, state, ended, after, wait_s, why", [
+    (AttemptOutcome(True), (0, 0), RunState.SUCCEEDED, "succeeded", (0, 0), 0.0, ""),
+    (AttemptOutcome(True), (1, 1), RunState.SUCCEEDED, "succeeded", (1, 1), 0.0, ""),
+    # a failure within the budget: the same nodes again
+    (AttemptOutcome(False, "boom"), (0, 0), RunState.RUNNING, "failed", (1, 0), 30.0, "a failure"),
+    # nodes lost: reserve anew, waiting resize_s for all of num_nodes
+    (AttemptOutcome(False, "lost", lost_nodes=(1,)), (0, 0), RunState.RESERVING, "failed", (1, 0), 30.0,
+     "node 1 lost"),
+    (AttemptOutcome(False, "lost", lost_nodes=(1, 2)), (0, 0), RunState.RESERVING, "failed", (1, 0), 30.0,
+     "nodes 1, 2 lost"),
+    # a preemption uses its own budget, then counts as a failure
+    (AttemptOutcome(False, "sigterm", failure=Failure.PREEMPTED), (0, 0), RunState.RUNNING, "preempted", (0, 1),
+     30.0, "a failure"),
+    (AttemptOutcome(False, "sigterm", failure=Failure.PREEMPTED), (0, 1), RunState.RUNNING, "preempted", (1, 1),
+     30.0, "a failure"),
+    # the budgets are spent
+    (AttemptOutcome(False, "boom"), (1, 0), RunState.FAILED, "failed", (1, 0), 0.0, ""),
+    (AttemptOutcome(False, "lost", lost_nodes=(0,)), (1, 0), RunState.FAILED, "failed", (1, 0), 0.0, ""),
+    (AttemptOutcome(False, "sigterm", failure=Failure.PREEMPTED), (1, 1), RunState.FAILED, "preempted", (1, 1), 0.0,
+     ""),
+    # growing back: no budget used, even a spent one; wait at least GROW_SETTLE_S for the nodes just released
+    (AttemptOutcome(False, "grow", grow=W2), (1, 1), RunState.RESERVING, "grow", (1, 1), 30.0, "nodes came back"),
+])
+def test_what_the_driver_does_after_an_attempt(outcome, used, state, ended, after, wait_s, why):
+    step = next_step(outcome, 3, *used, GIVE, resize_s=30.0)
+    assert (step.state, step.ended, (step.restarts, step.preemptions), step.wait_full_s, step.resize_why) == (
+        state, ended, after, wait_s, why)
+    assert bool(step.message) == (state is RunState.RUNNING or (state is RunState.RESERVING and not step.grew))
+    assert next_step(AttemptOutcome(False, "grow", grow=W2), 3, 0, 0, GIVE, resize_s=1.0).wait_full_s == 10.0
+
+
+def test_a_run_that_meant_to_grow_and_got_fewer_nodes_says_so():
+    grow = next_step(AttemptOutcome(False, "grow", grow=W2), 2, 0, 0, GIVE, resize_s=1.0)
+    lost = next_step(AttemptOutcome(False, "lost", lost_nodes=(1,)), 2, 0, 0, GIVE, resize_s=1.0)
+    assert resize_reason(grow, old_nodes=1, new_nodes=2) == "nodes came back"
+    assert resize_reason(grow, old_nodes=2, new_nodes=1) == "nodes left while it grew back"
+    assert resize_reason(lost, old_nodes=2, new_nodes=1) == "node 1 lost"
