@@ -20,7 +20,7 @@ from cluster.context import WorkerContext
 __all__ = [
     "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
-    "RestoredPart", "RunStatus", "ScriptCall", "WorkerPayload", "decode_rank_event",
+    "RestoredPart", "RunStatus", "ScriptCall", "WorkerPayload", "decode_kind", "decode_rank_event",
 ]
 
 
@@ -316,7 +316,13 @@ def decode_rank_event(row: Any) -> RankEvent | None:
     >>> decode_rank_event(Pace(data_wait=0.5, batches=4).to_dict()) == Pace(data_wait=0.5, batches=4)
     True
     """
-    cls = _RANK_EVENTS.get(row.get("kind")) if isinstance(row, dict) else None
+    return decode_kind(_RANK_EVENTS, row)
+
+
+def decode_kind(kinds: dict[str, type], row: Any) -> Any:
+    """The dataclass of ``kinds`` that ``row["kind"]`` names, from the row's fields it has (fields a newer version
+    added are left out); None for an unknown kind or fields that do not fit."""
+    cls = kinds.get(row.get("kind")) if isinstance(row, dict) else None
     if cls is None:
         return None
     names = {f.name for f in dataclasses.fields(cls)}

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from cluster.protocol import decode_kind
+
 __all__ = [
     "AttemptEnded", "AttemptStarted", "Committed", "EVENT_PREFIX", "FirstStep", "Outcome", "ProgressShown",
     "Reserved", "Restored", "RunEvent", "Saved", "SessionEnded", "SessionStarted", "Waiting", "Work",
@@ -176,14 +178,7 @@ _KINDS: dict[str, type[RunEvent]] = {
 
 def decode(row: dict) -> RunEvent | None:
     """An event from its stored or sent form; None for a kind or fields this version does not know."""
-    cls = _KINDS.get(row.get("kind")) if isinstance(row, dict) else None
-    if cls is None:
-        return None
-    names = {f.name for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in row.items() if k in names})
-    except TypeError:
-        return None
+    return decode_kind(_KINDS, row)
 
 
 def encode_line(event: RunEvent) -> str:
