@@ -23,7 +23,8 @@ import time
 from collections import defaultdict
 
 from cluster.layout import TENSORBOARD
-from jobs.storage import RunDir, numeric_metrics, rewrite_due
+from jobs.appendlog import rewrite_due
+from jobs.storage import RunDir, numeric_metrics
 
 __all__ = ["Board", "PER_RANK"]
 

@@ -9,7 +9,7 @@ The names that ranks and node actors share with it (checkpoints, staging, manife
       spec.yaml      the resolved spec that ran
       metrics.jsonl  one JSON object a line: step, rank, node, attempt, time, then the metrics
                      (on an object store, a long run's rows continue in metrics.jsonl.000001, ...:
-                     ``segments``)
+                     ``jobs.appendlog``)
       result.json    status, attempts, world size, last step and metrics, checkpoints, times, error
       checkpoints/   committed checkpoints only, each with manifest.json written last,
                      and latest.json naming the newest
@@ -45,6 +45,7 @@ from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
 from cluster.sharding import missing_shards
+from jobs.appendlog import AppendLogs, read_rows
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -55,51 +56,6 @@ def numeric_metrics(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items()
             if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
             and (isinstance(v, float) or abs(v) < 2**1000)}  # an int float() cannot hold is no curve
-
-# On an object store, metrics and logs are rewritten whole at most this often, less often as
-# they grow (``rewrite_due``), and at every commit and at the end: what a crash of the driver
-# can lose.
-OBJECT_FLUSH_S = 2.0
-# A growing object (metrics, logs, event files) is rewritten whole: at most this many bytes a
-# second on average, so a long run's 50 MB metrics.jsonl goes out every 50 s, not every 2 s.
-OBJECT_REWRITE_BYTES_PER_S = 1 << 20
-
-
-# On an object store a growing file is written as segments (``_ObjectLog``): a new object once
-# the last one holds SEGMENT_BYTES or is SEGMENT_S old, so the driver holds and rewrites at most
-# one segment of each file, and a crash loses at most its last rewrite interval (about 4 s at
-# 4 MiB). Every object-store file held together stays under HELD_BYTES: past it, all roll.
-SEGMENT_BYTES = 4 << 20
-SEGMENT_S = 600.0
-HELD_BYTES = 64 << 20
-
-
-def segment_path(path: str, index: int) -> str:
-    """Segment ``index`` of a growing file: the file's own name first, then ``<name>.000001``, ..."""
-    return path if index == 0 else f"{path}.{index:06d}"
-
-
-def segments(fs: pafs.FileSystem, path: str) -> list[str]:
-    """The segments of the growing file ``path`` on storage, in order (one on a local path)."""
-    folder, base = path.rsplit("/", 1)
-    found = []
-    for info in fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True)):
-        name = info.base_name
-        if info.type != pafs.FileType.File or not name.startswith(base):
-            continue
-        suffix = name[len(base):]
-        if suffix == "":
-            found.append((0, info.path))
-        elif suffix[0] == "." and len(suffix) == 7 and suffix[1:].isdigit():
-            found.append((int(suffix[1:]), info.path))
-    return [p for _, p in sorted(found)]
-
-
-def rewrite_due(size: int, written_at: float) -> bool:
-    """Whether a growing object of ``size`` bytes, last written at ``written_at``
-    (``time.monotonic()``), is due to be written again."""
-    return time.monotonic() - written_at >= max(OBJECT_FLUSH_S, size / OBJECT_REWRITE_BYTES_PER_S)
-
 
 class StorageError(RaylaunchError, RuntimeError):
     """The storage path cannot hold a run; the message says what to fix."""
@@ -138,9 +94,7 @@ class RunDir:
         # Filesystem options (endpoint_override=..., scheme=...) travel with every URI
         # handed to node actors and ranks, so they open the same store.
         self._query = split_query(storage)[1]
-        self._streams: dict[str, Any] = {}
-        self._objects: dict[str, _ObjectLog] = {}
-        self._held = 0  # bytes the _ObjectLogs hold in memory
+        self._logs = AppendLogs(self.fs, self.path, self._local)  # metrics, events and rank logs
 
     # --- paths -----------------------------------------------------------------
 
@@ -213,36 +167,14 @@ class RunDir:
             self._append(rank_log_file(rank), "".join(line + "\n" for line in lines))
 
     def _append(self, rel: str, text: str) -> None:
-        path = f"{self.path}/{rel}"
-        if not self._local:
-            log = self._objects.get(rel)
-            if log is None:
-                log = self._objects[rel] = _ObjectLog(self.fs, path)
-                self._held += len(log.data)
-            self._held += log.append(text.encode())
-            if self._held > HELD_BYTES:  # many files each holding part of a segment: all of them roll
-                for log in self._objects.values():
-                    log.roll()
-                self._held = 0
-            return
-        stream = self._streams.get(rel)
-        if stream is None:
-            stream = self._streams[rel] = self.fs.open_append_stream(path)
-        stream.write(text.encode())
-        stream.flush()
+        self._logs.append(rel, text)
 
     def flush(self) -> None:
         """Write out what object-store logs hold in memory (POSIX appends are written at once)."""
-        for log in self._objects.values():
-            log.flush()
+        self._logs.flush()
 
     def close(self) -> None:
-        self.flush()
-        for s in self._streams.values():
-            s.close()
-        self._streams.clear()
-        self._objects.clear()
-        self._held = 0
+        self._logs.close()
 
     def write_result(self, result: dict) -> None:
         self.flush()
@@ -442,33 +374,10 @@ class RunDir:
         return self._read_rows(RUN_EVENTS)
 
     def _read_rows(self, rel: str) -> list[dict]:
-        rows, bad = [], 0
-        for path in segments(self.fs, f"{self.path}/{rel}"):
-            try:
-                with self.fs.open_input_stream(path) as f:
-                    text = f.read().decode("utf-8", "replace")
-            except FileNotFoundError:  # removed since it was listed
-                continue
-            bad += self._parse_rows(text, rows)
+        rows, bad = read_rows(self.fs, f"{self.path}/{rel}")
         if bad:
             self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/{rel} cannot be read; skipped")
         return rows
-
-    @staticmethod
-    def _parse_rows(text: str, rows: list[dict]) -> int:
-        """Append the JSON objects of ``text``'s complete lines to ``rows``; the number that were not."""
-        bad = 0
-        for line in text.split("\n")[:-1]:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    row = None
-                if isinstance(row, dict):
-                    rows.append(row)
-                else:
-                    bad += 1
-        return bad
 
     def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
         """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
@@ -514,60 +423,3 @@ class RunDir:
                 return json.loads(f.read())
         except FileNotFoundError:
             return None
-
-
-class _ObjectLog:
-    """A growing file (metrics, logs) on an object store, which cannot append, as segments.
-
-    An output stream kept open shows nothing until it is closed, so a crash of the driver
-    would lose the whole file. Instead the last segment is held in memory and rewritten whole,
-    at most every ``OBJECT_FLUSH_S`` (less often as it grows: ``rewrite_due``) and on
-    ``flush``; each PUT replaces that object whole. Once the segment holds ``SEGMENT_BYTES``
-    or is ``SEGMENT_S`` old, a new one starts (``segment_path``): the driver's memory and
-    each rewrite stay bounded however long the run. A rerun of the same run continues the
-    last segment if it has room.
-    """
-
-    def __init__(self, fs: pafs.FileSystem, path: str) -> None:
-        self.fs, self.path = fs, path
-        existing = segments(fs, path)
-        self.index = 0
-        self.data = bytearray()
-        if existing:
-            self.index = 0 if existing[-1] == path else int(existing[-1].rsplit(".", 1)[1])
-            with fs.open_input_stream(existing[-1]) as f:
-                self.data = bytearray(f.read())
-            if len(self.data) >= SEGMENT_BYTES:
-                self.index, self.data = self.index + 1, bytearray()
-        self.dirty = False
-        self.started = time.monotonic()
-        self.written_at = 0.0  # the first rows go out at once
-
-    def append(self, data: bytes) -> int:
-        """Add ``data``; returns how much more memory this holds (less than ``len(data)`` after a roll)."""
-        before = len(self.data)
-        if self.data and (len(self.data) + len(data) > SEGMENT_BYTES
-                          or time.monotonic() - self.started >= SEGMENT_S):
-            self.roll()
-        self.data += data
-        self.dirty = True
-        if rewrite_due(len(self.data), self.written_at):
-            self.flush()
-        return len(self.data) - before
-
-    def roll(self) -> None:
-        """Write the segment out and start the next one (nothing to do while it is empty)."""
-        if not self.data:
-            return
-        self.flush()
-        self.index += 1
-        self.data = bytearray()
-        self.started = time.monotonic()
-        self.written_at = 0.0
-
-    def flush(self) -> None:
-        if self.dirty:
-            with self.fs.open_output_stream(segment_path(self.path, self.index)) as f:
-                f.write(bytes(self.data))
-            self.dirty = False
-            self.written_at = time.monotonic()

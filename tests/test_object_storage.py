@@ -20,7 +20,7 @@ from cluster.storage_io import join_uri, open_uri
 from conftest import LoadsRecorded, dummy_aws_credentials, rank_session
 from jobs.driver import Driver
 from jobs.spec import load_spec_text
-from jobs import storage
+from jobs import appendlog as storage  # the growing files: their flush and segment bounds
 from jobs.storage import CheckpointError, RunDir
 
 BUCKET = "raylaunch-test"
