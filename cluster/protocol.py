@@ -325,8 +325,13 @@ def decode_kind(kinds: dict[str, type], row: Any) -> Any:
     cls = kinds.get(row.get("kind")) if isinstance(row, dict) else None
     if cls is None:
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
     try:
         return cls(**{k: v for k, v in row.items() if k in names})
     except TypeError:
         return None
+
+
+_FIELDS: dict[type, frozenset[str]] = {}  # each event class's field names (decoding runs for every event)
