@@ -42,7 +42,8 @@ from cluster.metric_caps import capped
 from cluster.protocol import (
     CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
 )
-from cluster.sharding import Resolved, init_optimizers_for_load
+from cluster.sharding import init_optimizers_for_load
+from cluster.strategy import Resolved
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
 

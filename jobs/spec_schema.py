@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from cluster.errors import RaylaunchError
-from cluster.sharding import FSDP_DEFAULTS
+from cluster.strategy import FSDP_DEFAULTS
 
 __all__ = [
     "AccelerateSpec", "CheckpointSpec", "DataLoaderSpec", "EnvSpec", "FailureSpec", "FsdpSpec", "JobSpec",

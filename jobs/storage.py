@@ -44,7 +44,7 @@ from cluster.layout import (
 from cluster.storage_io import (
     MANIFEST, CheckpointError, check_manifest, describe_files, is_local, open_uri, split_query, storage_credentials,
 )
-from cluster.sharding import missing_shards
+from cluster.strategy import missing_shards
 from jobs.appendlog import AppendLogs, read_rows
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]

@@ -4,7 +4,7 @@ The driver imports neither torch nor Accelerate, so here the ``accelerate config
 read (``yaml.safe_load``) and checked for what can be told without Accelerate: it is a mapping,
 which of its fields the runner sets itself (the launch topology), and whether it asks for
 DeepSpeed on CPU nodes. Its meaning is given by Accelerate's own config classes in each rank
-(``cluster.sharding``); ``validate`` shows the resolved configuration with the same code.
+(``cluster.strategy``, installed by ``cluster.sharding``); ``validate`` shows the resolved configuration with the same code.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from cluster.sharding import deepspeed_on_cpu_message
+from cluster.strategy import deepspeed_on_cpu_message
 from jobs.spec import JobSpec, SpecError
 
 __all__ = ["TOPOLOGY_KEYS", "AccelerateConfig", "read_accelerate_config"]
@@ -48,7 +48,7 @@ class AccelerateConfig:
     @property
     def gradient_accumulation_steps(self) -> int:
         """The accumulation every rank starts from: the spec's, or where the spec leaves it at 1, a
-        DeepSpeed config file's number (as ``cluster.sharding.resolve`` reads it). An elastic run
+        DeepSpeed config file's number (as ``cluster.strategy.resolve`` reads it). An elastic run
         multiplies this one."""
         accum = int(self.section.get("gradient_accumulation_steps", 1))
         config = self.section.get("config") or {}
@@ -80,7 +80,7 @@ class AccelerateConfig:
 
     def describe(self) -> str:
         """The resolved configuration, as each rank will use it (imports Accelerate: for ``validate``)."""
-        from cluster.sharding import resolve
+        from cluster.strategy import resolve
 
         return resolve(self.section).describe()
 

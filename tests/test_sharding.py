@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.sharding import missing_shards, resolve, strategy_env
+from cluster.strategy import missing_shards, resolve, strategy_env
 from conftest import ROOT, cli_env, committed_step, wait_for
 from jobs.driver import Driver
 from jobs.spec import SpecError, load_spec, load_spec_text
