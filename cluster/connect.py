@@ -12,7 +12,7 @@ from cluster.errors import RaylaunchError
 from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
-__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect",
+__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect", "job_workdir",
            "stop_processes_under"]
 
 
@@ -141,3 +141,11 @@ def stop_processes_under(temp_dir: str, timeout_s: float = 15.0) -> int:
         except psutil.Error:
             pass
     return len(procs)
+
+
+def job_workdir() -> str | None:
+    """Where a script's ranks run: the job's uploaded working directory (their own current folder, as Ray sets
+    it: None), or on an embedded cluster, which shares this machine, the folder raylaunch was started from."""
+    if (ray.get_runtime_context().runtime_env or {}).get("working_dir"):
+        return None
+    return os.getcwd()

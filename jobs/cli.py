@@ -345,30 +345,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# Where a launch command's raylaunch options go: the fields each verb reads from its arguments.
-_LAUNCH_DEFAULTS = {"spec": None, "set": None, "storage": None, "name": None, "address": None, "local_nodes": None,
-                    "fresh": False, "quiet": False, "follow": False, "dry_run": False, "spec_json": None,
-                    "event_lines": False}
-
-
-def _launch_args(verb: str, argv: list[str]) -> argparse.Namespace:
-    """``raylaunch launch ...`` (and ``submit``/``validate`` of a script) as the verb's arguments."""
-    from jobs.launch import parse, say
-
-    cmd = parse(verb, argv)
-    say(cmd)
-    func = {"launch": cmd_run, "submit": cmd_submit, "validate": cmd_validate}[verb]
-    return argparse.Namespace(**{**_LAUNCH_DEFAULTS, **vars(cmd.options)}, launch=cmd, command=verb, func=func)
-
-
 # The verbs that import the user's training function, and so need the working directory.
 _USER_CODE_VERBS = {"run", "submit", "validate", "launch"}
-
-
-def _is_script(argv: list[str]) -> bool:
-    from jobs.launch import is_script_command
-
-    return is_script_command(argv)
 
 
 def _set_path(command: str) -> None:
@@ -391,9 +369,12 @@ def _set_path(command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = argv[0] if argv else ""
-    if verb == "launch" or (verb in ("submit", "validate") and _is_script(argv[1:])):
+    from jobs.launch import is_script_command, verb_args
+
+    if verb == "launch" or (verb in ("submit", "validate") and is_script_command(argv[1:])):
         try:
-            args = _launch_args(verb, argv[1:])  # imports Accelerate: before the project's folder is on the path
+            # imports Accelerate: before the project's folder is on the path
+            args = verb_args(verb, argv[1:], {"launch": cmd_run, "submit": cmd_submit, "validate": cmd_validate})
         except RaylaunchError as exc:
             print(f"raylaunch: {exc}{exc.hint}", file=sys.stderr)
             return exc.exit_code

@@ -17,16 +17,16 @@ from typing import Any, Callable, TextIO
 
 import psutil
 
+from cluster.connect import job_workdir
 from cluster.context import WorkerContext
 from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, fitting_nodes, resolve_placement
 from cluster.protocol import NodeState, RankFailure, RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
 from jobs.environment import Secrets, check_requirements
-from jobs.events import AttemptEnded, AttemptStarted, FirstStep, Outcome, RunEvent, SessionEnded
+from jobs.events import AttemptEnded, AttemptStarted, Outcome, RunEvent, SessionEnded
 from jobs.hangs import is_hang, where_ranks_are
 from jobs.policy import (
-    AttemptOutcome, Failure, RunState, WorldSize, failure_kind, grow_to, next_step, resize_note, resize_reason,
-    world_sizes,
+    AttemptOutcome, Failure, RunState, WorldSize, failure_kind, grow_to, next_step, resize_reason, world_sizes,
 )
 from jobs.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.record import Recorder, RunResult
@@ -46,18 +46,6 @@ BOARD_FLUSH_S = 2.0
 WORK_EVERY_S = 5.0
 # How often an elastic run below num_nodes looks for nodes to grow back onto.
 GROW_CHECK_S = 2.0
-
-
-def _job_workdir() -> str | None:
-    """Where a script's ranks run: the job's uploaded working directory (their own current folder, as Ray sets
-    it: None), or on an embedded cluster, which shares this machine, the folder raylaunch was started from."""
-    import os
-
-    import ray
-
-    if (ray.get_runtime_context().runtime_env or {}).get("working_dir"):
-        return None
-    return os.getcwd()
 
 
 class Driver:
@@ -227,7 +215,7 @@ class Driver:
                     self.size = self.sizes[0]
                 r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
                 if old is not None and old != self.size:
-                    self._resized(old, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
+                    rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
             r.attempts += 1
             # Every rank of the previous attempt is stopped: what it left half-saved goes.
             self.run_dir.clear_staging()
@@ -267,30 +255,12 @@ class Driver:
         route, self._route = self._route, None
         if route is not None:
             route.finish()
-            a = route.a
-            if a.first_step is None and a.joined_at is not None:  # a function that reports no step at all
-                rec.event(FirstStep(time=a.joined_at, attempt=a.number))
-                a.first_step, a.last_work = a.joined_at, time.time()
-            if w := route.work():
-                rec.event(w)
         rec.event(AttemptEnded(time=time.time(), attempt=number or 0, outcome=outcome,
                                restarts=rec.result.restarts))
         try:
             rec.write_result()
         except OSError as exc:
             self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
-
-    def _resized(self, old: WorldSize, attempt: int, why: str) -> None:
-        """Record and say a change of world size (its step is the checkpoint the attempt resumes from)."""
-        new = self.size
-        assert new is not None
-        note = resize_note(old, new, why)
-        self.recorder.result.resizes.append({
-            "attempt": attempt, "step": None, "old_world_size": old.world_size, "new_world_size": new.world_size,
-            "reason": why, "old_accumulation": old.accumulation, "new_accumulation": new.accumulation,
-            "global_batch_kept": old.nodes * old.accumulation == new.nodes * new.accumulation,
-        })
-        self._say(f"raylaunch: attempt {attempt}: {note}")
 
     def _grown(self, group: NodeGroup) -> WorldSize | None:
         """A larger size the cluster's nodes allow now, if this elastic run is below num_nodes."""
@@ -308,7 +278,7 @@ class Driver:
         accumulation = self.size.accumulation if self.size else self.accelerate.gradient_accumulation_steps
         script = None
         if spec.script is not None:
-            script = ScriptCall(spec.script, tuple(spec.args), spec.resume_arg, workdir=_job_workdir(),
+            script = ScriptCall(spec.script, tuple(spec.args), spec.resume_arg, workdir=job_workdir(),
                                 accumulation=accumulation,
                                 full_accumulation=self.accelerate.gradient_accumulation_steps)
 

@@ -27,7 +27,7 @@ import yaml
 
 from jobs.spec import JobSpec, SpecError, apply_overrides, read_spec_dict, spec_from_dict
 
-__all__ = ["LaunchCommand", "NOT_NEEDED", "SUPPORTED", "is_script_command", "parse"]
+__all__ = ["LaunchCommand", "NOT_NEEDED", "SUPPORTED", "is_script_command", "parse", "verb_args"]
 
 _SOURCE = "the launch command"
 
@@ -151,6 +151,20 @@ def parse(verb: str, argv: list[str]) -> LaunchCommand:
         raw["name"] = default_name(args.training_script, raw["args"])
     implicit = _from_accelerate(accel, raw, notes)
     return LaunchCommand(verb, options, raw, tuple(notes), implicit)
+
+
+# Where a launch command's raylaunch options go: the fields each verb reads from its arguments.
+_VERB_DEFAULTS = {"spec": None, "set": None, "storage": None, "name": None, "address": None, "local_nodes": None,
+                  "fresh": False, "quiet": False, "follow": False, "dry_run": False, "spec_json": None,
+                  "event_lines": False}
+
+
+def verb_args(verb: str, argv: list[str], funcs: dict[str, Any]) -> argparse.Namespace:
+    """``raylaunch launch ...`` (and ``submit``/``validate`` of a script) as the verb's arguments, said once;
+    ``funcs``: the CLI's function for each verb."""
+    cmd = parse(verb, argv)
+    say(cmd)
+    return argparse.Namespace(**{**_VERB_DEFAULTS, **vars(cmd.options)}, launch=cmd, command=verb, func=funcs[verb])
 
 
 def default_name(script: str, args: list[str]) -> str:

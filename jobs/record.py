@@ -20,6 +20,7 @@ from jobs.board import Board
 from jobs.environment import Secrets
 from jobs.events import AttemptStarted, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting, decode
 from jobs.ledger import Ledger, ledger
+from jobs.policy import WorldSize, resize_note
 from jobs.storage import RECORD_KEYS, RunDir
 
 if TYPE_CHECKING:
@@ -139,6 +140,15 @@ class Recorder:
                     "socket_ifname": socket.name} for i, (info, socket) in enumerate(zip(group.infos, group.sockets))]
         for i, (info, socket) in enumerate(zip(group.infos, group.sockets)):
             self.say(f"raylaunch: node {i} ({info.ip}, {info.hostname}): {socket.describe()}")
+
+    def resized(self, old: WorldSize, new: WorldSize, attempt: int, why: str) -> None:
+        """Record and say a change of world size (its step, the checkpoint the attempt resumes from, comes later)."""
+        self.result.resizes.append({
+            "attempt": attempt, "step": None, "old_world_size": old.world_size, "new_world_size": new.world_size,
+            "reason": why, "old_accumulation": old.accumulation, "new_accumulation": new.accumulation,
+            "global_batch_kept": old.nodes * old.accumulation == new.nodes * new.accumulation,
+        })
+        self.say(f"raylaunch: attempt {attempt}: {resize_note(old, new, why)}")
 
     def waiting(self, at: float | None = None) -> None:
         """The attempt being reserved waits for nodes since ``at`` (now by default); said once per attempt."""

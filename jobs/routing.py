@@ -178,8 +178,15 @@ class AttemptRouter:
         return out
 
     def finish(self) -> None:
-        """The attempt ended: what it measured before any step was known is stored."""
-        self.recorder.metrics(self._pending(final=True))
+        """The attempt ended: what it measured before any step was known is stored, and where its training stood
+        is said (a function that reported no step at all trained from the rendezvous to now)."""
+        a, rec = self.a, self.recorder
+        rec.metrics(self._pending(final=True))
+        if a.first_step is None and a.joined_at is not None:
+            rec.event(FirstStep(time=a.joined_at, attempt=a.number))
+            a.first_step, a.last_work = a.joined_at, time.time()
+        if w := self.work():
+            rec.event(w)
 
     def step_of(self, rank: int) -> int | None:
         """The step a rank's measurements are stored at: its latest logged step, else rank 0's; None before any."""

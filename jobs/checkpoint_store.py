@@ -1,0 +1,177 @@
+"""A run's committed checkpoints: committing one (every rank's part checked, the manifest written last, then
+``latest.json``, then the old ones pruned), listing them, and finding the latest that still matches its manifest.
+
+``CheckpointCatalogue`` is part of ``jobs.storage.RunDir`` (the one object that knows a run's paths), kept here
+as its own concern; it uses the run directory's filesystem, paths and writers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from pyarrow import fs as pafs
+
+from cluster.layout import LATEST, checkpoint_name, is_checkpoint_name, rank_part_file
+from cluster.storage_io import MANIFEST, CheckpointError, check_manifest, describe_files
+from cluster.strategy import missing_shards
+
+__all__ = ["CheckpointCatalogue", "CommittedCheckpoint"]
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    step: int
+    uri: str  # what a rank opens: on an object store, with the storage's query string
+    name: str  # checkpoint-<step>, as latest.json names it
+
+
+class CheckpointCatalogue:
+    """The checkpoint methods of ``RunDir`` (``fs``, ``checkpoints_path``, ``_path``, ``_uri``, ``_show``,
+    ``_write``, ``_read_json``, ``_warn_once``, ``flush`` and ``_local`` are the run directory's)."""
+
+
+    def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int,
+                          reported: dict[str, dict] | None = None, timing: dict | None = None) -> CommittedCheckpoint:
+        """Check every rank's part, write the manifest last, move it in, then prune.
+
+        ``reported``: sizes and sha256 the ranks computed on their own disks before
+        uploading; files whose size matches are not read back from storage.
+
+        Raises ``CheckpointError`` if a rank's part is missing, or if storage
+        fails while committing (full, say); the staging folder is then left
+        where no resume will ever load it, and ``latest.json`` is unchanged.
+        """
+        staging = self._path(staging_uri)
+        try:
+            return self._commit(staging, step, attempt, world_size, keep, reported or {}, timing)
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
+                f"{exc}. The previous committed checkpoint is still the latest."
+            ) from exc
+
+    def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int,
+                reported: dict[str, dict], timing: dict | None = None) -> CommittedCheckpoint:
+        self.flush()  # the metrics up to this checkpoint are on storage before it counts
+        files = describe_files(self.fs, staging, reported)
+        missing = [r for r in range(world_size) if rank_part_file(r) not in files]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
+                "it was not committed"
+            )
+        if lacking := missing_shards(files, world_size):  # a sharded (FSDP) checkpoint needs every rank's shards
+            raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")
+        manifest = json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
+                               "created": time.time(), "files": files,
+                               # how long the save held training, and from the save until this commit
+                               **({"timing": timing} if timing else {})}, indent=1).encode()
+        name = checkpoint_name(step)
+        final = f"{self.checkpoints_path}/{name}"
+        if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
+            self.fs.delete_dir(final)  # an older commit of the same step, from a previous attempt
+        if self._local:
+            # A folder rename is atomic: the checkpoint appears with its manifest.
+            self._write(f"{staging}/{MANIFEST}", manifest)
+            self.fs.move(staging, final)
+        else:
+            # Object stores cannot rename a folder: copy the files (server-side), then the
+            # manifest, whose presence is the commit (a folder without one is never listed).
+            for rel in files:
+                self.fs.copy_file(f"{staging}/{rel}", f"{final}/{rel}")
+            self._write(f"{final}/{MANIFEST}", manifest)
+            self.fs.delete_dir(staging)
+        self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": name, "step": step}).encode())
+        self._prune(keep, latest=name)
+        return CommittedCheckpoint(step, self._uri(final), name)
+
+    def committed_checkpoints(self) -> list[CommittedCheckpoint]:
+        """Committed checkpoints, oldest first: real folders of ``checkpoints/`` whose manifest lists their files.
+
+        A folder that is a symbolic link (to anywhere) or whose manifest lists no files was not committed by
+        this run: it is never listed, counted, kept or loaded, and that is said once."""
+        out = []
+        for info in self.fs.get_file_info(pafs.FileSelector(self.checkpoints_path, allow_not_found=True)):
+            base = info.base_name
+            if info.type == pafs.FileType.Directory and is_checkpoint_name(base):
+                if self._local and os.path.islink(info.path):
+                    self._warn_once(f"raylaunch: {self._show(info.path)} is a symbolic link, not a folder this run "
+                                    "committed; that checkpoint is ignored")
+                    continue
+                try:
+                    manifest = self._read_json(f"{info.path}/{MANIFEST}")
+                    step = int(manifest["step"]) if manifest is not None else None
+                    if manifest is not None and not manifest.get("files"):
+                        self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} lists no files; that "
+                                        "checkpoint is ignored")
+                        continue
+                except (ValueError, TypeError, KeyError):  # corrupted: as if never committed
+                    self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} cannot be read; that "
+                                    "checkpoint is skipped")
+                    continue
+                if step is not None:
+                    out.append(CommittedCheckpoint(step, self._uri(info.path), base))
+        return sorted(out, key=lambda c: c.step)
+
+    def latest_checkpoint(self) -> CommittedCheckpoint | None:
+        try:
+            pointer = self._read_json(f"{self.checkpoints_path}/{LATEST}")
+            if pointer is not None and not isinstance(pointer.get("name"), str):
+                raise ValueError("no 'name'")
+        except (ValueError, AttributeError) as exc:
+            committed = self.committed_checkpoints()
+            self._warn_once(f"raylaunch: {self._show(self.checkpoints_path)}/{LATEST} cannot be read ({exc}); "
+                            "using the newest committed checkpoint" + ("" if committed else ": there is none"))
+            return committed[-1] if committed else None
+        if pointer is None:
+            return None
+        committed = {c.name: c for c in self.committed_checkpoints()}
+        if pointer["name"] not in committed:
+            raise CheckpointError(
+                f"{self._show(self.checkpoints_path)}/{LATEST} names {pointer['name']}, which is not a committed "
+                "checkpoint in this run directory. Restore that folder, or start over with --fresh."
+            )
+        return committed[pointer["name"]]
+
+    def verify(self, checkpoint: CommittedCheckpoint) -> None:
+        """Check every file against the manifest; ``CheckpointError`` names the first that differs."""
+        path = self._path(checkpoint.uri)
+        manifest = self._read_json(f"{path}/{MANIFEST}")
+        if manifest is None:
+            raise CheckpointError(f"{self._show(path)} has no {MANIFEST}")
+        check_manifest(self.fs, path, manifest, self._show(path))
+
+    def loadable_checkpoint(self, warn=print) -> CommittedCheckpoint | None:
+        """The latest committed checkpoint whose files match its manifest; older ones if it does not."""
+        latest = self.latest_checkpoint()
+        if latest is None:
+            return None
+        for c in reversed([c for c in self.committed_checkpoints() if c.step <= latest.step]):
+            try:
+                self.verify(c)
+                return c
+            except CheckpointError as exc:
+                warn(f"raylaunch: not loading {self._show(self._path(c.uri))}: {exc}; "
+                     "trying the previous committed checkpoint")
+        raise CheckpointError(
+            f"no committed checkpoint in {self._show(self.checkpoints_path)} matches its manifest. Restore the "
+            "files, or start over with --fresh."
+        )
+
+    def _prune(self, keep: int, latest: str) -> None:
+        """Keep the ``keep`` newest by step, and always the one just committed (``latest``): a script may save
+        a step below one committed before (its folder names count something else)."""
+        committed = [c for c in self.committed_checkpoints() if c.name != latest]
+        for old in committed[: max(0, len(committed) - (keep - 1))]:
+            self.fs.delete_dir(self._path(old.uri))
+
+    def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
+        """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
+        return self.checkpoint_manifest(checkpoint).get("files", {})
+
+    def checkpoint_manifest(self, checkpoint: CommittedCheckpoint) -> dict:
+        """A committed checkpoint's manifest: its step, attempt, files and (saves since issue 30) ``timing``."""
+        return self._read_json(f"{self._path(checkpoint.uri)}/{MANIFEST}") or {}
