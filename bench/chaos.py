@@ -180,7 +180,7 @@ class Chaos:
         self.rng = rng
         self.say = say
         self.lock = threading.Lock()  # cluster changes: a node re-added by a timer
-        self.timers: list[threading.Thread] = []
+        self.returning: list[float] = []  # when each lost node comes back (time.monotonic())
         self.seen: dict[int, float] = {}  # pid -> create time: every rank and fork server seen
         self.stopped: list[int] = []  # PIDs this script SIGSTOPped
         self.last_pids: set[int] = set()  # the ranks running when the previous fault was injected
@@ -246,10 +246,12 @@ class Chaos:
         restore); commit: a rank has just begun staging a checkpoint."""
         staged = job.staging_parts()
         if fault.moment == "recovery":
+            self.tick()
             time.sleep(fault.jitter_s)
             if fault.kind not in ("rank_kill", "rank_stop"):
                 return not job.done()
         while time.monotonic() < deadline and not job.done():
+            self.tick()
             if fault.moment == "training":
                 if job.training() and self.rank_pids():
                     break
@@ -314,16 +316,18 @@ class Chaos:
             self.rank_pids()
             victim = self.rng.choice(workers)
             self.cluster.remove_node(victim)
+        # Added back from the main thread (``tick``): Ray's add_node installs signal handlers, which only it may.
+        self.returning.append(time.monotonic() + hold_s)
+        return f"node {victim.node_id[:12]}, back after {hold_s:.0f} s"
 
-        def back():
-            time.sleep(hold_s)
+    def tick(self) -> None:
+        """Add back the nodes whose time away is over."""
+        due = [t for t in self.returning if t <= time.monotonic()]
+        for t in due:
+            self.returning.remove(t)
             with self.lock:
                 self.cluster.add_node(**self.node_args)
-
-        t = threading.Thread(target=back, daemon=True)
-        t.start()
-        self.timers.append(t)
-        return f"node {victim.node_id[:12]}, back after {hold_s:.0f} s"
+            self.say("chaos: a node was added back")
 
     node_args: dict = {}
 
@@ -341,10 +345,10 @@ class Chaos:
         return f"{free // 2**20} MiB filled ({left} bytes left) for {hold_s:.1f} s"
 
     def settle(self) -> None:
-        """Nodes taken away are back; SIGSTOPped processes the runner did not end are noted (then continued)."""
-        for t in self.timers:
-            t.join(60)
-        self.timers.clear()
+        """Every node taken away is back."""
+        while self.returning:
+            time.sleep(0.2)
+            self.tick()
 
     # --- one job ---------------------------------------------------------------------------
 
@@ -369,6 +373,7 @@ class Chaos:
                 injected.append(Injected(fault, time.monotonic() - job.began, "", str(exc)))
                 self.say(f"chaos: {job.name}: {fault.describe()}: not injected: {exc}")
         while not job.done() and time.monotonic() < deadline:
+            self.tick()
             time.sleep(0.2)
         if not job.done():
             job.proc.kill()
@@ -495,7 +500,11 @@ def check_job(chaos: Chaos, job: JobRun, injected: list[Injected], reference: di
             except OSError:
                 pass
     goodput = (result.get("goodput") or {}).get("ratio")
-    return Outcome(job.name, job.kind, injected, str(result.get("status")), int(result.get("restarts") or 0),
+    # Restarts over every command of the run: result.json counts those of the last command only; an attempt a
+    # killed driver left open never ended, and the next command restarted it.
+    restarts = sum(1 for e in job.events() if e.get("kind") == "attempt_ended"
+                   and e.get("outcome") not in ("succeeded", "grow")) + job.launches - 1
+    return Outcome(job.name, job.kind, injected, str(result.get("status")), restarts,
                    int(result.get("attempts") or 0), job.launches, redone, goodput,
                    float((result.get("goodput") or {}).get("wall_s") or 0), problems)
 
@@ -596,6 +605,7 @@ def main() -> int:
     os.environ["PYTHONPATH"] = job_env()["PYTHONPATH"]  # the raylets pass it to the node actors and ranks
     cluster = Cluster(initialize_head=True, head_node_args=node_args)
     outcomes: list[Outcome] = []
+    job = None
     try:
         cluster.add_node(**node_args)
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
@@ -630,8 +640,14 @@ def main() -> int:
                     shutil.copy(job.log, keep / "driver.log")
                     print(f"chaos: kept {keep}", flush=True)
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if job is not None and job.proc is not None and job.proc.poll() is None:  # interrupted mid-job
+            job.proc.kill()
+            job.proc.wait(30)
+        for stop in (ray.shutdown, cluster.shutdown):
+            try:
+                stop()
+            except Exception as exc:  # the rest of the cleanup still runs
+                print(f"chaos: {stop.__qualname__}: {exc}", flush=True)
         if mounted:
             subprocess.run(["umount", str(disk)])
         shutil.rmtree(work, ignore_errors=True)
