@@ -359,9 +359,9 @@ class Chaos:
         watcher = threading.Thread(target=self._watch, args=(job, deadline), daemon=True)
         watcher.start()
         for fault in faults:
-            if not self.reach(job, fault, min(deadline, time.monotonic() + 90)):
+            if not self.reach(job, fault, min(deadline, time.monotonic() + 180)):
                 injected.append(Injected(fault, time.monotonic() - job.began, "", "the job ended (or the moment "
-                                         "did not come within 90 s)"))
+                                         "did not come within 180 s)"))
                 self.say(f"chaos: {job.name}: {fault.describe()}: not injected: {injected[-1].skipped}")
                 continue
             self.last_pids = {p for p, _ in self.rank_pids().values()}
@@ -561,7 +561,7 @@ def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float) -
     lines = [f"### seed {seed}: {'every fault survived' if all(o.survived for o in outcomes) else 'NOT SURVIVED'}", "",
              f"CHAOS_SEED={seed}, CHAOS_S={budget_s:g}; took {took_s:.0f} s; {len(outcomes)} jobs, "
              f"{sum(injected.values())} faults injected, {sum(survived.values())} survived.", "",
-             "| fault | injected | survived | in training / in a recovery / in a commit | not injected (nothing to hit) |",
+             "| fault | injected | survived | in training / in a recovery / in a commit | not injected (its moment did not come, or nothing to hit) |",
              "|---|---|---|---|---|"]
     for kind in KINDS:
         lines.append(f"| {kind} | {injected[kind]} | {survived[kind]} | {moments[(kind, 'training')]} / "
