@@ -10,7 +10,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint gpu-check
+.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint gpu-check chaos
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,15 @@ bench-scale: install
 bench-elastic: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -m bench.elastic
+
+# Training jobs under a seeded schedule of faults (ranks killed and stopped, node actors killed, nodes lost, the
+# driver killed and run again, the disk full during a save), some inside a recovery or a commit, on a local cluster of
+# 2 nodes; checks the final model, the data order, the storage and that no process is left. About 10 minutes;
+# CHAOS_S=<seconds> for longer, CHAOS_SEED=<n> to replay a schedule (random otherwise; the results name it).
+# Writes bench/results-chaos.md; exits 1 when a fault was not survived. See docs/faults.md#chaos.
+CHAOS_S ?= 600
+chaos: install
+	CHAOS_S=$(CHAOS_S) CHAOS_SEED=$(CHAOS_SEED) $(BIN)/python bench/chaos.py
 
 # On a machine with 1 to 8 GPUs, in under five minutes: the bench's GPU mode (raylaunch against torchrun and
 # Ray Train with NCCL, workers_per_node: auto), then FSDP against DDP in fp32, bf16 and fp16 with each rank's

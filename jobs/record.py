@@ -26,6 +26,10 @@ from jobs.storage import RECORD_KEYS, RunDir
 if TYPE_CHECKING:
     from cluster.group import NodeGroup
 
+# How long a final result.json (succeeded, failed, stopped) is retried on storage that refuses it (a disk full for
+# a moment): the last word of a run must reach storage; one that says running is written again soon anyway.
+FINAL_RESULT_RETRY_S = 30.0
+
 __all__ = ["Recorder", "RunResult"]
 
 
@@ -170,7 +174,23 @@ class Recorder:
             self.result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
         except OSError as exc:  # the outcome is still recorded, with the checkpoints last seen
             self.say(f"raylaunch: could not list the committed checkpoints: {exc}")
-        self.run_dir.write_result(dataclasses.asdict(self.result))
+        data = dataclasses.asdict(self.result)
+        # Storage that refuses a write for a moment (a full disk: bench/chaos.py's disk_full, inside a recovery)
+        # must not fail the run: a result.json of a run still going is said and skipped (the next attempt's or the
+        # end's replaces it); a final one is retried for FINAL_RESULT_RETRY_S, then the caller hears the error.
+        deadline = time.monotonic() + FINAL_RESULT_RETRY_S
+        while True:
+            try:
+                self.run_dir.write_result(data)
+                return
+            except OSError as exc:
+                if self.result.status == RunStatus.RUNNING:
+                    self._store_failed(exc)
+                    return
+                if time.monotonic() > deadline:
+                    raise
+                self._store_failed(exc)
+                time.sleep(1.0)
 
     def logs(self, node_rank: int, logs: list[tuple[int, str, str]]) -> None:
         """Print one node's rank output and append it to each rank's log, masked once."""
@@ -192,9 +212,13 @@ class Recorder:
         try:
             write(*args)
         except OSError as exc:
-            if str(exc) not in self._store_errors:
-                self._store_errors.add(str(exc))
-                self.say(f"raylaunch: could not write to the run directory {self.run_dir.uri}: {exc}")
+            self._store_failed(exc)
+
+    def _store_failed(self, exc: OSError) -> None:
+        """Say once per distinct error that the run directory refused a write."""
+        if str(exc) not in self._store_errors:
+            self._store_errors.add(str(exc))
+            self.say(f"raylaunch: could not write to the run directory {self.run_dir.uri}: {exc}")
 
     # --- progress --------------------------------------------------------------------
 
