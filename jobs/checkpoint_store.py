@@ -72,7 +72,16 @@ class CheckpointCatalogue:
         name = checkpoint_name(step)
         final = f"{self.checkpoints_path}/{name}"
         if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
-            self.fs.delete_dir(final)  # an older commit of the same step, from a previous attempt
+            # An older commit of the same step, from a previous attempt. latest.json must never name a folder that is
+            # gone (a driver killed in between would leave a run that refuses to resume): first it names the newest
+            # other committed checkpoint (or nothing), then the old folder goes.
+            others = [c for c in self.committed_checkpoints() if c.name != name]
+            pointer = f"{self.checkpoints_path}/{LATEST}"
+            if others:
+                self._write(pointer, json.dumps({"name": others[-1].name, "step": others[-1].step}).encode())
+            elif self.fs.get_file_info(pointer).type != pafs.FileType.NotFound:
+                self.fs.delete_file(pointer)
+            self.fs.delete_dir(final)
         if self._local:
             # A folder rename is atomic: the checkpoint appears with its manifest.
             self._write(f"{staging}/{MANIFEST}", manifest)

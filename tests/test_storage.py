@@ -52,6 +52,35 @@ def test_keep_one_always_leaves_the_latest(tmp_path):
         assert run.latest_checkpoint().step == step
 
 
+@pytest.mark.parametrize("older", [True, False])
+def test_a_driver_killed_while_it_commits_a_step_again_leaves_a_run_that_resumes(tmp_path, monkeypatch, older):
+    """A later attempt commits step 10 again (its own state of that step): the old folder goes before the new one
+    moves in. A driver killed between the two (writing the new manifest, here) leaves latest.json naming a checkpoint that is
+    there (the one before, or none), never the folder just deleted."""
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    if older:
+        run.commit_checkpoint(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
+    run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
+
+    write = run._write
+
+    def killed(path: str, data: bytes) -> None:  # the new checkpoint's manifest: after the old folder went
+        if path.endswith("manifest.json"):
+            raise KeyboardInterrupt("the driver was killed here")
+        write(path, data)
+
+    monkeypatch.setattr(run, "_write", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run.commit_checkpoint(stage(run, 2, 10, [0]), 10, 2, world_size=1, keep=3)
+    monkeypatch.undo()
+    again = RunDir(str(tmp_path), "r")  # the rerun
+    assert again.loadable_checkpoint() == (again.committed_checkpoints()[-1] if older else None)
+    assert [c.step for c in again.committed_checkpoints()] == ([5] if older else [])
+    again.commit_checkpoint(stage(again, 3, 10, [0]), 10, 3, world_size=1, keep=3)
+    assert again.loadable_checkpoint().step == 10
+
+
 def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
