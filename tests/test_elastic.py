@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import ray
 
 from conftest import wait_for
@@ -122,10 +123,22 @@ def committed(tmp_path: Path, name: str) -> int | None:
     return json.loads(latest.read_text())["step"] if latest.exists() else None
 
 
-def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_order(ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def below(ray_cluster, tmp_path_factory):
+    """Three nodes asked for, two in the cluster (min_nodes 1): the run starts on two and trains to the end
+    there. Uninterrupted at world size 2 and gradient accumulation 1, it is also the reference for the data
+    order and the loss of the run that shrinks and grows back. (tmp, result, the driver's output)"""
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2, "the shared cluster is a head and one node"
+    tmp = tmp_path_factory.mktemp("below")
+    out = io.StringIO()
+    job = spec(tmp, "short", step_s=0.0, overrides=["scaling.num_nodes=3", "scaling.keep_global_batch=false"])
+    return tmp, Driver(job, can_grow=False, out=out).run(), out.getvalue()
+
+
+def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_order(ray_cluster, tmp_path, below):
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2, "the shared cluster is a head and one node"
     # The uninterrupted run: the reference for the data order and the loss.
-    reference = Driver(spec(tmp_path, "reference", step_s=0.0), can_grow=False).run()
+    reference_tmp, reference, _ = below
     assert reference.status == "succeeded", reference.error
     assert reference.resizes == [] and reference.world_size == 2
 
@@ -173,7 +186,7 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
 
     # The data order: every optimizer step had the same global batch, each sample of each epoch
     # was used exactly once, and each step used the samples the uninterrupted run used.
-    got, want = samples_by_step(tmp_path, "elastic"), samples_by_step(tmp_path, "reference")
+    got, want = samples_by_step(tmp_path, "elastic"), samples_by_step(reference_tmp, "short")
     assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
     assert {len(ids) for ids in got.values()} == {GLOBAL_BATCH}
     each_sample_once_per_epoch(got, STEPS_PER_EPOCH, SAMPLES)
@@ -191,19 +204,16 @@ class OtherWork:
         return True
 
 
-def test_an_elastic_run_starts_below_num_nodes_on_the_nodes_there_are(ray_cluster, tmp_path):
+def test_an_elastic_run_starts_below_num_nodes_on_the_nodes_there_are(below):
     """Three nodes asked for, two in the cluster (min_nodes 1): the run says so and trains on two."""
-    out = io.StringIO()
-    job = spec(tmp_path, "short", step_s=0.05, overrides=["scaling.num_nodes=3", "scaling.keep_global_batch=false",
-                                                           "config.epochs=1"])
-    result = Driver(job, can_grow=False, out=out).run()
+    tmp, result, out = below
     assert result.status == "succeeded", result.error
     assert ("raylaunch: elastic: asking for 3 nodes, 2 can hold the job now: starting on 2 nodes (world size 2, "
-            "gradient accumulation 1); the run grows back when nodes come") in out.getvalue(), out.getvalue()
+            "gradient accumulation 1); the run grows back when nodes come") in out, out
     assert len(result.rank_results) == 2 and {r["world_size"] for r in result.rank_results.values()} == {2}
-    got = samples_by_step(tmp_path, "short")
-    assert sorted(got) == list(range(1, SAMPLES // GLOBAL_BATCH + 1))  # one epoch of 2 x 8 samples a step
-    each_sample_once_per_epoch(got, SAMPLES // GLOBAL_BATCH, SAMPLES)
+    got = samples_by_step(tmp, "short")
+    assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))  # 2 x 8 samples a step
+    each_sample_once_per_epoch(got, STEPS_PER_EPOCH, SAMPLES)
 
 
 def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_frees(ray_cluster, tmp_path):
