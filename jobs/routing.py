@@ -143,8 +143,8 @@ class AttemptRouter:
                             f"a save assumed to hold training {e.save_s:.2f} s until one is measured")
                     rec.say(f"raylaunch: checkpoint.every auto: a save every {e.seconds:.1f} s ({cost}; a failure "
                             f"every {e.mtbf_s:.0f} s)")
-        if a.pending and time.time() - a.pending[0][1] > PENDING_S:  # a function that logs no step at all
-            records += self._pending(final=True)
+        if a.pending and a.joined_at is not None and time.time() - a.pending[0][1] > PENDING_S:
+            records += self._pending(final=True)  # a function that logs no step at all
         rec.metrics(records)
 
     def row(self, rank: int, at: float, step: int | None, values: dict) -> dict:
@@ -163,8 +163,12 @@ class AttemptRouter:
 
     def _pending(self, final: bool) -> list[dict]:
         """The held measurements: at their rank's step once one is known; ``final`` (the attempt ends, or none came
-        for ``PENDING_S``) the rest at the step the attempt resumed from plus the batches the rank had read."""
+        for ``PENDING_S``) the rest at the step the attempt resumed from plus the batches the rank had read. An
+        attempt whose ranks never formed their group trained nothing: what they measured is dropped."""
         a = self.a
+        if final and a.joined_at is None:
+            a.pending = []
+            return []
         out, keep = [], []
         for rank, at, values, batches in a.pending:
             step = self.step_of(rank)
