@@ -21,8 +21,18 @@ from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
 
 # Placement, PlacementError, fitting_nodes and resolve_placement are cluster.placement's, named here too
 # for the callers that reserve and start in one breath.
-__all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "Placement", "PlacementError", "RendezvousError",
-           "collect_stacks", "fitting_nodes", "resolve_placement"]
+__all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "NodeLostError", "Placement", "PlacementError",
+           "RendezvousError", "collect_stacks", "fitting_nodes", "resolve_placement"]
+
+
+class NodeLostError(RuntimeError):
+    """Node actors died before their ranks started (their node was lost during the reservation or the start):
+    ``nodes``, by node rank. The driver treats it as a failed attempt that lost those nodes."""
+
+    def __init__(self, nodes: list[int], why: str) -> None:
+        super().__init__(f"node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))} lost before the ranks "
+                         f"started ({why})")
+        self.nodes = nodes
 
 
 # The Ray namespace of the named node actors.
@@ -215,6 +225,17 @@ class NodeGroup:
         store binds the first free port of ``ports`` (any port when None);
         ``RendezvousError`` says when none is free.
         """
+        try:
+            return self._start(make_payload, attempt, rendezvous_timeout_s, ports)
+        except ray.exceptions.RayActorError as exc:
+            raise NodeLostError(self.dead_nodes() or list(range(len(self.actors))), type(exc).__name__) from None
+
+    def dead_nodes(self) -> list[int]:
+        """The node ranks whose actor does not answer within a few seconds."""
+        return [i for i, answer in enumerate(self._call_all("scratch_dir", 10, None)) if answer is None]
+
+    def _start(self, make_payload: Callable[[WorkerContext, str], WorkerPayload], attempt: int,
+               rendezvous_timeout_s: float, ports: tuple[int, int] | None) -> list[WorkerContext]:
         p = self.placement
         scratch = self.scratch_dirs()
         self.contexts = assign_ranks([p.workers_per_node] * p.num_nodes)

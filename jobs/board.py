@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -43,6 +44,7 @@ class Board:
             self._tmp = tempfile.mkdtemp(prefix="raylaunch-tb-")
             self._local = self._tmp
         self._writer = None
+        self._failed_said = False
         self._sent: dict[str, int] = {}  # event file -> the size the run directory holds
         self._sent_at = 0.0
         self._reset()
@@ -62,11 +64,23 @@ class Board:
 
         self.close_writer()
         self._reset()
-        self._writer = EventFileWriter(self._local, flush_secs=5)
-        if resume_step is not None:
-            # What torch's SummaryWriter(purge_step=...) writes: readers drop later steps of earlier files.
-            self._writer.add_event(Event(step=resume_step + 1, file_version="brain.Event:2"))
-            self._writer.add_event(Event(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+        try:
+            self._writer = EventFileWriter(self._local, flush_secs=5)
+            if resume_step is not None:
+                # What torch's SummaryWriter(purge_step=...) writes: readers drop later steps of earlier files.
+                self._writer.add_event(Event(step=resume_step + 1, file_version="brain.Event:2"))
+                self._writer.add_event(Event(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """The event files cannot be written (a full disk, say): never the run's failure. Said once; TensorBoard
+        misses the rest of this attempt (metrics.jsonl has it), and the next attempt opens a new file."""
+        if not self._failed_said:
+            self._failed_said = True
+            print(f"raylaunch: TensorBoard files could not be written ({exc}); metrics.jsonl keeps every metric, "
+                  "TensorBoard gets the next attempt's", file=sys.stderr, flush=True)
+        self._writer = None  # its worker thread ended with the error: every later write would raise it again
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -101,6 +115,12 @@ class Board:
         do not cost the driver 20,000 TensorBoard events a second."""
         if self._writer is None:
             return
+        try:
+            self._flush(final)
+        except OSError as exc:
+            self._failed(exc)
+
+    def _flush(self, final: bool) -> None:
         per_rank: dict[str, tuple[int, dict[int, float]]] = {}
         for step in sorted(self._pending):
             metrics = self._pending[step]
@@ -125,10 +145,13 @@ class Board:
         ``goodput/<category>_s``, written as each attempt ends."""
         if self._writer is None or not books:
             return
-        self._scalar("goodput/ratio", float(books["ratio"]), step)
-        for cat, secs in books["seconds"].items():
-            self._scalar(f"goodput/{cat}_s", float(secs), step)
-        self._writer.flush()
+        try:
+            self._scalar("goodput/ratio", float(books["ratio"]), step)
+            for cat, secs in books["seconds"].items():
+                self._scalar(f"goodput/{cat}_s", float(secs), step)
+            self._writer.flush()
+        except OSError as exc:
+            self._failed(exc)
 
     def _upload(self, final: bool) -> None:
         """Object storage: copy the event files that grew since they were last sent."""
@@ -146,9 +169,13 @@ class Board:
     def close_writer(self) -> None:
         if self._writer is not None:
             self.flush(final=True)
-            self._writer.close()
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+                self._upload(final=True)
+            except OSError as exc:
+                self._failed(exc)
             self._writer = None
-            self._upload(final=True)
 
     def close(self) -> None:
         self.close_writer()

@@ -19,7 +19,8 @@ import psutil
 
 from cluster.connect import job_workdir
 from cluster.context import WorkerContext
-from cluster.group import NodeGroup, Placement, PlacementError, RendezvousError, fitting_nodes, resolve_placement
+from cluster.group import NodeGroup, NodeLostError, RendezvousError
+from cluster.placement import Placement, PlacementError, fitting_nodes, resolve_placement
 from cluster.protocol import NodeState, RankFailure, RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
 from jobs.environment import Secrets, check_requirements
@@ -41,8 +42,7 @@ __all__ = ["Driver", "RunResult", "group_failures"]
 FAILURE_GRACE_S = 2.0
 # How often the TensorBoard files are brought up to date while an attempt runs.
 BOARD_FLUSH_S = 2.0
-# How often, at most, where training stands is written to events.jsonl (a driver killed loses at most this
-# much of its books: the time since counts as failure).
+# How often, at most, where training stands goes to events.jsonl (what a killed driver's books can miss).
 WORK_EVERY_S = 5.0
 # How often an elastic run below num_nodes looks for nodes to grow back onto.
 GROW_CHECK_S = 2.0
@@ -175,9 +175,13 @@ class Driver:
             r.end_time = time.time()
             # What the ranks returned or raised is written and printed with env.secrets masked.
             r.error, r.return_value, r.rank_results = rec.mask((r.error, r.return_value, r.rank_results))
+            # Each of these on its own: storage that refuses one (full, say) must not keep result.json from the end.
             try:
                 self.run_dir.clear_staging()  # no rank runs now: what a failed save left goes
-                rec.board.close()
+            except OSError as exc:
+                self._say(f"raylaunch: could not clear the staging folder of {self.run_dir.uri}: {exc}")
+            rec.board.close()  # says, never raises, when its files cannot be written
+            try:
                 rec.write_result()
                 self.run_dir.close()
             except OSError as exc:
@@ -304,7 +308,10 @@ class Driver:
                 mtbf_s=mtbf_s,
             )
 
-        contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
+        try:
+            contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
+        except NodeLostError as exc:  # a node lost between its reservation and its ranks' start
+            return AttemptOutcome(False, str(exc), tuple(exc.nodes))
         rec = self.recorder
         rec.mark("ranks_started")
         a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)

@@ -331,3 +331,25 @@ def test_the_rendezvous_store_listens_on_the_node_address_only():
         node.shutdown()
     assert not [c for c in psutil.Process().net_connections("tcp")
                 if c.status == psutil.CONN_LISTEN and c.laddr.port in (port, again)]
+
+
+def test_a_node_actor_that_dies_before_its_ranks_start_is_a_lost_node_not_the_drivers_failure(ray_cluster, tmp_path):
+    """Found by `make chaos` (seed 3: a rank killed, then a node actor killed and a node lost during the recovery):
+    an actor that died between the reservation and the start raised ActorDiedError out of the driver ("the driver
+    failed"). Starting names the node that is gone, so the driver restarts on the nodes there are."""
+    from cluster.group import NodeGroup, NodeLostError
+    from cluster.protocol import WorkerPayload
+
+    group = NodeGroup.create(resolve_placement(2, 1, False, 1.0), timeout_s=60, can_grow=False)
+    try:
+        ray.kill(group.actors[1])
+
+        def payload(ctx, events_path):
+            return WorkerPayload(context=ctx, attempt=1, train_fn="fns:steady", config={}, events_path=events_path,
+                                 staging_uri=str(tmp_path / "staging"), restore_uri=None, backend="gloo")
+
+        with pytest.raises(NodeLostError, match=r"^node 1 lost before the ranks started") as lost:
+            group.start(payload, 1, 60, None)
+        assert lost.value.nodes == [1]
+    finally:
+        group.shutdown()
