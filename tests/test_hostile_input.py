@@ -87,7 +87,7 @@ def test_name_and_storage_are_literal_strings(tmp_path):
     proc = raylaunch(root, "submit", "job.yaml", "--address", "http://127.0.0.1:1", "--dry-run",
                      "--name", "2024", "--storage", str(tmp_path / "a #b"))
     assert proc.returncode == 0, proc.stderr
-    assert f"run job.yaml --storage '{tmp_path}/a #b' --name 2024" in proc.stdout
+    assert f"run --event-lines job.yaml --storage '{tmp_path}/a #b' --name 2024" in proc.stdout
 
 
 def test_numbers_must_be_finite_and_sane(tmp_path):
