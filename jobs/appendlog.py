@@ -66,6 +66,7 @@ class AppendLogs:
         self._streams: dict[str, Any] = {}
         self._objects: dict[str, _ObjectLog] = {}
         self._held = 0  # bytes the _ObjectLogs hold in memory
+        self._torn: set[str] = set()  # files whose last append failed part-way (a full disk): may end mid-line
 
     def append(self, rel: str, text: str) -> None:
         path = f"{self.root}/{rel}"
@@ -83,8 +84,21 @@ class AppendLogs:
         stream = self._streams.get(rel)
         if stream is None:
             stream = self._streams[rel] = self.fs.open_append_stream(path)
-        stream.write(text.encode())
-        stream.flush()
+        # After a failed append the file may end in half a line: the next rows start on a line of their own, so
+        # only the torn one is lost (readers skip it), not the first row written once there is space again.
+        data = ("\n" + text if rel in self._torn else text).encode()
+        try:
+            stream.write(data)
+            stream.flush()
+        except OSError:
+            self._torn.add(rel)
+            self._streams.pop(rel, None)  # reopened at the next append
+            try:
+                stream.close()
+            except OSError:
+                pass
+            raise
+        self._torn.discard(rel)
 
     def flush(self) -> None:
         """Write out what object-store logs hold in memory (POSIX appends are written at once)."""

