@@ -206,8 +206,10 @@ class NodeGroup:
                 ray.kill(a)
             remove_placement_group(pg)
             if failed:
-                raise EnvSetupError(f"env.pip: the job's packages {(env or JobEnv()).pip} could not be installed "
-                                    f"before any rank started: {failed}") from None
+                pip = (env or JobEnv()).pip
+                what = (f"env.pip: the job's packages {pip} could not be installed" if pip else
+                        "the job's runtime environment (its working directory) could not be set up")
+                raise EnvSetupError(f"{what} before any rank started: {failed}") from None
             raise
         return cls(pg, actors, infos, placement, socket_ifname, env=env, actor_names=names)
 
