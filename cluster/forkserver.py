@@ -16,12 +16,13 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
-from multiprocessing import forkserver, process
+from multiprocessing import forkserver, process, resource_tracker
 from pathlib import Path
 from typing import Any
 
+from cluster import rankhost
 from cluster.protocol import WorkerPayload
+from cluster.rankhost import Claim, WarmHost
 
 __all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "rank_main"]
 
@@ -29,6 +30,8 @@ __all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "rank_main"]
 # What the rank fork server imports once, before any rank starts (not CUDA: importing torch
 # does not initialise it, so forked ranks can still pick their GPU).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worker", "cluster.runtime"]
+# A warm rank host imports transformers too: paid once per node, not once per job.
+HOST_PRELOAD = [*FORKSERVER_PRELOAD, "transformers"]
 
 
 _SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
@@ -53,27 +56,87 @@ class ForkServer:
         self._holders = 0
         self._thread: threading.Thread | None = None
         self._folder: str | None = None  # ours, when we chose multiprocessing's folder
+        self._host: Claim | None = None  # the warm rank host claimed (``cluster.rankhost``), if any
+        self._host_fd: int | None = None  # what multiprocessing hands the host's children as its "alive" pipe
+        self.note = ""  # where this process's ranks fork from, as the driver says it
 
-    def acquire(self) -> None:
+    @property
+    def host_pid(self) -> int | None:
+        """The warm rank host's pid while ranks fork (or will) from one."""
+        return self._host.pid if self._host is not None else None
+
+    def acquire(self, warm: WarmHost | None = None) -> str:
+        """Hold the process's rank server: a warm rank host (``warm``) or one of this process's own; say which."""
         with self._lock:
             self._holders += 1
-            if self._thread is None:
-                config = process.current_process()._config
-                if config.get("tempdir") is None:
-                    prefix = f"raylaunch-mp-{_pid_namespace()}-"
-                    _remove_abandoned(prefix)
-                    # One per process; hex, short: the socket path under it has 107 bytes at most.
-                    folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
-                    shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
-                    folder.mkdir(mode=0o700)
-                    self._folder = config["tempdir"] = str(folder)
-                self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
-                self._thread.start()
+            if self._thread is None and self._host is None:
+                found = rankhost.claim(warm or WarmHost(enabled=False), HOST_PRELOAD)
+                if found.address is not None:
+                    self._host, self.note = found, found.note
+                else:
+                    self.note = f"ranks fork from a server of this actor's own ({found.note})"
+                    self._start_own()
+            return self.note
+
+    def ready(self) -> None:
+        """Before ranks start: use the claimed host once it has imported everything, or, when it cannot be used
+        (it ended, or the job's own modules would be shadowed), start a server of this process's own."""
+        with self._lock:
+            if self._host is None:
+                return
+            if self._host_fd is not None and rankhost.alive(self._host):
+                return
+            why = rankhost.ready(self._host) if self._host_fd is None else "the warm rank host ended"
+            if why is None:
+                self._point_at(self._host.address)
+                return
+            self._unpoint()
+            rankhost.unclaim(self._host)
+            self._host = None
+            self.note = f"ranks fork from a server of this actor's own ({why})"
+            print(f"raylaunch: {self.note}", flush=True)
+            self._start_own()
+
+    def _point_at(self, address: str) -> None:
+        """multiprocessing's fork-server client state, aimed at a server this process did not start."""
+        fs = forkserver._forkserver
+        self._host_fd = os.open(os.devnull, os.O_WRONLY)
+        fs._forkserver_address, fs._forkserver_alive_fd, fs._forkserver_pid = address, self._host_fd, None
+        fs.ensure_running = resource_tracker.ensure_running  # nothing to start: the host runs
+
+    def _unpoint(self) -> None:
+        if self._host_fd is None:
+            return
+        fs = forkserver._forkserver
+        fs.__dict__.pop("ensure_running", None)
+        fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+        os.close(self._host_fd)
+        self._host_fd = None
+
+    def _start_own(self) -> None:
+        if self._thread is None:
+            config = process.current_process()._config
+            if config.get("tempdir") is None:
+                prefix = f"raylaunch-mp-{_pid_namespace()}-"
+                _remove_abandoned(prefix)
+                # One per process; hex, short: the socket path under it has 107 bytes at most.
+                folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
+                shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
+                folder.mkdir(mode=0o700)
+                self._folder = config["tempdir"] = str(folder)
+            self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
+            self._thread.start()
 
     def release(self) -> None:
         with self._lock:
             self._holders -= 1
-            if self._holders or self._thread is None:
+            if self._holders:
+                return
+            if self._host is not None:  # the host stays, warm, for the next job
+                self._unpoint()
+                rankhost.unclaim(self._host)
+                self._host = None
+            if self._thread is None:
                 return
             self._thread.join(timeout=120)  # a server still starting is stopped once it runs
             self._thread = None
@@ -152,14 +215,18 @@ def _plain_elastic_log() -> None:
 
 
 def _die_with_parent() -> None:
-    """If the node actor dies (killed, node lost), its ranks must not live on."""
-    parent = os.getppid()
+    """If the node actor dies (killed, node lost), its ranks must not live on. The actor holds the other end
+    of the pipe multiprocessing gave this process (its parent's sentinel), whichever server forked it: the
+    pipe reads as closed the moment the actor is gone. Waiting on it costs no CPU."""
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
 
     def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            time.sleep(0.5)
+        wait([parent.sentinel])
+        os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
 
@@ -168,6 +235,11 @@ def rank_main(payload: WorkerPayload) -> Any:
     """A forked rank's entry point: the user's environment as they set it, tied to its actor, then the worker."""
     from cluster.worker import run_worker
 
+    if payload.environ is not None:  # forked by a warm rank host: the job's environment, not the host's
+        # torch's launcher sets TORCHELASTIC_ERROR_FILE for this rank after the payload was made: kept
+        launcher = {k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")}
+        os.environ.clear()
+        os.environ.update({**payload.environ, **launcher})
     if os.environ.pop(_SAFE_PATH_MARK, None):  # ours, not the user's: their subprocesses get the usual path
         os.environ.pop("PYTHONSAFEPATH", None)
     _die_with_parent()

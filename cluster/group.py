@@ -17,10 +17,10 @@ from cluster.layout import events_file, flight_recorder_prefix
 from cluster.node import NodeActor, NodeInfo, RendezvousError
 from cluster.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement
 from cluster.protocol import NodePoll, NodeState, WorkerPayload
+from cluster.rankhost import WarmHost
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
 
-# Placement, PlacementError, fitting_nodes and resolve_placement are cluster.placement's, named here too
-# for the callers that reserve and start in one breath.
+# Placement, PlacementError, fitting_nodes, resolve_placement: cluster.placement's, named here for its callers.
 __all__ = ["ACTOR_NAMESPACE", "EnvSetupError", "JobEnv", "NodeGroup", "NodeLostError", "Placement", "PlacementError",
            "RendezvousError", "collect_stacks", "fitting_nodes", "resolve_placement"]
 
@@ -47,14 +47,14 @@ class EnvSetupError(PlacementError):
 class JobEnv:
     """What every rank's environment gets beyond the runner's own variables.
 
-    ``vars`` also reach the node actors (and so the choice of ``NCCL_SOCKET_IFNAME``) through
-    Ray's runtime environment, with ``pip``; ``secrets`` travel only as arguments of each
-    node's ``start`` call, into the ranks' environments.
-    """
+    ``vars`` also reach the node actors (and so the choice of ``NCCL_SOCKET_IFNAME``) through Ray's runtime
+    environment, with ``pip``; ``secrets`` travel only as arguments of each node's ``start`` call, into the
+    ranks' environments; ``warm`` says where ranks fork from (``cluster.rankhost``)."""
 
     vars: dict[str, str] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
     pip: list[str] = field(default_factory=list)
+    warm: WarmHost = field(default_factory=WarmHost)
 
     def actor_runtime_env(self) -> dict | None:
         out: dict[str, Any] = {}
@@ -192,7 +192,7 @@ class NodeGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 name=names[i], namespace=ACTOR_NAMESPACE,
                 runtime_env=(env or JobEnv()).actor_runtime_env(),
-            ).remote(i)
+            ).remote(i, (env or JobEnv()).warm)
             for i in range(placement.num_nodes)
         ]
         # A runtime environment with packages can take minutes to install on a node.

@@ -11,6 +11,7 @@ node 0 itself, which would bring back the bind-close-publish port race.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -26,6 +27,7 @@ from cluster.errors import RaylaunchError
 from cluster.forkserver import FORK_SERVER, rank_main
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
 from cluster.protocol import FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
+from cluster.rankhost import WarmHost, rss_mb
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 from cluster.tail import Tail
 
@@ -50,12 +52,15 @@ class NodeInfo:
     interfaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # the SOCKET_IFNAME_VARS the node's environment sets
     socket_env: dict[str, str] = field(default_factory=dict)
+    # where the node's ranks fork from (a warm rank host, or the actor's own server, and why), its pid if a host
+    rank_host: str = ""
+    rank_host_pid: int | None = None
 
 
 class NodeActor:
     """Runs as a Ray actor, one per node (see ``cluster.group``)."""
 
-    def __init__(self, node_rank: int) -> None:
+    def __init__(self, node_rank: int, warm: WarmHost | None = None) -> None:
         self.node_rank = node_rank
         self._tmp = tempfile.mkdtemp(prefix=f"raylaunch-node{node_rank}-")
         self._store = None
@@ -67,8 +72,10 @@ class NodeActor:
         self._dumps: dict[int, str] = {}  # world rank -> the file its faulthandler writes to
         self._flight: dict[int, str] = {}  # world rank -> its NCCL Flight Recorder dump
         self._released = False  # this actor's hold on the process's rank fork server
-        # Started now, so it has imported torch and Accelerate before the first ranks start.
-        FORK_SERVER.acquire()
+        self._notes: list[str] = []  # said with the next poll, in its first rank's log
+        # A warm rank host claimed now, or a server of this actor's own started now, so it has imported torch
+        # and Accelerate before the first ranks start.
+        FORK_SERVER.acquire(warm)
 
     def describe(self) -> NodeInfo:
         import psutil
@@ -83,7 +90,16 @@ class NodeActor:
             interfaces={name: tuple(a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
                         for name, addrs in psutil.net_if_addrs().items()},
             socket_env={k: os.environ[k] for k in SOCKET_IFNAME_VARS if os.environ.get(k)},
+            rank_host=self._host_note(),
+            rank_host_pid=FORK_SERVER.host_pid,
         )
+
+    @staticmethod
+    def _host_note() -> str:
+        """Where the ranks fork from; a reused host's memory with it (held while it idles between jobs)."""
+        pid = FORK_SERVER.host_pid
+        size = rss_mb(pid) if pid else None
+        return f"{FORK_SERVER.note}, {size:.0f} MB resident" if size and "reused" in FORK_SERVER.note else FORK_SERVER.note
 
     def host_store(self, ip: str, timeout_s: float, ports: tuple[int, int] | None = None) -> int:
         """Bind and hold the rendezvous TCPStore on a free port; return the port.
@@ -131,11 +147,17 @@ class NodeActor:
 
         if self._pctx is not None:
             raise RuntimeError("this node's ranks are still running; stop them first")
+        note = FORK_SERVER.note
+        FORK_SERVER.ready()
+        if FORK_SERVER.note != note:  # the host could not be used after all: say why, with the ranks' output
+            self._notes.append(f"raylaunch: node {self.node_rank}: {FORK_SERVER.note}")
         log_dir = os.path.join(self._tmp, attempt_dir(attempt))
         os.makedirs(log_dir, exist_ok=True)
         full_envs = {}
         for i, env in enumerate(envs):
             full_envs[i] = {**env, "TORCHELASTIC_RUN_ID": "raylaunch", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+        if FORK_SERVER.host_pid is not None:  # the host's environment is not the job's: each rank gets the job's
+            payloads = [dataclasses.replace(p, environ={**os.environ, **full_envs[i]}) for i, p in enumerate(payloads)]
         self._ranks = [p.context.world_rank for p in payloads]
         self._pctx = start_processes(
             name="raylaunch",
@@ -209,6 +231,9 @@ class NodeActor:
         return out
 
     def _drain(self, out: NodePoll, final: bool) -> None:
+        if self._notes and self._ranks:
+            out.logs.extend((self._ranks[0], "stderr", note) for note in self._notes)
+            self._notes.clear()
         for rank, stream, tail in self._tails:
             for line in tail.read(final):
                 if stream == "event":

@@ -63,6 +63,9 @@ class WorkerPayload:
     # checkpoint.mtbf_s, or the run's own (its books' wall clock per failed attempt) once it has failed.
     checkpoint_every: float | str | None = None
     mtbf_s: float = 86400.0
+    # The rank's whole environment, set when it forks from a warm rank host (``cluster.rankhost``), whose own
+    # environment is not the job's. Not shown: it holds the job's secrets.
+    environ: dict[str, str] | None = field(default=None, repr=False)
 
 
 class EventKind(StrEnum):

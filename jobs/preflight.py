@@ -11,6 +11,7 @@ import time
 import ray
 
 from cluster.group import ACTOR_NAMESPACE, JobEnv, NodeGroup, Placement, PlacementError, fitting_nodes
+from cluster.rankhost import WarmHost
 from jobs.environment import runner_versions, with_runner_pins
 from jobs.policy import WorldSize, fit
 from jobs.record import Recorder
@@ -39,7 +40,8 @@ def reserve(spec: JobSpec, placement: Placement, recorder: Recorder, token: str 
         socket_ifname=spec.rendezvous.socket_ifname,
         env=JobEnv(vars={k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.vars.items()},
                    secrets=recorder.secrets.values,
-                   pip=with_runner_pins(env.requirements, _cluster_runner_versions()) if env.requirements else []),
+                   pip=with_runner_pins(env.requirements, _cluster_runner_versions()) if env.requirements else [],
+                   warm=WarmHost(env.warm_host, env.warm_host_idle_s)),
     )
     recorder.reserved(group, live={"ray_address": ray.get_runtime_context().gcs_address, "namespace": ACTOR_NAMESPACE,
                                    "node_actors": group.actor_names, "ranks": group.ranks_by_node})

@@ -141,9 +141,10 @@ class Recorder:
         r = self.result
         r.live = live
         r.nodes = [{"node_rank": i, "node_id": info.node_id, "ip": info.ip, "hostname": info.hostname,
-                    "socket_ifname": socket.name} for i, (info, socket) in enumerate(zip(group.infos, group.sockets))]
+                    "socket_ifname": socket.name, "rank_host_pid": info.rank_host_pid}
+                   for i, (info, socket) in enumerate(zip(group.infos, group.sockets))]
         for i, (info, socket) in enumerate(zip(group.infos, group.sockets)):
-            self.say(f"raylaunch: node {i} ({info.ip}, {info.hostname}): {socket.describe()}")
+            self.say(f"raylaunch: node {i} ({info.ip}, {info.hostname}): {socket.describe()}; {info.rank_host}")
 
     def resized(self, old: WorldSize, new: WorldSize, attempt: int, why: str) -> None:
         """Record and say a change of world size (its step, the checkpoint the attempt resumes from, comes later)."""

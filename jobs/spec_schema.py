@@ -222,12 +222,17 @@ class EnvSpec:
     ``vars`` are written with the spec (``spec.yaml``, the job's entrypoint); ``secrets`` are
     names whose values are read where the job is launched and are never written or printed;
     ``pip`` lists requirements (or names a requirements file in the working directory) that
-    Ray installs for the job on every node.
+    Ray installs for the job on every node; ``warm_host`` chooses where ranks start from.
     """
 
     vars: dict = field(default_factory=dict)
     secrets: list[str] = field(default_factory=list)
     pip: Union[list[str], str] = field(default_factory=list)
+    # Ranks fork from a warm rank host on each node (torch, Accelerate, transformers imported once, kept
+    # between jobs; ``cluster.rankhost``); false: from a server each job's node actor starts and preloads.
+    warm_host: bool = True
+    # How long a warm rank host with no ranks and no job waits for the next before it ends.
+    warm_host_idle_s: float = _within(1, _MONTH_S, 600.0)
 
     @property
     def requirements(self) -> list[str]:

@@ -51,7 +51,7 @@ def test_every_default_is_the_documented_one():
         "timeouts": {"placement_s": 120.0, "rendezvous_s": 300.0, "heartbeat_s": 60.0, "collective_s": 600.0,
                      "resize_s": 30.0},
         "rendezvous": {"ports": "any", "socket_ifname": "auto"},
-        "env": {"vars": {}, "secrets": [], "pip": []},
+        "env": {"vars": {}, "secrets": [], "pip": [], "warm_host": True, "warm_host_idle_s": 600.0},
     }
     # `fsdp: {}` asks for FSDP with every one of its own defaults
     assert spec_to_dict(load_spec_text(MINIMAL + "accelerate: {fsdp: {}}\n"))["accelerate"]["fsdp"] == {

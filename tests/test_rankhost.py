@@ -1,0 +1,124 @@
+"""Warm rank hosts (`env.warm_host`, `cluster.rankhost`) on a real two-node Ray cluster: the ranks of every job
+fork from a host that imported torch, Accelerate and transformers once, and each job still sees only its own
+environment, secrets and modules; a host is not reused after the packages change, and ends when idle."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import ROOT, TESTS, cli_env, wait_for
+from jobs.driver import Driver
+from jobs.spec import load_spec_text
+
+SECRET = "RAYLAUNCH_TEST_HOST_SECRET"
+PROBE = """
+import os, sys
+import mymod
+
+def probe(config):
+    return {"version": mymod.VERSION, "mark": os.environ.get("MARK"), "secret": os.environ.get("%s") == "the-secret-of-a",
+            "host": os.getppid(), "warm": "transformers" in sys.modules}
+""" % SECRET
+
+
+def _project(root: Path, version: str, secret: bool) -> Path:
+    root.mkdir(parents=True)
+    (root / "mymod.py").write_text(f"VERSION = {version!r}\n")
+    (root / "hostprobe.py").write_text(PROBE)
+    (root / "job.yaml").write_text(textwrap.dedent(f"""\
+        name: job-{version}
+        train_fn: hostprobe:probe
+        scaling: {{num_nodes: 2, workers_per_node: 1}}
+        env: {{vars: {{MARK: mark-{version}}}, secrets: {[SECRET] if secret else []}}}
+        """))
+    return root
+
+
+def _launch(root: Path, address: str, storage: Path) -> subprocess.Popen:
+    env = {**cli_env(), SECRET: "the-secret-of-a"}
+    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "job.yaml", "--address", address,
+                             "--storage", str(storage)], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, storage: Path, name: str) -> tuple[dict, dict, str]:
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    result = json.loads((storage / name / "result.json").read_text())
+    hosts = {n["node_id"]: n["rank_host_pid"] for n in result["nodes"]}
+    return result["rank_results"], hosts, out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def test_jobs_one_after_another_and_at_once_share_the_warm_hosts_and_see_only_their_own_environment(
+        ray_cluster, tmp_path):
+    a = _project(tmp_path / "a", "a", secret=True)
+    b = _project(tmp_path / "b", "b", secret=False)
+    storage = tmp_path / "runs"
+    first, hosts_a, _ = _finish(_launch(a, ray_cluster.address, storage), storage, "job-a")
+    second, hosts_b, out_b = _finish(_launch(b, ray_cluster.address, storage), storage, "job-b")
+    for seen, version in ((first, "a"), (second, "b")):
+        assert sorted(seen) == ["0", "1"]
+        for rank in seen.values():
+            assert rank["version"] == version and rank["mark"] == f"mark-{version}", rank
+            assert rank["secret"] == (version == "a"), rank  # its value is masked in results: compared in the rank
+            assert rank["warm"], "a rank forked from a warm host has transformers imported before it imports it"
+    assert set(hosts_a.values()) == {r["host"] for r in first.values()}  # result.json names the host it forked from
+    assert hosts_b == hosts_a, "the second job's ranks fork from the hosts the first one started"
+    assert out_b.count("warm rank host") == 2 and "reused" in out_b and "MB resident" in out_b
+    # at once: both jobs' ranks fork from the same hosts, each with its own module, variables and secrets
+    procs = [_launch(root, ray_cluster.address, tmp_path / "at-once") for root in (a, b)]
+    together = {name: _finish(p, tmp_path / "at-once", name) for p, name in zip(procs, ("job-a", "job-b"))}
+    for name, (seen, hosts, _) in together.items():
+        version = name[-1]
+        assert hosts == hosts_a
+        assert {(r["version"], r["mark"], r["secret"]) for r in seen.values()} == {
+            (version, f"mark-{version}", version == "a")}
+
+
+SPEC = """
+name: {name}
+train_fn: tests.fns:probe
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+storage: {storage}
+env: {{vars: {{PYTHONPATH: "{path}"}}, warm_host: {warm}, warm_host_idle_s: {idle}}}
+"""
+
+
+def _run(tmp_path: Path, name: str, site: Path, warm: bool = True, idle: float = 600) -> set[int]:
+    """The processes the job's ranks forked from."""
+    path = os.pathsep.join([str(ROOT), str(TESTS), str(site)])
+    text = SPEC.format(name=name, storage=tmp_path / "runs", path=path, warm=str(warm).lower(), idle=idle)
+    out = io.StringIO()
+    result = Driver(load_spec_text(text), can_grow=False, out=out).run()
+    assert result.status == "succeeded", result.error + out.getvalue()[-3000:]
+    nodes = json.loads((tmp_path / "runs" / name / "result.json").read_text())["nodes"]
+    parents = {r["ppid"] for r in result.rank_results.values()}
+    assert {n["rank_host_pid"] for n in nodes} == (parents if warm else {None}), out.getvalue()[-4000:]
+    return parents
+
+
+def test_a_host_is_not_reused_once_its_packages_changed_ends_when_idle_and_can_be_turned_off(ray_cluster, tmp_path):
+    site = tmp_path / "site"
+    (site / "fakepkg-1.0.dist-info").mkdir(parents=True)  # a package installed where the ranks import from
+    first = _run(tmp_path, "before", site)
+    (site / "fakepkg-1.0.dist-info").rename(site / "fakepkg-2.0.dist-info")  # pip upgraded it
+    second = _run(tmp_path, "after", site, idle=2)
+    assert not first & second, "a job after a package changed does not run on the host that imported the old one"
+    wait_for(lambda: not any(_alive(p) for p in first), 30, "the stale hosts to end")
+    wait_for(lambda: not any(_alive(p) for p in second), 30, "the hosts idle for 2 s to end")
+    own = _run(tmp_path, "own-server", site, warm=False)  # result.json names no host (checked in _run)
+    assert not own & (first | second)
