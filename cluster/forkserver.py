@@ -24,7 +24,7 @@ from cluster import rankhost
 from cluster.protocol import WorkerPayload
 from cluster.rankhost import Claim, WarmHost
 
-__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "rank_main"]
+__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "pid_namespace", "rank_main", "remove_abandoned"]
 
 
 # What the rank fork server imports once, before any rank starts (not CUDA: importing torch
@@ -117,8 +117,8 @@ class ForkServer:
         if self._thread is None:
             config = process.current_process()._config
             if config.get("tempdir") is None:
-                prefix = f"raylaunch-mp-{_pid_namespace()}-"
-                _remove_abandoned(prefix)
+                prefix = f"raylaunch-mp-{pid_namespace()}-"
+                remove_abandoned(prefix)
                 # One per process; hex, short: the socket path under it has 107 bytes at most.
                 folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
                 shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
@@ -156,7 +156,7 @@ class ForkServer:
                 self._folder = None
 
 
-def _pid_namespace() -> str:
+def pid_namespace() -> str:
     """This process's PID namespace, in hex (the inode of ``/proc/self/ns/pid``)."""
     try:
         return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
@@ -164,7 +164,7 @@ def _pid_namespace() -> str:
         return "0"
 
 
-def _remove_abandoned(prefix: str) -> None:
+def remove_abandoned(prefix: str) -> None:
     """Remove the fork-server folders (``<prefix><pid in hex>`` in the temp folder) of processes that no longer run."""
     for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
         try:

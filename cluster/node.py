@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.errors import RaylaunchError
-from cluster.forkserver import FORK_SERVER, rank_main
+from cluster.forkserver import FORK_SERVER, pid_namespace, remove_abandoned, rank_main
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
 from cluster.protocol import FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
 from cluster.rankhost import WarmHost, rss_mb
@@ -62,7 +62,7 @@ class NodeActor:
 
     def __init__(self, node_rank: int, warm: WarmHost | None = None) -> None:
         self.node_rank = node_rank
-        self._tmp = tempfile.mkdtemp(prefix=f"raylaunch-node{node_rank}-")
+        self._tmp = tempfile.mkdtemp(prefix=f"node{node_rank}-", dir=_process_scratch())
         self._store = None
         self._pctx = None
         self._ranks: list[int] = []
@@ -159,14 +159,20 @@ class NodeActor:
         if FORK_SERVER.host_pid is not None:  # the host's environment is not the job's: each rank gets the job's
             payloads = [dataclasses.replace(p, environ={**os.environ, **full_envs[i]}) for i, p in enumerate(payloads)]
         self._ranks = [p.context.world_rank for p in payloads]
-        self._pctx = start_processes(
-            name="raylaunch",
-            entrypoint=rank_main,
-            args={i: (p,) for i, p in enumerate(payloads)},
-            envs=full_envs,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
-            start_method="forkserver",
-        )
+        # torch makes a file for each rank's exception in the temporary folder and never removes it: here, in
+        # this actor's scratch folder, it goes with the folder.
+        saved_tempdir, tempfile.tempdir = tempfile.tempdir, self._tmp
+        try:
+            self._pctx = start_processes(
+                name="raylaunch",
+                entrypoint=rank_main,
+                args={i: (p,) for i, p in enumerate(payloads)},
+                envs=full_envs,
+                logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
+                start_method="forkserver",
+            )
+        finally:
+            tempfile.tempdir = saved_tempdir
         self._beats = {p.context.world_rank: heartbeat_file(p.events_path) for p in payloads}
         self._dumps = {p.context.world_rank: stack_dump_file(p.events_path) for p in payloads}
         self._flight = {p.context.world_rank: env["TORCH_FR_DUMP_TEMP_FILE"] + str(p.context.world_rank)
@@ -279,6 +285,16 @@ class NodeActor:
 
     def scratch_dir(self) -> str:
         return self._tmp
+
+
+def _process_scratch() -> str:
+    """This process's folder for its node actors' scratch folders (``raylaunch-node-<pid namespace>-<pid>``, in
+    hex); the folders of processes that no longer run (an actor killed outright cannot remove its own) go now."""
+    prefix = f"raylaunch-node-{pid_namespace()}-"
+    remove_abandoned(prefix)
+    folder = os.path.join(tempfile.gettempdir(), f"{prefix}{os.getpid():x}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
 
 
 def _failure(rank: int, f: Any) -> RankFailure:

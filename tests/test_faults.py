@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -119,10 +120,13 @@ def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path, caps
 def test_a_deterministic_bug_fails_after_the_restart_budget(ray_cluster, tmp_path):
     spec = load_spec_text(f"name: bug\ntrain_fn: fns:fail_on_all_ranks\nscaling: {{num_nodes: 2}}\n"
                           f"failure: {{max_restarts: 2}}\nstorage: {tmp_path}\n")
+    error_files = lambda: set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))  # noqa: E731
+    before = error_files()
     began = time.monotonic()
     result = Driver(spec, can_grow=False).run()
     assert time.monotonic() - began < 90
     assert result.status == "failed" and result.attempts == 3 and result.restarts == 2
+    assert not error_files() - before, "torch's per-rank exception files are removed with the node's scratch folder"
     # once, grouped by the ranks that raised it, with one traceback
     assert result.error.startswith("[ranks 0, 1] ValueError: bad batch shape (3, 4)\nTraceback")
     assert result.error.count("[rank") == 1 and result.error.count("Traceback") == 1
