@@ -9,6 +9,7 @@ from typing import Iterator
 import ray
 
 from cluster.errors import RaylaunchError
+from cluster.rankhost import PROJECT_VAR, prestart
 from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
@@ -54,7 +55,7 @@ EMBEDDED_NODE = {"include_dashboard": False, "no_monitor": True, "include_log_mo
 
 @contextlib.contextmanager
 def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0,
-            upload: UploadPlan | None = None) -> Iterator[bool]:
+            upload: UploadPlan | None = None, warm_host: bool = False) -> Iterator[bool]:
     """Connect for the length of the block; yields whether the cluster may grow.
 
     ``address=None`` starts an embedded cluster of ``local_nodes`` real Ray
@@ -67,21 +68,25 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
     if address is None:
         from ray.cluster_utils import Cluster
 
+        runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
+        if warm_host:  # the nodes' warm rank host imports torch while Ray starts (``cluster.rankhost``)
+            from cluster.forkserver import HOST_PRELOAD
+
+            prestart(pythonpath.split(os.pathsep), [cwd], HOST_PRELOAD)
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, **EMBEDDED_NODE})
         try:
             for _ in range(local_nodes - 1):
                 cluster.add_node(num_cpus=cpus_per_node, **EMBEDDED_NODE)
-            # The runner's own packages first: a project's own cluster/ or jobs/ folder cannot
-            # stand in for them on the nodes; then the project, whose modules the ranks import.
-            runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
+            # PYTHONPATH: the runner's own packages first (a project's own cluster/ or jobs/ folder cannot
+            # stand in for them on the nodes), then the project, whose modules the ranks import.
             # ray.init puts the driver's current folder first on every worker's sys.path,
             # ahead of PYTHONPATH: connect from the runner's folder so the order above holds.
             os.chdir(runner)
             try:
                 ray.init(
                     address=cluster.address,
-                    runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                    runtime_env={"env_vars": {"PYTHONPATH": pythonpath, PROJECT_VAR: cwd}},
                     log_to_driver=False,
                     configure_logging=False,
                 )
