@@ -100,6 +100,11 @@ class StagedCheckpoints:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
             raise
+        if script is not None and script.mirror is not None:
+            # Its files come from the background write, but the folder is there when save_state returns, as
+            # Accelerate's own save_state leaves it: a script may write beside it at once (its result.json in
+            # output_dir; tests/test_jobs.py's launch-script job failed so on a loaded machine).
+            os.makedirs(script.mirror, exist_ok=True)
         self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
                               mirror=script.mirror if script else None, on_done=saved)
         return snap.nbytes / 2**20

@@ -142,3 +142,19 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     --address` then failed to start ("Local directory ... does not exist"). Found when test_history's runs
     followed them."""
     items.sort(key=lambda item: item.path.name == "test_chaos.py")
+    if config.pluginmanager.hasplugin("xdist"):
+        group_module_fixtures(items)
+
+
+def group_module_fixtures(items) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) each worker is its own session with its own
+    ``ray_cluster``, and the tests are handed out one by one. A test that uses a module-scoped fixture (a module's
+    shared runs, its own Ray head, the namespace hosts on their fixed addresses) joins its module's xdist group, so
+    that fixture is made once, by one worker, and never twice at once. With ``--dist loadgroup`` the groups start
+    first (largest first) and the ungrouped tests follow in collection order, so the chaos tests stay last on each
+    worker, that is, last on each cluster."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))

@@ -62,8 +62,9 @@ def clear_abandoned(prefix: str) -> list[str]:
     killed before its teardown (a CI job stopped at its time limit) leaves its bridge routing the
     tier's subnet, and every later run would fail on it. What belongs to a pytest that no longer
     runs is removed, with the processes still inside its namespaces; what a running session owns
-    is left alone, and so are names of any other form (a pytest is told by its command line: the
-    Makefile's plain ``python -m pytest``; pytest-xdist's workers would not be). Returns what was removed."""
+    is left alone, and so are names of any other form (a pytest is told by its command line, the
+    Makefile's plain ``python -m pytest``, or by its parent's: a pytest-xdist worker, whose own command
+    line is execnet's ``python -c``, makes the names of its session). Returns what was removed."""
     own = re.compile(rf"^{re.escape(prefix)}(\d+)(?:-h\d+|br|v\d+|e\d+)$")
 
     def abandoned(name: str) -> bool:
@@ -96,12 +97,16 @@ def clear_abandoned(prefix: str) -> list[str]:
 
 
 def _runs(pid: int) -> bool:
-    """Whether a pytest with this pid (modulo 100000) still runs."""
+    """Whether a pytest, or a pytest-xdist worker (a child of one), with this pid (modulo 100000) still runs."""
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) % 100000 == pid:
             try:
                 if b"pytest" in (proc / "cmdline").read_bytes():
                     return True
-            except OSError:
+                status = (proc / "status").read_text()
+                parent = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+                if b"pytest" in (Path("/proc") / parent / "cmdline").read_bytes():
+                    return True
+            except (OSError, StopIteration):
                 pass
     return False

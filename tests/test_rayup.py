@@ -14,7 +14,10 @@ What the rendered copy changes, and why (everything else is the shipped file):
 - the first setup command links ``~/raylaunch-venv`` to this checkout's ``.venv`` instead of
   creating it with pip: the hosts have no route to a package index (the second command, which
   puts that environment on every shell's PATH, runs as shipped);
-- ``max_workers: 1``: one worker host.
+- ``max_workers: 1``: one worker host;
+- the worker's ``ray start`` sets ``RAY_gcs_rpc_server_reconnect_timeout_s=10``: ``ray down`` stops the
+  head only (the local provider never logs in to a worker), and the worker's raylet ends itself when it
+  has not reached the head's GCS for that long (Ray's default, 60 s, was a minute of the suite's time).
 
 The hosts' default route points at their own link, with no gateway: Ray finds its node address by
 routing towards a public address (nothing is sent), and nothing can leave the bridge.
@@ -56,6 +59,7 @@ HOSTS = {HEAD: f"{TAG}-h1", WORKER: f"{TAG}-h2"}  # address -> namespace
 BRIDGE = f"{TAG}br"
 CLUSTER = f"raylaunch-test-{TAG}"
 BIN = Path(sys.executable).parent
+WORKER_GCS_TIMEOUT_S = 10  # how long the worker's raylet outlives the head's GCS (see the module doc)
 
 
 def _why_not() -> str | None:
@@ -184,6 +188,10 @@ def _render(root: Path) -> Path:
     config["max_workers"] = 1
     assert config["setup_commands"][0].startswith("python3 -m venv ~/raylaunch-venv")
     config["setup_commands"][0] = f"ln -sfn {ROOT / '.venv'} ~/raylaunch-venv"
+    start = config["worker_start_ray_commands"]
+    assert start[-1].count(" ray start ") == 1, start
+    timeout = f"RAY_gcs_rpc_server_reconnect_timeout_s={WORKER_GCS_TIMEOUT_S}"
+    start[-1] = start[-1].replace(" ray start ", f" {timeout} ray start ")
     path = root / "cluster.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -258,7 +266,7 @@ def _tear_down(root: Path, config: Path | None, env: dict, log, hosts: list[subp
                                   stderr=subprocess.STDOUT, text=True, timeout=180)
             # What `ray down` left running on the hosts, before their namespaces go. It runs `ray stop`
             # on the head only (with the local provider it never logs in to a worker); a worker's raylet
-            # gives up on the head's GCS and ends itself about a minute later.
+            # gives up on the head's GCS and ends itself WORKER_GCS_TIMEOUT_S later.
             deadline = time.monotonic() + 150
             while (left := _ray_daemons(root, pid_namespaces)) and time.monotonic() < deadline:
                 time.sleep(1)
