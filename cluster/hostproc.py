@@ -171,7 +171,7 @@ def _serve(args: dict) -> None:
     os.chmod(folder / "sock.new", 0o600)
     listener.listen(128)
     os.replace(folder / "sock.new", folder / "sock")  # clients wait for this name: it listens once it exists
-    threading.Thread(target=_watch, args=(folder, args["anchor"], args["key"]),
+    threading.Thread(target=_watch_or_end, args=(folder, args["anchor"], args["key"]),
                      daemon=True, name="raylaunch-host-watch").start()
     sys.path[:] = args["sys_path"]
     for name in args["preload"]:
@@ -211,6 +211,17 @@ def _idle_s(folder: Path) -> float:
         return float((folder / "claimed").read_text())
     except (OSError, ValueError):
         return 600.0
+
+
+def _watch_or_end(folder: Path, anchor: str, key: str) -> None:
+    """``_watch``; a host whose watch failed would never end: it ends at once, and says why in its log."""
+    try:
+        _watch(folder, anchor, key)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        _end(folder)
 
 
 def _watch(folder: Path, anchor: str, key: str) -> None:
