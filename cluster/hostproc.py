@@ -131,13 +131,24 @@ def rss_mb(pid: int) -> float | None:
 
 
 @contextmanager
-def locked(folder: Path):
-    with open(folder / "lock", "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def locked(folder: Path, wait: bool = True):
+    """Hold a host folder's lock (made when missing); yields False when ``wait`` is false and another holds it.
+    A folder removed while this process waited for its lock is made again and locked anew."""
+    while True:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        with open(folder / "lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            if os.fstat(f.fileno()).st_nlink == 0:  # its folder went (a host ended) while we waited
+                continue
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+            return
 
 
 def mtime(path: Path) -> float:
@@ -200,9 +211,7 @@ def _end(folder: Path, only_if_idle: bool = False) -> None:
     with locked(folder):
         if only_if_idle and busy(folder, os.getpid()):
             return
-        for name in ("ready", "sock", "pid"):
-            (folder / name).unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)  # under its lock: a claim waiting for it makes the folder anew
     os._exit(0)
 
 

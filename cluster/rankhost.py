@@ -119,7 +119,9 @@ def _tidy(base: Path, prefix: str) -> None:
         pid = _host_pid(folder)
         if pid is None:
             if time.time() - mtime(folder) > _STARTING_S:
-                shutil.rmtree(folder, ignore_errors=True)
+                with locked(folder, wait=False) as mine:
+                    if mine and _host_pid(folder) is None:
+                        shutil.rmtree(folder, ignore_errors=True)
         elif folder.name.startswith(prefix):
             live.append((mtime(folder / "claimed"), folder, pid))
     for _, folder, pid in sorted(live)[:max(0, len(live) - (MAX_HOSTS - 1))]:
@@ -143,7 +145,6 @@ def claim(settings: WarmHost, preload: list[str]) -> Claim:
     found = [f for f in (base / f"a{a}-{key[:16]}" for a in anchors) if _host_pid(f) is not None]
     folder = found[0] if found else base / f"a{anchors[0]}-{key[:16]}"
     prefix = f"a{anchors[0]}-"
-    folder.mkdir(mode=0o700, exist_ok=True)
     with locked(folder):
         pid = _host_pid(folder)
         reused = pid is not None
