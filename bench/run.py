@@ -96,10 +96,29 @@ def _label(p: psutil.Process) -> str:
     return os.path.basename(cmd[0]) if cmd else p.name()
 
 
-def _cpu_snapshot() -> dict[tuple[int, float], tuple[str, float]]:
-    out = {}
-    for p in psutil.process_iter():
+def _bench_pids(launcher: int, tmp: Path) -> set[int]:
+    """The processes this bench started: the launcher's tree (with a Ray cluster it starts itself) and the warm
+    cluster (its daemons name ``tmp`` on their command line; its workers and actors are their children). Other
+    work on a shared machine (another test run's Ray clusters, node actors, pip) is left out."""
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid == launcher or str(tmp) in " ".join(p.info["cmdline"] or []):
+            roots.append(p)
+    out = {os.getpid()}
+    for p in roots:
         try:
+            out |= {p.pid, *(c.pid for c in p.children(recursive=True))}
+        except psutil.Error:
+            pass
+    out.discard(os.getpid())
+    return out
+
+
+def _cpu_snapshot(pids: set[int]) -> dict[tuple[int, float], tuple[str, float]]:
+    out = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
             t = p.cpu_times()
             out[(p.pid, p.create_time())] = (_label(p), t.user + t.system)
         except psutil.Error:
@@ -108,16 +127,16 @@ def _cpu_snapshot() -> dict[tuple[int, float], tuple[str, float]]:
 
 
 class BackgroundCPU:
-    """CPU that processes other than the ranks (and this harness) use during rank 0's
-    steady steps, in cores (CPU seconds per second), by process label.
+    """CPU that the bench's processes other than the ranks (and this harness) use during rank 0's
+    steady steps, in cores (CPU seconds per second), by process label (``_bench_pids``).
 
     The ranks share the machine's cores with whatever the launcher keeps running
     beside them (a driver, Ray's raylet and GCS, actors): on 2 cores that time
     comes out of the steps.
     """
 
-    def __init__(self, pid_dir: Path) -> None:
-        self.pid_dir, self.cores, self.by_label = pid_dir, None, {}
+    def __init__(self, pid_dir: Path, launcher: int, tmp: Path) -> None:
+        self.pid_dir, self.launcher, self.tmp, self.cores, self.by_label = pid_dir, launcher, tmp, None, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -131,12 +150,13 @@ class BackgroundCPU:
             time.sleep(0.02)
         if self._stop.is_set():
             return
-        began, t0 = _cpu_snapshot(), time.monotonic()
+        pids = _bench_pids(self.launcher, self.tmp)
+        began, t0 = _cpu_snapshot(pids), time.monotonic()
         while not self._stop.is_set() and self._phases() < 2:
             time.sleep(0.02)
         if self._stop.is_set():
             return
-        ended, wall = _cpu_snapshot(), time.monotonic() - t0
+        ended, wall = _cpu_snapshot(pids), time.monotonic() - t0
         ranks = {json.loads(line)["pid"] for line in (self.pid_dir / "first_steps.jsonl").read_text().splitlines()}
         me = {os.getpid()}
         by_label: dict[str, float] = {}
@@ -183,7 +203,7 @@ def run(cmd: list[str], env: dict, config: dict, tmp: Path, kill: bool = False) 
     proc = subprocess.Popen(_expand(cmd, config), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peak = PeakRSS(proc.pid)
-    background = BackgroundCPU(pid_dir)
+    background = BackgroundCPU(pid_dir, proc.pid, tmp)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
@@ -399,7 +419,8 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
               f"of the driver {figures['peak_driver_mb']['median']:.0f} MB"]
     if all("background_cores" in figures[name] for name in rows):
         lines.append("- CPU used beside the ranks during their steady steps, in cores (the machine has "
-                     f"{os.cpu_count()}; the warm cluster idles through every launcher's runs): " + "; ".join(
+                     f"{os.cpu_count()}; the warm cluster idles through every launcher's runs; the bench's own "
+                     "processes only): " + "; ".join(
                          f"{name} {cell(figures[name]['background_cores'], '.3f')} ("
                          + ", ".join(f"{k} {v:.3f}" for k, v in figures[name]["background_top"].items()) + ")"
                          for name in rows))

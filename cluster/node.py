@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
 from cluster.errors import RaylaunchError
 from cluster.forkserver import FORK_SERVER, pid_namespace, remove_abandoned, rank_main
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
@@ -79,7 +81,6 @@ class NodeActor:
 
     def describe(self) -> NodeInfo:
         import psutil
-        import ray
 
         return NodeInfo(
             node_id=ray.get_runtime_context().get_node_id(),
@@ -201,6 +202,9 @@ class NodeActor:
                     dumps[rank] = f.read()
         return stacks, dumps
 
+    # Polled 4 times a second: Ray's task events for each call (three, sent to the GCS) cost the GCS, this actor
+    # and the driver more CPU than the poll itself; a call's failure still reaches the driver as its error.
+    @ray.method(enable_task_events=False)
     def poll(self) -> NodePoll:
         out = NodePoll(state=self._state)
         if self._pctx is None:

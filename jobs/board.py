@@ -11,13 +11,20 @@ resumed step, so the curve shows the steps the final model saw, once.
 On object storage the event files are written to a local folder; a flush
 copies into the run directory the files that grew, no more often than
 ``rewrite_due`` allows (a long run's event file is not sent whole every 2 s).
+
+The driver writes the files itself, in its own thread: a flush is one ``Event`` per step (every tag of the step
+in its ``Summary``) and one write. TensorBoard's ``EventFileWriter`` handed each scalar to a writer thread that
+opened, appended to and closed the file once per scalar: most of the driver's CPU in steady steps.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -31,6 +38,35 @@ __all__ = ["Board", "PER_RANK"]
 
 # Metrics also written per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/pace.py.
 PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb", "data_wait", "sync_wait")
+
+_files = itertools.count()  # event files this process opened: a part of each name, as TensorBoard's own writer
+
+
+class _EventFile:
+    """One TensorBoard event file (the name and records TensorBoard's ``EventFileWriter`` writes), written in the
+    caller's thread: ``write`` takes a flush's events and appends them at once."""
+
+    def __init__(self, folder: str) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SourceMetadata
+
+        os.makedirs(folder, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_files)}"
+        self._file = open(os.path.join(folder, name), "wb")
+        self.write([Event(wall_time=time.time(), file_version="brain.Event:2",
+                          source_metadata=SourceMetadata(writer="raylaunch"))])
+
+    def write(self, events: list) -> None:
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        buffer = io.BytesIO()
+        records = RecordWriter(buffer)  # the framing and checksums of TFRecord
+        for e in events:
+            records.write(e.SerializeToString())
+        self._file.write(buffer.getvalue())
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class Board:
@@ -58,18 +94,17 @@ class Board:
 
     def start_attempt(self, resume_step: int | None) -> None:
         """A new event file; on resume, TensorBoard drops what the old files hold past ``resume_step``."""
-        # tensorboard's own writer: no torch import in the driver (tensorboardX's imports it).
+        # tensorboard's protocol buffers: no torch import in the driver (tensorboardX's imports it).
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.close_writer()
         self._reset()
         try:
-            self._writer = EventFileWriter(self._local, flush_secs=5)
+            self._writer = _EventFile(self._local)
             if resume_step is not None:
                 # What torch's SummaryWriter(purge_step=...) writes: readers drop later steps of earlier files.
-                self._writer.add_event(Event(step=resume_step + 1, file_version="brain.Event:2"))
-                self._writer.add_event(Event(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+                self._writer.write([Event(step=resume_step + 1, file_version="brain.Event:2"),
+                                    Event(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START))])
         except OSError as exc:
             self._failed(exc)
 
@@ -80,14 +115,22 @@ class Board:
             self._failed_said = True
             print(f"raylaunch: TensorBoard files could not be written ({exc}); metrics.jsonl keeps every metric, "
                   "TensorBoard gets the next attempt's", file=sys.stderr, flush=True)
-        self._writer = None  # its worker thread ended with the error: every later write would raise it again
+        if self._writer is not None:  # every later write would raise the error again
+            try:
+                self._writer.close()
+            except OSError:
+                pass
+        self._writer = None
 
-    def _scalar(self, tag: str, value: float, step: int) -> None:
+    def _write(self, scalars: dict[int, list[tuple[str, float]]]) -> None:
+        """Step -> its (tag, value) pairs, as one event per step, in one write."""
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        self._writer.add_event(Event(wall_time=time.time(), step=step,
-                                     summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+        now = time.time()
+        self._writer.write([Event(wall_time=now, step=step, summary=Summary(
+            value=[Summary.Value(tag=tag, simple_value=value) for tag, value in pairs]))
+            for step, pairs in sorted(scalars.items())])
 
     def add(self, records: list[dict]) -> None:
         for r in records:
@@ -121,6 +164,7 @@ class Board:
             self._failed(exc)
 
     def _flush(self, final: bool) -> None:
+        scalars: dict[int, list[tuple[str, float]]] = defaultdict(list)
         per_rank: dict[str, tuple[int, dict[int, float]]] = {}
         for step in sorted(self._pending):
             metrics = self._pending[step]
@@ -128,16 +172,16 @@ class Board:
                 by_rank = metrics[name]
                 if not final and any(self._rank_step[r] <= step for r in self._ranks_of[name]):
                     continue
-                self._scalar(name, sum(by_rank.values()) / len(by_rank), step)
+                scalars[step].append((name, sum(by_rank.values()) / len(by_rank)))
                 if name in PER_RANK:
                     per_rank[name] = (step, by_rank)
                 del metrics[name]
             if not metrics:
                 del self._pending[step]
         for name, (step, by_rank) in per_rank.items():
-            for rank, v in by_rank.items():
-                self._scalar(f"rank_{rank}/{name}", v, step)
-        self._writer.flush()
+            scalars[step] += [(f"rank_{rank}/{name}", v) for rank, v in by_rank.items()]
+        if scalars:
+            self._write(scalars)
         self._upload(final)
 
     def goodput(self, books: dict, step: int) -> None:
@@ -146,10 +190,8 @@ class Board:
         if self._writer is None or not books:
             return
         try:
-            self._scalar("goodput/ratio", float(books["ratio"]), step)
-            for cat, secs in books["seconds"].items():
-                self._scalar(f"goodput/{cat}_s", float(secs), step)
-            self._writer.flush()
+            self._write({step: [("goodput/ratio", float(books["ratio"]))]
+                         + [(f"goodput/{cat}_s", float(secs)) for cat, secs in books["seconds"].items()]})
         except OSError as exc:
             self._failed(exc)
 
