@@ -90,6 +90,8 @@ def _label(p: psutil.Process) -> str:
     cmd = p.cmdline()
     if cmd and cmd[0].startswith("ray::"):
         return cmd[0].split()[0]
+    if "cluster.hostproc" in cmd:
+        return "raylaunch warm rank host"
     if cmd and "python" in os.path.basename(cmd[0]):
         args = [c for c in cmd[1:] if not c.startswith("-")]
         return os.path.basename(args[0]) if args else p.name()
@@ -151,6 +153,12 @@ class BackgroundCPU:
         if self._stop.is_set():
             return
         pids = _bench_pids(self.launcher, self.tmp)
+        # the ranks' parents too: raylaunch's warm rank host, a process of its own beside the cluster
+        for line in (self.pid_dir / "first_steps.jsonl").read_text().splitlines():
+            try:
+                pids.add(psutil.Process(json.loads(line)["pid"]).ppid())
+            except psutil.Error:
+                pass
         began, t0 = _cpu_snapshot(pids), time.monotonic()
         while not self._stop.is_set() and self._phases() < 2:
             time.sleep(0.02)
