@@ -9,7 +9,7 @@ from typing import Iterator
 import ray
 
 from cluster.errors import RaylaunchError
-from cluster.rankhost import PROJECT_VAR, prestart
+from cluster.rankhost import PROJECT_VAR
 from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
@@ -55,7 +55,7 @@ EMBEDDED_NODE = {"include_dashboard": False, "no_monitor": True, "include_log_mo
 
 @contextlib.contextmanager
 def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0,
-            upload: UploadPlan | None = None, warm_host: bool = False) -> Iterator[bool]:
+            upload: UploadPlan | None = None) -> Iterator[bool]:
     """Connect for the length of the block; yields whether the cluster may grow.
 
     ``address=None`` starts an embedded cluster of ``local_nodes`` real Ray
@@ -70,10 +70,6 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
 
         runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
-        if warm_host:  # the nodes' warm rank host imports torch while Ray starts (``cluster.rankhost``)
-            from cluster.forkserver import HOST_PRELOAD
-
-            prestart(pythonpath.split(os.pathsep), [cwd], HOST_PRELOAD)
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, **EMBEDDED_NODE})
         try:
             for _ in range(local_nodes - 1):

@@ -234,8 +234,7 @@ def _watch_or_end(folder: Path, anchor: str, key: str) -> None:
 
 
 def _watch(folder: Path, anchor: str, key: str) -> None:
-    """End the host with its node's raylet (or the process it was started ahead of; its ranks too), when idle too
-    long, or once its packages changed."""
+    """End the host with its node's raylet (its ranks too), when idle too long, or once its packages changed."""
     raylet_pid, raylet_started = int(anchor.split(".")[0]), anchor.split(".")[1]
     try:
         raylet_fd = os.pidfd_open(raylet_pid)
@@ -283,8 +282,5 @@ def _detach(folder: Path) -> None:
 
 if __name__ == "__main__":
     _host_args = json.loads(sys.argv[1])
-    if "folder" not in _host_args:  # started ahead of the cluster (``prestart``): its folder is made here
-        _host_args["folder"] = str(Path(_host_args["base"], f"a{_host_args['anchor']}-{_host_args['key'][:16]}"))
-        Path(_host_args["folder"]).mkdir(mode=0o700, exist_ok=True)
     _detach(Path(_host_args["folder"]))
     _serve(_host_args)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,8 +77,9 @@ class NodeActor:
         self._released = False  # this actor's hold on the process's rank fork server
         self._notes: list[str] = []  # said with the next poll, in its first rank's log
         # A warm rank host claimed now, or a server of this actor's own started now, so it has imported torch
-        # and Accelerate before the first ranks start.
+        # and Accelerate before the first ranks start; this actor's own torch (the store, start_processes) too.
         FORK_SERVER.acquire(warm)
+        threading.Thread(target=_import_torch, daemon=True, name="raylaunch-torch-import").start()
 
     def describe(self) -> NodeInfo:
         import psutil
@@ -289,6 +291,12 @@ class NodeActor:
 
     def scratch_dir(self) -> str:
         return self._tmp
+
+
+def _import_torch() -> None:
+    """What the actor needs of torch itself, imported while the driver still reserves and checks storage."""
+    import torch.distributed  # noqa: F401  (TCPStore)
+    import torch.distributed.elastic.multiprocessing  # noqa: F401
 
 
 def _process_scratch() -> str:

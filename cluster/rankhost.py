@@ -37,7 +37,7 @@ from pathlib import Path
 from cluster.hostproc import (KEY_VARS, PROJECT_VAR, alive_pid, busy, host_key, job_specific, locked, mtime,
                               project_dirs, rss_mb, shared_path, stat_fields)
 
-__all__ = ["Claim", "MAX_HOSTS", "PROJECT_VAR", "WarmHost", "alive", "claim", "host_key", "prestart", "ready", "rss_mb",
+__all__ = ["Claim", "MAX_HOSTS", "PROJECT_VAR", "WarmHost", "alive", "claim", "host_key", "ready", "rss_mb",
            "unclaim"]
 
 
@@ -76,30 +76,23 @@ def _base() -> Path:
     return base
 
 
-def _anchor(pid: int) -> str | None:
-    """A process as a host is tied to it: ``<pid>.<start time>`` (a pid alone may be reused)."""
-    fields = stat_fields(pid)
-    return f"{pid}.{fields[19]}" if fields else None
-
-
 def _anchors() -> list[str]:
-    """The raylet this process descends from (a Ray worker's) and its ancestors, nearest first; [] outside Ray."""
-    out: list[str] = []
+    """The raylet this process descends from (a Ray worker's), as a host is tied to it: ``<pid>.<start time>``
+    (a pid alone may be reused); [] outside Ray."""
     pid = os.getpid()
     for _ in range(12):
         fields = stat_fields(pid)
         if fields is None:
             break
         try:
-            raylet = out or Path(f"/proc/{pid}/comm").read_text().strip() == "raylet"
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
+                return [f"{pid}.{fields[19]}"]
         except OSError:
             break
-        if raylet:
-            out.append(f"{pid}.{fields[19]}")
         pid = int(fields[1])
         if pid <= 1:
             break
-    return out
+    return []
 
 
 def _host_pid(folder: Path) -> int | None:
@@ -136,14 +129,13 @@ def claim(settings: WarmHost, preload: list[str]) -> Claim:
     anchors = _anchors()
     if not anchors:
         return Claim(None, None, None, False, "not in a Ray worker process")
+    if os.environ.get(PROJECT_VAR):  # the nodes `raylaunch run` started for this command end with it
+        return Claim(None, None, None, False, "local nodes end with the command: no host to keep warm")
     if "runtime_resources" in sys.executable:
         return Claim(None, None, None, False, "the job has Python packages of its own (env.pip)")
     key = host_key()
     base = _base()
-    # The host tied to this node's raylet, or one started ahead of the cluster by the process that started it
-    # (``prestart``: `raylaunch run` on its own machine)
-    found = [f for f in (base / f"a{a}-{key[:16]}" for a in anchors) if _host_pid(f) is not None]
-    folder = found[0] if found else base / f"a{anchors[0]}-{key[:16]}"
+    folder = base / f"a{anchors[0]}-{key[:16]}"  # the host tied to this node's raylet
     prefix = f"a{anchors[0]}-"
     with locked(folder):
         pid = _host_pid(folder)
@@ -175,19 +167,6 @@ def _spawn(args: dict, environ: dict, wait: bool = True) -> None:
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if wait:
         proc.wait(timeout=60)
-
-
-def prestart(pythonpath: list[str], job_dirs: list[str], preload: list[str]) -> None:
-    """Start a host for the Ray nodes this process is about to start on this machine (`raylaunch run` without an
-    address), tied to this process: it imports torch while Ray starts, and every node's actor claims it."""
-    anchor = _anchor(os.getpid())
-    if anchor is None or "runtime_resources" in sys.executable:
-        return
-    # a Ray worker's path: PYTHONPATH, then the interpreter's own (not the folder of this command's script)
-    site = [p for p in sys.path if os.path.isabs(p) and p != os.path.dirname(os.path.abspath(sys.argv[0] or ""))]
-    path = shared_path(pythonpath + site, job_dirs)
-    _spawn({"base": str(_base()), "anchor": anchor, "key": host_key(path, os.environ, job_dirs), "preload": preload,
-            "sys_path": path}, os.environ)
 
 
 def alive(found: Claim) -> bool:

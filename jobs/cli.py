@@ -103,8 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # record "stopped" and keep the last committed checkpoint.
     # A launch command's --num_machines is the embedded cluster's size unless --local-nodes says otherwise.
     local_nodes = args.local_nodes or (s.num_nodes if getattr(args, "launch", None) is not None else 1)
-    with connect(address, local_nodes=local_nodes, cpus_per_node=per_node, upload=upload,
-                 warm_host=spec.env.warm_host) as can_grow:
+    with connect(address, local_nodes=local_nodes, cpus_per_node=per_node, upload=upload) as can_grow:
         signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which installs its own
         driver.can_grow = can_grow
         try:

@@ -272,8 +272,6 @@ def test_make_demo_names_its_run_plots_its_loss_into_the_run_directory_and_lists
     assert f"raylaunch: wrote {png} (loss: demo-test)" in out
     table = out.split("NAME", 1)[1].splitlines()
     assert any(line.startswith("demo-test") and "succeeded" in line and "2 x 1" in line for line in table), out
-    # both local nodes' ranks forked from the one warm host `raylaunch run` started ahead of Ray, and it ended with it
+    # local nodes end with the command: their ranks fork from their actors' own servers, no warm host is left
     hosts = {n["rank_host_pid"] for n in json.loads((tmp_path / "demo-test" / "result.json").read_text())["nodes"]}
-    assert len(hosts) == 1 and None not in hosts, hosts
-    host = Path(f"/proc/{hosts.pop()}/stat")
-    wait_for(lambda: not host.exists() or host.read_text().split(") ")[1][0] == "Z", 10, "the host to end with the run")
+    assert hosts == {None}, hosts
