@@ -76,6 +76,24 @@ def free_ports(n: int, consecutive: bool = False) -> list[int]:
     raise RuntimeError(f"no {n} free ports in 20000-31999")
 
 
+def our_processes() -> list:
+    """This test process's descendants (the shared cluster's raylets, their workers and actors), and the warm rank
+    hosts of those raylets with the ranks they forked: a host leaves the actor that started it (its parent is
+    init), so it is found by the raylet it is tied to (``cluster.rankhost``)."""
+    import psutil
+
+    mine = psutil.Process().children(recursive=True)
+    pids = {str(p.pid) for p in mine}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        try:
+            if "cluster.hostproc" in cmd and json.loads(cmd[-1])["anchor"].split(".")[0] in pids:
+                mine += [p, *p.children(recursive=True)]
+        except (ValueError, KeyError, psutil.Error):
+            continue
+    return mine
+
+
 def wait_for(condition, timeout: float, what: str):
     """``condition()``'s first truthy value, checked every 0.1 s; fails after ``timeout`` s."""
     deadline = time.monotonic() + timeout

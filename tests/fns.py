@@ -541,6 +541,7 @@ def dcp_captured(rank: int, world: int, port: int, base: str) -> None:
     dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(f"{base}/direct"))
     snap = capture(lambda: dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(f"{base}/held")))
     assert not list(Path(base, "held").glob("*")), "DCP wrote files during the capture"
+    dist.barrier()  # both ranks looked before either writes (the folder is shared: a fast rank's write is no leak)
     saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():

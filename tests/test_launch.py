@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, cli_env, free_ports, wait_for
+from conftest import ROOT, cli_env, free_ports, our_processes, wait_for
 from jobs.driver import Driver
 from jobs.launch import parse
 
@@ -46,11 +46,11 @@ def rows(run_dir: str) -> list[dict]:
 
 
 def rank_process(rank: int, attempt: int = 1) -> psutil.Process | None:
-    """A running rank process (forked by its node's fork server, so found by the events file it holds open).
-    Only this test process's own descendants are looked at (the shared cluster's raylets are its children):
+    """A running rank process (forked by its node's warm rank host, so found by the events file it holds open).
+    Only this test process's own descendants and its raylets' warm hosts are looked at (``our_processes``):
     scanning every process of a busy machine took seconds, and the run could end meanwhile."""
     mine = f"/attempt-{attempt}/events-rank{rank}.jsonl"
-    for p in psutil.Process().children(recursive=True):
+    for p in our_processes():
         try:
             if any(f.path.endswith(mine) for f in p.open_files()):
                 return p
