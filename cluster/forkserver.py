@@ -24,7 +24,7 @@ from cluster import rankhost
 from cluster.protocol import WorkerPayload
 from cluster.rankhost import Claim, WarmHost
 
-__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "pid_namespace", "rank_main", "remove_abandoned"]
+__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "import_actor_torch", "pid_namespace", "rank_main", "remove_abandoned"]
 
 
 # What the rank fork server imports once, before any rank starts (not CUDA: importing torch
@@ -93,8 +93,7 @@ class ForkServer:
             self._unpoint()
             rankhost.unclaim(self._host)
             self._host = None
-            self.note = f"ranks fork from a server of this actor's own ({why})"
-            print(f"raylaunch: {self.note}", flush=True)
+            self.note = f"ranks fork from a server of this actor's own ({why})"  # the node actor says it
             self._start_own()
 
     def _point_at(self, address: str) -> None:
@@ -192,7 +191,12 @@ def _start_forkserver() -> None:
         if os.environ.get(_SAFE_PATH_MARK):
             os.environ.pop("PYTHONSAFEPATH", None)
             os.environ.pop(_SAFE_PATH_MARK, None)
-    # And what this actor needs itself (the store, start_processes), before it is asked.
+
+
+def import_actor_torch() -> None:
+    """What a node actor needs of torch itself (the rendezvous store, start_processes), with torch's failure log
+    made plain: run in a thread from the actor's first moment, whichever server its ranks fork from."""
+    import torch.distributed  # noqa: F401  (TCPStore)
     import torch.distributed.elastic.multiprocessing  # noqa: F401
 
     _plain_elastic_log()

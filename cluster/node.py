@@ -27,7 +27,7 @@ from typing import Any
 import ray
 
 from cluster.errors import RaylaunchError
-from cluster.forkserver import FORK_SERVER, pid_namespace, remove_abandoned, rank_main
+from cluster.forkserver import FORK_SERVER, import_actor_torch, pid_namespace, rank_main, remove_abandoned
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
 from cluster.protocol import FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
 from cluster.rankhost import WarmHost, rss_mb
@@ -79,7 +79,7 @@ class NodeActor:
         # A warm rank host claimed now, or a server of this actor's own started now, so it has imported torch
         # and Accelerate before the first ranks start; this actor's own torch (the store, start_processes) too.
         FORK_SERVER.acquire(warm)
-        threading.Thread(target=_import_torch, daemon=True, name="raylaunch-torch-import").start()
+        threading.Thread(target=import_actor_torch, daemon=True, name="raylaunch-torch-import").start()
 
     def describe(self) -> NodeInfo:
         import psutil
@@ -291,12 +291,6 @@ class NodeActor:
 
     def scratch_dir(self) -> str:
         return self._tmp
-
-
-def _import_torch() -> None:
-    """What the actor needs of torch itself, imported while the driver still reserves and checks storage."""
-    import torch.distributed  # noqa: F401  (TCPStore)
-    import torch.distributed.elastic.multiprocessing  # noqa: F401
 
 
 def _process_scratch() -> str:

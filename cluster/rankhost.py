@@ -66,7 +66,6 @@ class Claim:
     address: str | None
     pid: int | None
     folder: str | None
-    reused: bool
     note: str
 
 
@@ -76,9 +75,9 @@ def _base() -> Path:
     return base
 
 
-def _anchors() -> list[str]:
+def _raylet() -> str | None:
     """The raylet this process descends from (a Ray worker's), as a host is tied to it: ``<pid>.<start time>``
-    (a pid alone may be reused); [] outside Ray."""
+    (a pid alone may be reused); None outside Ray."""
     pid = os.getpid()
     for _ in range(12):
         fields = stat_fields(pid)
@@ -86,13 +85,13 @@ def _anchors() -> list[str]:
             break
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
-                return [f"{pid}.{fields[19]}"]
+                return f"{pid}.{fields[19]}"
         except OSError:
             break
         pid = int(fields[1])
         if pid <= 1:
             break
-    return []
+    return None
 
 
 def _host_pid(folder: Path) -> int | None:
@@ -125,18 +124,18 @@ def _tidy(base: Path, prefix: str) -> None:
 def claim(settings: WarmHost, preload: list[str]) -> Claim:
     """The warm host this actor's ranks fork from (started now when there is none), or why there is none."""
     if not settings.enabled:
-        return Claim(None, None, None, False, "env.warm_host is false")
-    anchors = _anchors()
-    if not anchors:
-        return Claim(None, None, None, False, "not in a Ray worker process")
+        return Claim(None, None, None, "env.warm_host is false")
+    raylet = _raylet()
+    if raylet is None:
+        return Claim(None, None, None, "not in a Ray worker process")
     if os.environ.get(PROJECT_VAR):  # the nodes `raylaunch run` started for this command end with it
-        return Claim(None, None, None, False, "local nodes end with the command: no host to keep warm")
+        return Claim(None, None, None, "local nodes end with the command: no host to keep warm")
     if "runtime_resources" in sys.executable:
-        return Claim(None, None, None, False, "the job has Python packages of its own (env.pip)")
+        return Claim(None, None, None, "the job has Python packages of its own (env.pip)")
     key = host_key()
     base = _base()
-    folder = base / f"a{anchors[0]}-{key[:16]}"  # the host tied to this node's raylet
-    prefix = f"a{anchors[0]}-"
+    folder = base / f"a{raylet}-{key[:16]}"  # the host tied to this node's raylet
+    prefix = f"a{raylet}-"
     with locked(folder):
         pid = _host_pid(folder)
         reused = pid is not None
@@ -144,7 +143,7 @@ def claim(settings: WarmHost, preload: list[str]) -> Claim:
             _tidy(base, prefix)
             for name in ("ready", "sock", "pid", "evict"):
                 (folder / name).unlink(missing_ok=True)
-            _spawn({"folder": str(folder), "anchor": anchors[0], "key": key, "preload": preload,
+            _spawn({"folder": str(folder), "anchor": raylet, "key": key, "preload": preload,
                     "sys_path": shared_path(sys.path)}, os.environ)
             _wait_for(lambda: _host_pid(folder) is not None, 30.0)  # it writes its pid once it has left us
             pid = _host_pid(folder)
@@ -152,21 +151,20 @@ def claim(settings: WarmHost, preload: list[str]) -> Claim:
         (folder / "claims").mkdir(exist_ok=True)
         (folder / "claims" / str(os.getpid())).touch()  # held until ``unclaim``, or until this process ends
     if pid is None:
-        return Claim(None, None, None, False, f"the warm rank host did not start (see {folder / 'host.log'})")
+        return Claim(None, None, None, f"the warm rank host did not start (see {folder / 'host.log'})")
     _wait_for(lambda: (folder / "sock").exists() or not alive_pid(pid), 30.0)
     said = "started" if not reused else "reused" if (folder / "ready").exists() else "claimed while it imports"
-    return Claim(str(folder / "sock"), pid, str(folder), reused, f"warm rank host {pid}, {said}")
+    return Claim(str(folder / "sock"), pid, str(folder), f"warm rank host {pid}, {said}")
 
 
-def _spawn(args: dict, environ: dict, wait: bool = True) -> None:
+def _spawn(args: dict, environ: dict) -> None:
     """Start a host: it forks itself away (``_detach``), so it is not the caller's child, which Ray would end with
     the caller; its environment keeps none of a job's own variables."""
     env = {k: v for k, v in environ.items() if k in _HOST_VARS or k.startswith("LC_") or KEY_VARS.match(k)}
     env["PYTHONPATH"] = os.pathsep.join(args["sys_path"])
     proc = subprocess.Popen([sys.executable, "-m", "cluster.hostproc", json.dumps(args)], env=env, cwd="/",
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if wait:
-        proc.wait(timeout=60)
+    proc.wait(timeout=60)
 
 
 def alive(found: Claim) -> bool:
