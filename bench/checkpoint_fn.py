@@ -23,6 +23,15 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _writer_uss_mb(session) -> float:
+    """The memory the rank's checkpoint writer process holds of its own (its torch; the segments it maps are the
+    rank's copy, counted there)."""
+    import psutil
+
+    pid = session._checkpoints._writer.pid
+    return psutil.Process(pid).memory_full_info().uss / 2**20 if pid else 0.0
+
+
 def train(config: dict) -> dict:
     session = get_session()
     accelerator = Accelerator(**session.accelerator_kwargs())
@@ -74,4 +83,5 @@ def train(config: dict) -> dict:
         shutil.rmtree(local, ignore_errors=True)
     session.wait_for_upload()
     out["peak_rss_extra_mb"] = _rss_mb() - before_saves_rss
+    out["writer_uss_mb"] = _writer_uss_mb(session)
     return out if accelerator.is_main_process else {"rank": accelerator.process_index}

@@ -132,7 +132,9 @@ def report(results: dict, storage: str, load_before: str) -> None:
         f"- Step time while a background write runs: {during:.3f} s against {before:.3f} s before any save "
         f"({during / before:.2f}x; {len(a['steps_during_write_s'])} steps during writes).",
         f"- Host memory an in-flight save holds: {a['host_mb']:.0f} MiB on rank 0 (one copy of its state); the "
-        f"rank's peak resident memory grew {a['peak_rss_extra_mb']:.0f} MiB over the saves.",
+        f"rank's peak resident memory grew {a['peak_rss_extra_mb']:.0f} MiB over the saves"
+        + (f"; its checkpoint writer process holds {a['writer_uss_mb']:.0f} MiB of its own (a Python with torch)."
+           if a.get("writer_uss_mb") else "."),
     ]
     if "sync" in results and results["sync"].get("to_commit_s"):
         lines.append(f"- With `checkpoint.async: false`, from `session.save` to its commit: "

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from pyarrow import fs as pafs
 
+from cluster.ckptwriter import CheckpointWriter, WriterGone
 from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
 from cluster.loaderstate import load_loader_states, save_loader_states
@@ -52,6 +54,7 @@ class StagedCheckpoints:
         self._background = background  # checkpoint.async
         self._log = log  # this rank's metrics: how long each save held training, and its memory
         self._upload: _Write | None = None  # this rank's checkpoint write or upload in flight
+        self._writer = CheckpointWriter()  # the process that writes the tensors of a save in the background
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
 
     def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
@@ -94,8 +97,11 @@ class StagedCheckpoints:
             if script is not None:
                 script.label(target, accelerator.is_main_process)
 
+        # Started here, on the training thread (it ends with this thread), at the first save.
+        on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"  # a GPU's copy: pinned memory
+        writer = self._writer if on_cpu and self._writer.ensure() else None
         try:
-            snap = capture(save)
+            snap = capture(save, shared=writer is not None)
         except BaseException:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
@@ -106,7 +112,8 @@ class StagedCheckpoints:
             # output_dir; tests/test_jobs.py's launch-script job failed so on a loaded machine).
             os.makedirs(script.mirror, exist_ok=True)
         self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
-                              mirror=script.mirror if script else None, on_done=saved)
+                              mirror=script.mirror if script else None, on_done=saved,
+                              writer=None if snap.on_gpu else writer)
         return snap.nbytes / 2**20
 
     def _save_now(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
@@ -315,8 +322,9 @@ class _Write:
     store (``upload_uri``), hashed and uploaded, in a thread; then reported."""
 
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
-                 on_done: Callable[[dict[str, dict] | None], None]) -> None:
+                 on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
+        self.writer = writer  # the rank's writer process, for the files holding tensors (None: this thread)
         self.error: BaseException | None = None
         self._on_done = on_done
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-checkpoint-{step}")
@@ -327,16 +335,15 @@ class _Write:
             # Beside training, not ahead of it: this thread yields the cores to the rank's own (Linux: per thread).
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-            written = self.snap.write() if self.snap is not None else []
-            if self.snap is not None:
-                self.snap.release()
+            written, hashed = self._write_files()
             if self.mirror is not None:  # this rank's files, as it wrote them
                 _mirror_files(self.target, [os.path.relpath(p, self.target) for p in written] +
                               ([SCRIPT_FOLDER] if Path(self.target, SCRIPT_FOLDER).is_file() else []), self.mirror)
-            files = None
-            if self.upload_uri is not None:
-                # Hashed here, on local disk, so the driver's commit reads nothing back from the store.
-                files = describe_files(pafs.LocalFileSystem(), self.target)
+            # This rank's files, hashed as they were written (by the writer process, at the lowest priority), so
+            # the driver's commit reads nothing back.
+            files = {os.path.relpath(p, self.target): meta for p, meta in hashed.items()} or None
+            if self.upload_uri is not None:  # and the rest of the folder (a script's label), here, on local disk
+                files = describe_files(pafs.LocalFileSystem(), self.target, files)
                 fs, path = open_uri(self.upload_uri)
                 pafs.copy_files(self.target, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
             self._on_done(files)
@@ -348,6 +355,23 @@ class _Write:
                 self.snap.release()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
+
+    def _write_files(self) -> tuple[list[str], dict[str, dict]]:
+        """The snapshot's files written (the writer process first; this thread when it has none, or it broke), and
+        on a shared path their sizes and hashes."""
+        if self.snap is None:
+            return [], {}
+        try:
+            try:
+                return self.snap.write(self.writer, hash_files=True)
+            except WriterGone as exc:  # the writer process ended (killed, out of memory): this thread writes
+                print(f"raylaunch: {exc}; this rank writes the checkpoint of step {self.step} itself", file=sys.stderr,
+                      flush=True)
+                if self.writer is not None:
+                    self.writer.broken = str(exc)
+                return self.snap.write(None, hash_files=True)
+        finally:
+            self.snap.release()
 
     def wait(self) -> None:
         self._thread.join()

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from cluster.ckptwriter import sha256_file
+
 __all__ = ["Snapshot", "capture"]
 
 _CAPTURING = threading.local()
@@ -42,17 +44,33 @@ class _Write:
 
 @dataclass
 class Snapshot:
-    """The files one rank's ``save_state`` would have written, held in memory."""
+    """The files one rank's ``save_state`` would have written, held in memory.
+
+    ``shared``: its CPU tensors are copied into memfd segments (``segments``: id(tensor) -> (fd, nbytes)), which a
+    writer process of the rank's (``cluster.ckptwriter``) maps and writes from without a copy."""
 
     writes: list[_Write] = field(default_factory=list)
     nbytes: int = 0  # host memory its tensors hold
+    shared: bool = False
+    segments: dict[int, tuple[int, int]] = field(default_factory=dict)
+    on_gpu: bool = False  # a tensor was copied off a GPU (into pinned memory: written by the rank's thread)
 
-    def write(self) -> list[str]:
-        """Write every file as ``save_state`` would have; returns their paths."""
+    def write(self, writer: Any = None, hash_files: bool = False) -> tuple[list[str], dict[str, dict]]:
+        """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, sha256}}`` when
+        ``hash_files``. ``writer`` (a started ``cluster.ckptwriter.CheckpointWriter``) writes the files that hold
+        tensors, from the shared segments; this thread writes the files already in bytes (no interpreter lock held
+        while they go to disk) and any file of a snapshot off a GPU."""
         import torch
         from safetensors.torch import save_file
 
+        by_writer = [w for w in self.writes if not isinstance(w.obj, _Serialised)] if writer is not None else []
+        files: dict[str, dict] = {}
+        if by_writer:
+            files.update(writer.write([(w.path, w.obj, w.safetensors, w.kwargs) for w in by_writer], self.segments,
+                                      hash_files=hash_files))
         for w in self.writes:
+            if any(w is b for b in by_writer):
+                continue
             Path(w.path).parent.mkdir(parents=True, exist_ok=True)
             if isinstance(w.obj, _Serialised):
                 Path(w.path).write_bytes(w.obj.data)
@@ -60,11 +78,35 @@ class Snapshot:
                 save_file(w.obj, w.path, **w.kwargs)
             else:
                 torch.save(w.obj, w.path, **w.kwargs)
-        return [w.path for w in self.writes]
+            if hash_files:
+                files[w.path] = {"size": os.path.getsize(w.path), "sha256": sha256_file(w.path)}
+        return [w.path for w in self.writes], files
 
     def release(self) -> None:
         self.writes.clear()
         self.nbytes = 0
+        segments, self.segments = self.segments, {}
+        for fd, _ in segments.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _shared_empty(t: Any, snap: Snapshot) -> Any:
+    """An uninitialised CPU tensor like ``t`` whose storage is a memfd segment of its own (kept in ``snap``)."""
+    import torch
+
+    layout = torch.empty_like(t, device="meta")  # the strides a copy of ``t`` gets
+    nbytes = t.numel() * t.element_size()
+    fd = os.memfd_create("raylaunch-checkpoint", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+        out = torch.empty(0, dtype=t.dtype).set_(storage, 0, layout.size(), layout.stride())
+    except BaseException:
+        os.close(fd)
+        raise
+    snap.segments[id(out)] = (fd, nbytes)
+    return out
 
 
 def _copy(obj: Any, snap: Snapshot, cuda: list) -> Any:
@@ -77,6 +119,9 @@ def _copy(obj: Any, snap: Snapshot, cuda: list) -> Any:
             out = torch.empty_like(t, device="cpu", pin_memory=True)
             out.copy_(t, non_blocking=True)
             cuda.append(True)
+        elif snap.shared and t.numel() > 0:
+            out = _shared_empty(t, snap)
+            out.copy_(t)
         else:
             out = t.clone()
         snap.nbytes += out.numel() * out.element_size()
@@ -202,9 +247,13 @@ def _captured(snap: Snapshot) -> Iterator[None]:
     def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if not is_path(f) or args or threading.current_thread() is not _CAPTURING.thread:
             return save(obj, f, *args, **kwargs)  # a stream (DCP's own writes), or another thread's save
+        before, held = set(snap.segments), snap.nbytes
         kept = _copy(obj, snap, cuda)
         if not isinstance(kept, _Serialised) and _holds_objects(kept):
             kept = _Serialised(obj)  # a container with objects inside: its bytes, once
+            for key in set(snap.segments) - before:  # the copies made on the way are not kept
+                os.close(snap.segments.pop(key)[0])
+            snap.nbytes = held + len(kept.data)
         snap.writes.append(_Write(os.fspath(f), kept, False, kwargs))
 
     def safe_save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
@@ -224,6 +273,7 @@ def _captured(snap: Snapshot) -> Iterator[None]:
     torch.save, other.safe_save_file, dcp.save = torch_save, safe_save_file, distributed_save
     try:
         yield
+        snap.on_gpu = bool(cuda)
         if cuda:
             torch.cuda.synchronize()  # the non-blocking copies are done before training changes the tensors
     finally:
@@ -231,9 +281,14 @@ def _captured(snap: Snapshot) -> Iterator[None]:
         _CAPTURING.thread = None
 
 
-def capture(save: Callable[[], Any]) -> Snapshot:
-    """Run ``save`` (a ``save_state`` and what goes with it) with its file writes kept in memory."""
-    snap = Snapshot()
-    with _captured(snap):
-        save()
+def capture(save: Callable[[], Any], shared: bool = False) -> Snapshot:
+    """Run ``save`` (a ``save_state`` and what goes with it) with its file writes kept in memory; ``shared``: CPU
+    tensors in memfd segments, for a writer process."""
+    snap = Snapshot(shared=shared and hasattr(os, "memfd_create"))
+    try:
+        with _captured(snap):
+            save()
+    except BaseException:
+        snap.release()
+        raise
     return snap

@@ -441,27 +441,39 @@ def gpu_probe(config: dict) -> dict:
 
 
 def _slow_background_writes(delay_s: float, marks: Path) -> None:
-    """Storage that takes ``delay_s`` for every file a checkpoint's background thread writes with torch.save, and
+    """Storage that takes ``delay_s`` for every file a checkpoint's background write makes with torch.save or
+    safetensors (in the rank's thread, or handed to its writer process), and
     ``<marks>/returned-a<attempt>-r<rank>-s<step>`` written once ``session.save`` returns: its text says this
     rank's pid and whether its files were on storage by then."""
     import threading
     import time
 
+    from cluster.ckptwriter import CheckpointWriter
+
     session = get_session()
-    real_torch_save, real_save = torch.save, session.save
+    real_torch_save, real_save, real_write = torch.save, session.save, CheckpointWriter.write
 
     def torch_save(obj, f, *args, **kwargs):
         if threading.current_thread().name.startswith("raylaunch-checkpoint-"):
             time.sleep(delay_s)
         return real_torch_save(obj, f, *args, **kwargs)
 
+    def write(self, writes, *args, **kwargs):  # the writer process's files, each as slow
+        time.sleep(delay_s * len(writes))
+        return real_write(self, writes, *args, **kwargs)
+
+    CheckpointWriter.write = write
+
     def save(accelerator, step):
         out = real_save(accelerator, step)
         rank = accelerator.process_index
         written = (Path(out) / f"random_states_{rank}.pkl").exists()
+        writer = session._checkpoints._writer.pid  # the process writing this save's tensors, if any
         marks.mkdir(parents=True, exist_ok=True)
         mark = marks / f"returned-a{session.payload.attempt}-r{rank}-s{step}"
-        mark.with_suffix(".tmp").write_text(json.dumps({"pid": os.getpid(), "written": written}))
+        mark.with_suffix(".tmp").write_text(json.dumps({"pid": os.getpid(), "written": written, "writer": writer,
+                                                        "writer_nice": writer and os.getpriority(os.PRIO_PROCESS,
+                                                                                                 writer)}))
         mark.with_suffix(".tmp").replace(mark)
         return out
 

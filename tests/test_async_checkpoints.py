@@ -11,6 +11,8 @@ import signal
 import threading
 from pathlib import Path
 
+import psutil
+
 from conftest import committed_step, wait_for
 from jobs.driver import Driver
 from jobs.runs import format_show
@@ -35,6 +37,13 @@ def digits(tmp_path: Path, name: str, slow: bool, out: io.StringIO | None = None
                   can_grow=False, out=out)
 
 
+def _is_writer(pid: int) -> bool:
+    try:
+        return "raylaunch_ckptwriter" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
 def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncommitted(ray_cluster, tmp_path):
     out = io.StringIO()
     driver = digits(tmp_path, "killed", slow=True, out=out)
@@ -49,6 +58,9 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
                         "rank 0's save of step 8 to return")
         said = json.loads(mark.read_text())
         assert said["written"] is False  # save returned before this rank's files were on storage
+        # A process of the rank's own writes them, at the lowest CPU priority (the training thread's Python is never
+        # held by a serialisation).
+        assert said["writer"] and said["writer"] != said["pid"] and said["writer_nice"] == 19
 
         # Its save of step 8 waited for its write of step 4, whose commit follows within a poll or two,
         # while step 8's own write (a second a file) goes on.
@@ -68,6 +80,7 @@ def test_a_rank_killed_during_its_background_write_leaves_that_checkpoint_uncomm
     log = out.getvalue()
     assert "attempt 2: resuming from" in log and "checkpoint-00000004 (step 4)" in log, log[-2000:]
     assert result.rank_results["0"]["restored_step"] == 4  # the half-written step 8 was never loaded
+    assert not _is_writer(said["writer"])  # the killed rank's writer went with it
     assert result.rank_results["0"]["weights"] == reference.rank_results["0"]["weights"]  # bitwise
     # every checkpoint says how long it held training and how long until it was committed
     shown = format_show(str(tmp_path / "runs"), "killed")
