@@ -982,7 +982,8 @@ def reference_digits(chaos_dir: Path, address: str, epochs: int) -> dict:
     return result["rank_results"]["0"]
 
 
-def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float, notes: list[str] = ()) -> str:
+def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float, notes: list[str] = (),
+           how: str = "") -> str:
     injected = Counter()
     survived = Counter()
     skipped = Counter()
@@ -997,7 +998,7 @@ def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float, n
             if o.survived:
                 survived[i.fault.kind] += 1
     lines = [f"### seed {seed}: {'every fault survived' if all(o.survived for o in outcomes) else 'NOT SURVIVED'}", "",
-             f"CHAOS_SEED={seed}, CHAOS_S={budget_s:g}; took {took_s:.0f} s; {len(outcomes)} jobs, "
+             f"CHAOS_SEED={seed}, CHAOS_S={budget_s:g}{how}; took {took_s:.0f} s; {len(outcomes)} jobs, "
              f"{sum(injected.values())} faults injected, {sum(survived.values())} survived.", "",
              *(f"- {n}" for n in notes), *([""] if notes else []),
              "| fault | injected | survived | in training / in a recovery / in a commit | not injected (its moment did not come, or nothing to hit) |",
@@ -1136,7 +1137,10 @@ def main() -> int:
             if mounted:
                 subprocess.run(["umount", str(disk)])
             shutil.rmtree(work, ignore_errors=True)
-    text = report(outcomes, seed, args.seconds, time.monotonic() - began, notes)
+    how = "".join(f" {flag} {value!r}" for flag, value, default in (("--jobs", args.jobs, ",".join(JOBS)),
+                                                                    ("--kinds", args.kinds, ",".join(KINDS)))
+                  if value != default)
+    text = report(outcomes, seed, args.seconds, time.monotonic() - began, notes, how)
     print(text)
     out = Path(args.out)
     head = out.read_text().split("## Runs", 1)[0] if out.exists() else "# Chaos\n\n"
@@ -1178,6 +1182,10 @@ def link_tier(work: Path, rng: random.Random, ref: dict, n: int, notes: list[str
             keep = work.parent / f"raylaunch-chaos-failed-links-{job.name}"
             clear_run(job, keep)
             shutil.copy(job.log, keep / "driver.log")
+            for node in links.temp.iterdir():  # the namespace hosts' Ray logs: why a node did not come back
+                logs = node / "session_latest" / "logs"
+                if logs.is_dir():
+                    shutil.copytree(logs.resolve(), keep / "ray-logs" / node.name, dirs_exist_ok=True)
             print(f"chaos: kept {keep}", flush=True)
     finally:
         left = links.close()
