@@ -3,19 +3,27 @@ recoveries and commits; then checks that nothing was lost, nothing is left runni
 undisturbed run ends with (`make chaos`; `tests/test_chaos.py` runs a short fixed schedule of it).
 
 One ``ray.cluster_utils.Cluster`` in this process (a head and one more node, 2 CPUs each; Ray's temporary folders
-in a ``tempfile.mkdtemp()`` folder), the runs' storage on a small tmpfs this script mounts (when it may: root),
-every job's driver a ``python -m jobs.cli run SPEC --address ...`` subprocess. Rounds alternate a non-elastic job
-(the digits example, its final weights compared with an undisturbed run's) and an elastic one (``tests/fns.py``
-``elastic``, ``min_nodes: 1`` of 2: every sample of every epoch seen once, the global batch kept), each meeting a few
-faults from the schedule, until ``CHAOS_S`` seconds (600 by default) have passed. ``CHAOS_SEED`` seeds the schedule.
+in a ``tempfile.mkdtemp()`` folder), the runs' storage on a small tmpfs this script mounts (when it may: root), or on
+an S3-compatible object store (moto's server, a process of its own) reached through a TCP proxy this script controls;
+every job's driver a ``python -m jobs.cli run SPEC --address ...`` subprocess. Rounds run, in turn (``JOBS``), the
+digits example on the small disk (its final weights compared with an undisturbed run's), an elastic job
+(``tests/fns.py`` ``elastic``, ``min_nodes: 1`` of 2: every sample of every epoch seen once, the global batch kept)
+and the digits example on the object store (the same reference: where a run is kept does not change its model), each
+meeting a few faults from the schedule, until ``CHAOS_S`` seconds (600 by default) less the namespace tier's share
+have passed. Then, where it can run (root and iproute2), the namespace tier: two network namespaces on a bridge, a
+Ray head (``ray start``) in one and a worker node in the other, as tests/nshosts.py makes them, and the digits example
+driven from the first while its links go down. ``CHAOS_SEED`` seeds the schedule.
 
 The faults (``KINDS``): a rank SIGKILLed or SIGSTOPped (its PID from its node actor, ``NodeActor.pids``); a node
 actor killed (``ray.kill`` of the named actor); a node lost (``cluster.remove_node``, then ``add_node`` a few seconds
 later); the driver SIGKILLed and the same command run again; the storage's disk full for a few seconds during a
-save (a ballast file on the tmpfs). Each lands at a moment (``MOMENTS``): while training, inside the recovery from
-the previous fault (right after the driver noticed it), or inside a checkpoint save and commit (right after a rank
-began staging one). Not injected: an object store refusing or stalling requests, and a network link down (the
-namespace tier): see docs/faults.md#chaos.
+save (a ballast file on the tmpfs); the object store stalling (the proxy holds every connection, moving no byte) or
+refusing (open connections reset, new requests answered ``503 Slow Down``) for 3 to 12 s (``StoreProxy``); a
+namespace host's network link down for 3 to 12 s (``ip link set <veth> down``, then ``up``; a worker node Ray gave
+up on is started again, as a machine's supervisor would). Each lands at a moment (``MOMENTS``): while training,
+inside the recovery from the previous fault (right after the driver noticed it), or inside a checkpoint save and
+commit (right after a rank began staging one; a store fault there is armed in the proxy and starts at the next
+upload into ``.staging/`` it forwards, holding or resetting that very request: mid-upload).
 
 Writes bench/results-chaos.md (``--out``) with the faults by kind, the checks, restarts, steps redone and goodput.
 """
@@ -26,8 +34,10 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +55,11 @@ for _p in (str(ROOT), str(TESTS)):
 
 import psutil  # noqa: E402
 
-KINDS = ("rank_kill", "rank_stop", "actor_kill", "node_lost", "driver_kill", "disk_full")
+KINDS = ("rank_kill", "rank_stop", "actor_kill", "node_lost", "driver_kill", "disk_full", "store_stall",
+         "store_refuse", "link_down")
+STORE_KINDS = ("store_stall", "store_refuse")  # only for a job whose storage is the object store
+LINK_KINDS = ("link_down",)  # only on the namespace hosts
+DISK_KINDS = ("disk_full",)  # only for a job whose storage is the small local disk
 MOMENTS = ("training", "recovery", "commit")
 ACTOR_NAMESPACE = "raylaunch"  # cluster.group.ACTOR_NAMESPACE, without importing Ray at module import
 
@@ -111,25 +125,42 @@ class JobRun:
     name: str
     kind: str  # digits or elastic
     spec_path: Path
-    storage: Path
+    storage: str  # the run storage the job is given: a folder, or the object store's URI (through the proxy)
     address: str
     log: Path
     env: dict
+    reads: str = ""  # where chaos reads the run back: the object store itself, not through the proxy ("": storage)
+    prefix: tuple = ()  # what the command runs under (``ip netns exec HOST``: a driver on a namespace host)
     proc: subprocess.Popen | None = None
     launches: int = 0
     driver_pids: dict[int, float] = field(default_factory=dict)  # pid -> create time
     began: float = field(default_factory=time.monotonic)
+    _reader: object = None
+
+    @property
+    def on_store(self) -> bool:
+        return "://" in str(self.storage)
 
     @property
     def run_dir(self) -> Path:
-        return self.storage / self.name
+        """The run's folder (a job on local storage)."""
+        return Path(self.storage) / self.name
+
+    @property
+    def reader(self):
+        """A ``jobs.storage.RunDir`` of the run, reading where ``reads`` says."""
+        if self._reader is None:
+            from jobs.storage import RunDir
+
+            self._reader = RunDir(str(self.reads or self.storage), self.name)
+        return self._reader
 
     def launch(self) -> None:
         self.launches += 1
         with open(self.log, "a") as out:
             out.write(f"\n=== launch {self.launches} ===\n")
             out.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(self.spec_path),
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "jobs.cli", "run", str(self.spec_path),
                                           "--address", self.address], cwd=ROOT, env=self.env,
                                          stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -139,16 +170,9 @@ class JobRun:
 
     def events(self) -> list[dict]:
         try:
-            text = (self.run_dir / "events.jsonl").read_text()
-        except OSError:
+            return self.reader.read_events()
+        except Exception:  # not written yet, or being replaced
             return []
-        out = []
-        for line in text.splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
 
     def noticed(self) -> int:
         """How many faults the driver has noticed so far: attempts ended, and commands run again."""
@@ -160,21 +184,245 @@ class JobRun:
         return bool(marks) and marks[-1] == "first_step"
 
     def staging_parts(self) -> set[str]:
-        staging = self.run_dir / ".staging"
+        from pyarrow import fs as pafs
+
+        run = self.reader
         try:
-            return {str(p) for p in staging.glob("attempt-*/checkpoint-*")}
-        except OSError:
+            infos = run.fs.get_file_info(pafs.FileSelector(f"{run.path}/.staging", recursive=True,
+                                                           allow_not_found=True))
+        except Exception:
             return set()
+        out = set()
+        for info in infos:
+            parts = info.path[len(run.path) + len("/.staging/"):].split("/")
+            if len(parts) >= 2 and parts[0].startswith("attempt-") and parts[1].startswith("checkpoint-"):
+                out.add("/".join(parts[:2]))
+        return out
 
     def done(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
 
+# --- the object store, and the proxy chaos puts between it and every process of a run -------------------------
+
+BUCKET = "raylaunch-chaos"
+_STAGING_PUT = re.compile(rb"(?:PUT|POST) (/[^ ]*/\.staging/[^ ?]*)")
+_SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
+              b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+def dummy_aws_credentials() -> None:
+    """What moto accepts, in this process's environment: the raylets, node actors, ranks and drivers inherit it."""
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+        os.environ.setdefault(key, value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ObjectStore:
+    """An S3-compatible server (moto's, ``python -m moto.server``, a process of its own) and a bucket on it."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        from pyarrow import fs as pafs
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                pafs.FileSystem.from_uri(self.uri("", self.port) + "&allow_bucket_creation=true")[0].create_dir(BUCKET)
+                break
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start: {log.read_text()[-1000:]}")
+                time.sleep(0.3)
+
+    @staticmethod
+    def uri(prefix: str, port: int) -> str:
+        return f"s3://{BUCKET}/{prefix}?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+class StoreProxy:
+    """A TCP proxy in front of the object store: every process of a run reaches the store through it, and chaos
+    makes it stall or refuse for a few seconds.
+
+    stall: no byte moves either way, on the connections open and on new ones (accepted, then left waiting): each
+    request in flight, and each one made, hangs until the stall ends (or the client gives up on it).
+    refuse: the connections open are reset (a request in flight fails there), and each new one is answered
+    ``503 Slow Down`` (what S3 answers a client it throttles) and closed.
+    ``arm`` starts either at the next upload into ``.staging/`` the proxy forwards (the request line of a PUT or a
+    multipart POST), holding or resetting that very request: a fault landing mid-upload."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(256)
+        self.port = self.server.getsockname()[1]
+        self.lock = threading.Lock()
+        self.mode, self.until = "pass", 0.0
+        self.armed: tuple[str, float] | None = None
+        self.fired = threading.Event()
+        self.fired_on = ""
+        self.open: set[socket.socket] = set()
+        self.counts: Counter = Counter()  # held, reset, answered 503: connections met by the faults
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True, name="chaos-proxy").start()
+
+    def current(self) -> str:
+        with self.lock:
+            if self.mode != "pass" and time.monotonic() >= self.until:
+                self.mode = "pass"
+            return self.mode
+
+    def start(self, mode: str, hold_s: float, on: str = "") -> None:
+        with self.lock:
+            self.mode, self.until, self.armed = mode, time.monotonic() + hold_s, None
+            self.fired_on = on
+            victims = list(self.open) if mode == "refuse" else []
+        for sock in victims:
+            self._reset(sock)
+        self.fired.set()
+
+    def arm(self, mode: str, hold_s: float) -> None:
+        self.fired.clear()
+        with self.lock:
+            self.armed = (mode, hold_s)
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.armed = None
+
+    def _reset(self, sock: socket.socket) -> None:
+        self.counts["reset"] += 1
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        if self.current() == "stall":
+            self.counts["held"] += 1
+        while self.current() == "stall":
+            time.sleep(0.05)
+        if self.current() == "refuse":
+            self._slow_down(client)
+            return
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream), timeout=10)
+            upstream.settimeout(None)
+        except OSError:
+            client.close()
+            return
+        with self.lock:
+            self.open.update((client, upstream))
+        pumps = [threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True),
+                 threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True)]
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join()
+        with self.lock:
+            self.open.difference_update((client, upstream))
+        for sock in (client, upstream):
+            sock.close()
+
+    def _slow_down(self, client: socket.socket) -> None:
+        self.counts["503"] += 1
+        try:
+            client.settimeout(2)
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                data = client.recv(65536)
+                if not data:
+                    break
+                head += data
+            client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(_SLOW_DOWN), _SLOW_DOWN))
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        tail = b""
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if requests and self.armed is not None:
+                    found = _STAGING_PUT.search(tail + data)
+                    with self.lock:
+                        armed, self.armed = (self.armed, None) if found else (self.armed, self.armed)
+                    if found and armed is not None:
+                        self.start(armed[0], armed[1], found.group(0).decode(errors="replace")[:200])
+                    tail = data[-300:]
+                mode = self.current()
+                if mode == "stall":
+                    self.counts["held"] += 1
+                    while self.current() == "stall":
+                        time.sleep(0.05)
+                    mode = self.current()
+                if mode == "refuse":
+                    self._reset(src)
+                    self._reset(dst)
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.close()
+        with self.lock:
+            socks = list(self.open)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class Chaos:
     """The cluster, the storage and the injector; ``run_job`` runs one job under a list of faults."""
 
-    def __init__(self, cluster, storage: Path, disk: Path | None, rng: random.Random, say=print) -> None:
+    def __init__(self, cluster, storage: Path, disk: Path | None, rng: random.Random, say=print,
+                 proxy: StoreProxy | None = None) -> None:
         self.cluster = cluster
+        self.proxy = proxy  # between the object store and the runs on it (None: no store faults)
+        self.links: LinkChaos | None = None  # the namespace hosts, when the job runs there (``cluster`` is None)
         self.storage = storage
         self.disk = disk  # the tmpfs holding the storage (None: no disk-full faults)
         self.rng = rng
@@ -188,6 +436,8 @@ class Chaos:
     # --- what is running ------------------------------------------------------------------
 
     def node_actors(self) -> list:
+        if self.links is not None:
+            return []
         import ray
 
         out = []
@@ -201,6 +451,8 @@ class Chaos:
 
     def rank_pids(self) -> dict[int, tuple[int, str]]:
         """rank -> (pid, node actor's name), for the ranks running now."""
+        if self.links is not None:
+            return self.links.rank_pids(self)
         import ray
 
         out = {}
@@ -245,26 +497,30 @@ class Chaos:
         trains again (a fault that needs a rank waits for the next attempt's ranks: in their rendezvous or
         restore); commit: a rank has just begun staging a checkpoint."""
         staged = job.staging_parts()
-        if fault.moment == "recovery":
+        moment, jitter = fault.moment, fault.jitter_s
+        if fault.kind in STORE_KINDS and moment == "commit":
+            moment, jitter = "training", 0.0  # then armed: it starts at the next upload (``store_fault``)
+        poll = 0.2 if job.on_store else 0.05
+        if moment == "recovery":
             self.tick()
-            time.sleep(fault.jitter_s)
+            time.sleep(jitter)
             if fault.kind not in ("rank_kill", "rank_stop"):
                 return not job.done()
         while time.monotonic() < deadline and not job.done():
             self.tick()
-            if fault.moment == "training":
+            if moment == "training":
                 if job.training() and self.rank_pids():
                     break
-            elif fault.moment == "recovery":
+            elif moment == "recovery":
                 if set(p for p, _ in self.rank_pids().values()) - self.last_pids:
                     return True
-            elif fault.moment == "commit":
+            elif moment == "commit":
                 if job.staging_parts() - staged:
                     break
-            time.sleep(0.05)
+            time.sleep(poll)
         else:
             return False
-        time.sleep(fault.jitter_s)
+        time.sleep(jitter)
         return not job.done()
 
     # --- the faults ------------------------------------------------------------------------
@@ -306,7 +562,39 @@ class Chaos:
             if self.disk is None:
                 raise LookupError("no small disk (a tmpfs needs root)")
             return self.fill_disk(fault.hold_s / 3)
+        if kind in LINK_KINDS:
+            if self.links is None:
+                raise LookupError("the job does not run on the namespace hosts")
+            return self.links.links.cut(self.rng, fault.hold_s)
+        if kind in STORE_KINDS:
+            if self.proxy is None or not job.on_store:
+                raise LookupError("the job's storage is not the object store")
+            return self.store_fault(job, kind, fault)
         raise ValueError(kind)
+
+    def store_fault(self, job: JobRun, kind: str, fault: Fault) -> str:
+        """The object store stalls or refuses for a few seconds; in a commit, from the next upload into staging
+        (armed, up to 120 s). Returns once the fault is over."""
+        mode, hold = ("stall" if kind == "store_stall" else "refuse"), fault.hold_s
+        before = Counter(self.proxy.counts)
+        began = time.monotonic()
+        if fault.moment == "commit":
+            self.proxy.arm(mode, hold)
+            deadline = time.monotonic() + 120
+            while not self.proxy.fired.wait(0.2):
+                self.tick()
+                if job.done() or time.monotonic() > deadline:
+                    self.proxy.disarm()
+                    raise LookupError("no upload into staging began within 120 s")
+            began = time.monotonic()
+            where = f"from {self.proxy.fired_on.split('/.staging/', 1)[-1]}"
+        else:
+            self.proxy.start(mode, hold)
+            where = "at once"
+        while self.proxy.current() != "pass":
+            time.sleep(0.1)
+        met = ", ".join(f"{n} {k}" for k, n in sorted((Counter(self.proxy.counts) - before).items())) or "nothing"
+        return f"{mode} {where} for {hold:.1f} s (connections met: {met}; over after {time.monotonic() - began:.1f} s)"
 
     def lose_node(self, hold_s: float) -> str:
         with self.lock:
@@ -321,7 +609,13 @@ class Chaos:
         return f"node {victim.node_id[:12]}, back after {hold_s:.0f} s"
 
     def tick(self) -> None:
-        """Add back the nodes whose time away is over."""
+        """Add back the nodes whose time away is over (on the namespace hosts: start the worker node again if Ray
+        ended it)."""
+        if self.links is not None:
+            if time.monotonic() - self.links.checked > 2:  # `ip netns pids`, and psutil on each: not at every poll
+                self.links.checked = time.monotonic()
+                self.links.links.revive()
+            return
         due = [t for t in self.returning if t <= time.monotonic()]
         for t in due:
             self.returning.remove(t)
@@ -388,10 +682,147 @@ class Chaos:
             time.sleep(0.5)
 
 
+# --- the namespace hosts, and a network link down --------------------------------------------------------------
+
+LINK_TAG = f"rc{os.getpid() % 100000}"  # not the tests' "rl": their clear_abandoned removes what no pytest owns
+LINK_NET = "10.78"  # tests/test_netns.py uses 10.77
+
+
+def link_tier_why_not() -> str | None:
+    """Why the namespace hosts cannot be made here (None: they can)."""
+    if sys.platform != "linux":
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (ip netns add)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (the `ip` command)"
+    return None
+
+
+class LinkHosts:
+    """Two hosts on one bridge, as tests/nshosts.py makes them (network namespaces, each with a veth pair and an
+    address of its own): a Ray head (``ray start --head``) in the first, a worker node in the second; the jobs'
+    drivers run in the first. ``cut`` takes one host's link down for some seconds, then up again."""
+
+    def __init__(self, work: Path, say=print) -> None:
+        import nshosts
+
+        self.say = say
+        self.temp = work / "ns"  # short: Ray's Unix sockets live under it
+        self.hosts = {f"{LINK_TAG}-h{i}": (f"{LINK_NET}.0.{i}", f"{LINK_TAG}e{i}", f"{LINK_TAG}v{i}") for i in (1, 2)}
+        self.head_ns, self.worker_ns = self.hosts
+        self.bridge = f"{LINK_TAG}br"
+        self.address = f"{LINK_NET}.0.1:6379"
+        self.env = job_env()
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
+        self.env.pop("RAY_ADDRESS", None)
+        self.restarts = 0  # worker nodes started again after Ray gave up on the one cut off
+        try:
+            nshosts.make_bridge(self.bridge)
+            for ns, (addr, inside, outside) in self.hosts.items():
+                nshosts.add_host(ns, addr, inside, outside, self.bridge)
+            self._ray_start(self.head_ns, "--head", "--port=6379", "--include-dashboard=false")
+            self._ray_start(self.worker_ns, f"--address={self.address}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _ray_start(self, ns: str, *args: str) -> None:
+        addr = self.hosts[ns][0]
+        done = self.run_in(ns, [str(Path(sys.executable).parent / "ray"), "start", *args, f"--node-ip-address={addr}",
+                                f"--temp-dir={self.temp / ns[-2:]}", "--num-cpus=2",
+                                "--object-store-memory=200000000", "--disable-usage-stats"], timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"ray start in {ns}: {(done.stdout + done.stderr)[-1500:]}")
+
+    def run_in(self, ns: str, cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", ns, *cmd], env=self.env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def pids(self) -> list[int]:
+        """Every process in the hosts' namespaces."""
+        import nshosts
+
+        return [int(p) for ns in self.hosts for p in nshosts.ip("netns", "pids", ns, check=False).stdout.split()]
+
+    def worker_raylet_alive(self) -> bool:
+        import nshosts
+
+        for pid in nshosts.ip("netns", "pids", self.worker_ns, check=False).stdout.split():
+            try:
+                if "raylet" in " ".join(psutil.Process(int(pid)).cmdline()[:1]):
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+    def revive(self) -> None:
+        """A worker node whose raylet Ray ended (it was cut off past the GCS's health checks) is started again, as a
+        machine's supervisor would."""
+        if not self.worker_raylet_alive():
+            self.restarts += 1
+            self._ray_start(self.worker_ns, f"--address={self.address}")
+            self.say("chaos: the cut-off host's Ray node was started again")
+
+    def cut(self, rng: random.Random, hold_s: float) -> str:
+        import nshosts
+
+        ns = rng.choice(list(self.hosts))
+        outside = self.hosts[ns][2]
+        nshosts.ip("link", "set", outside, "down")
+        try:
+            time.sleep(hold_s)
+        finally:
+            nshosts.ip("link", "set", outside, "up")
+        return f"{'head' if ns == self.head_ns else 'worker'} host's link ({outside}) down for {hold_s:.1f} s"
+
+    def close(self) -> list[str]:
+        """Ray's processes ended by PID, then whatever is left in the namespaces, the namespaces and links removed;
+        returns what could not be."""
+        import nshosts
+        from cluster.connect import stop_processes_under
+
+        stop_processes_under(str(self.temp), timeout_s=5)
+        for pid in self.pids():  # only ours can be in these namespaces
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for ns, (_, _, outside) in self.hosts.items():
+            nshosts.remove_host(ns, outside)
+        nshosts.ip("link", "del", self.bridge, check=False)
+        return nshosts.left_behind(list(self.hosts), [self.bridge, *(o for _, _, o in self.hosts.values())])
+
+
+class LinkChaos:
+    """What ``Chaos`` needs to know of ranks, on the namespace hosts: the processes in the hosts' namespaces that a
+    fork server (the node actor's, or a warm rank host's) started; the injector is ``Chaos``'s own."""
+
+    def __init__(self, links: LinkHosts) -> None:
+        self.links = links
+        self.checked = 0.0  # when ``revive`` last looked
+
+    def rank_pids(self, chaos: "Chaos") -> dict[int, tuple[int, str]]:
+        out = {}
+        for pid in self.links.pids():
+            try:
+                parent = psutil.Process(pid).parent()
+                cmd = " ".join(parent.cmdline()) if parent is not None else ""
+            except psutil.Error:
+                continue
+            if "forkserver" in cmd or "cluster.hostproc" in cmd:
+                out[len(out)] = (pid, "namespace host")
+                chaos._note(pid)
+        return out
+
+
 # --- checks ------------------------------------------------------------------------------------
 
-def storage_checks(storage: Path, name: str) -> list[str]:
-    """Every committed checkpoint verifies against its manifest, nothing is left in staging, result.json is final."""
+def storage_checks(storage: Path | str, name: str) -> list[str]:
+    """Every committed checkpoint verifies against its manifest, nothing is left in staging, result.json is final.
+    ``storage``: a folder, or the object store's URI (read directly, not through the proxy)."""
+    from pyarrow import fs as pafs
+
     from jobs.storage import RunDir
 
     problems = []
@@ -405,18 +836,22 @@ def storage_checks(storage: Path, name: str) -> list[str]:
     latest = run.latest_checkpoint() if committed else None
     if committed and (latest is None or latest.name != committed[-1].name):
         problems.append(f"latest.json names {latest and latest.name}, the newest committed is {committed[-1].name}")
-    staging = storage / name / ".staging"
-    if staging.exists() and any(staging.rglob("*")):
-        problems.append(f"left in staging: {sorted(str(p) for p in staging.rglob('*'))[:5]}")
+    # Anything in a local .staging; a file in the store's (a folder there is only a key prefix, or its marker)
+    left = [i.path for i in run.fs.get_file_info(pafs.FileSelector(f"{run.path}/.staging", recursive=True,
+                                                                   allow_not_found=True))
+            if "://" not in str(storage) or i.type == pafs.FileType.File]
+    if left:
+        problems.append(f"left in staging: {sorted(left)[:5]}")
     result = run.read_result() or {}
     if result.get("status") not in ("succeeded", "failed", "stopped"):
         problems.append(f"result.json status {result.get('status')!r}")
     return problems
 
 
-def metric_rows(storage: Path, name: str) -> list[dict]:
-    path = storage / name / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+def metric_rows(storage: Path | str, name: str) -> list[dict]:
+    from jobs.storage import RunDir
+
+    return RunDir(str(storage), name).read_metrics()
 
 
 def steps_redone(rows: list[dict], key: str) -> int:
@@ -442,7 +877,9 @@ def elastic_checks(rows: list[dict], epochs: int) -> list[str]:
         problems.append(f"steps {sorted(set(range(1, per_epoch * epochs + 1)) ^ set(got))[:10]} missing or extra")
     batches = {len(v) for v in got.values()}
     if batches != {ELASTIC_GLOBAL_BATCH}:
-        problems.append(f"global batches {sorted(batches)}, not {ELASTIC_GLOBAL_BATCH} at every step")
+        short = sorted(s for s, v in got.items() if len(v) != ELASTIC_GLOBAL_BATCH)
+        problems.append(f"global batches {sorted(batches)}, not {ELASTIC_GLOBAL_BATCH} at every step (steps "
+                        f"{short[:10]}: " + "; ".join(f"{s}: rows of ranks {sorted(r['rank'] for r in rows if 'ids' in r and r['step'] == s and r['attempt'] == last[s])} in attempt {last[s]}" for s in short[:3]) + ")")
     for epoch in range(epochs):
         ids = sorted(i for s in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1) for i in got.get(s, []))
         if ids != list(range(ELASTIC_SAMPLES)):
@@ -472,10 +909,9 @@ class Outcome:
 def check_job(chaos: Chaos, job: JobRun, injected: list[Injected], reference: dict | None, epochs: int,
               ranks_before: dict[int, float]) -> Outcome:
     """Everything issue 33 asks of a run that met faults."""
-    result_path = job.run_dir / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.exists() else {}
-    problems = storage_checks(job.storage, job.name)
-    rows = metric_rows(job.storage, job.name)
+    result = job.reader.read_result() or {}
+    problems = storage_checks(job.reads or job.storage, job.name)
+    rows = metric_rows(job.reads or job.storage, job.name)
     if job.proc.returncode != 0:
         problems.append(f"the last driver exited {job.proc.returncode}: {str(result.get('error'))[:300]}")
     if job.kind == "digits":
@@ -524,13 +960,15 @@ def job_env() -> dict:
     return env
 
 
-def make_job(chaos_dir: Path, storage: Path, address: str, kind: str, name: str, epochs: int,
-             step_s: float = 0.25) -> JobRun:
-    text = (DIGITS if kind == "digits" else ELASTIC).format(name=name, epochs=epochs, storage=storage, step_s=step_s,
-                                                            pid_dir=chaos_dir / "pids" / name)
+def make_job(chaos_dir: Path, storage: Path | str, address: str, kind: str, name: str, epochs: int,
+             step_s: float = 0.25, reads: str = "") -> JobRun:
+    """A job of ``kind`` (digits or elastic) on ``storage`` (a folder, or an object store's URI; ``reads``: the
+    URI chaos reads the run back from)."""
+    text = (DIGITS if kind == "digits" else ELASTIC).format(name=name, epochs=epochs, storage=json.dumps(str(storage)),
+                                                            step_s=step_s, pid_dir=chaos_dir / "pids" / name)
     spec = chaos_dir / f"{name}.yaml"
     spec.write_text(text)
-    return JobRun(name, kind, spec, storage, address, chaos_dir / f"{name}.log", job_env())
+    return JobRun(name, kind, spec, str(storage), address, chaos_dir / f"{name}.log", job_env(), reads=reads)
 
 
 def reference_digits(chaos_dir: Path, address: str, epochs: int) -> dict:
@@ -544,7 +982,8 @@ def reference_digits(chaos_dir: Path, address: str, epochs: int) -> dict:
     return result["rank_results"]["0"]
 
 
-def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float) -> str:
+def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float, notes: list[str] = (),
+           how: str = "") -> str:
     injected = Counter()
     survived = Counter()
     skipped = Counter()
@@ -559,8 +998,9 @@ def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float) -
             if o.survived:
                 survived[i.fault.kind] += 1
     lines = [f"### seed {seed}: {'every fault survived' if all(o.survived for o in outcomes) else 'NOT SURVIVED'}", "",
-             f"CHAOS_SEED={seed}, CHAOS_S={budget_s:g}; took {took_s:.0f} s; {len(outcomes)} jobs, "
+             f"CHAOS_SEED={seed}, CHAOS_S={budget_s:g}{how}; took {took_s:.0f} s; {len(outcomes)} jobs, "
              f"{sum(injected.values())} faults injected, {sum(survived.values())} survived.", "",
+             *(f"- {n}" for n in notes), *([""] if notes else []),
              "| fault | injected | survived | in training / in a recovery / in a commit | not injected (its moment did not come, or nothing to hit) |",
              "|---|---|---|---|---|"]
     for kind in KINDS:
@@ -578,17 +1018,43 @@ def report(outcomes: list[Outcome], seed: int, budget_s: float, took_s: float) -
     return "\n".join(lines) + "\n"
 
 
+JOBS = ("digits", "elastic", "digits-s3")  # a round: the digits example and the elastic job on the small disk, the
+# digits example on the object store (behind the proxy); each meets ``--faults-per-job`` faults
+
+
+def job_schedule(rng: random.Random, job_kind: str, n: int, kinds: tuple[str, ...]) -> list[Fault]:
+    """The faults one job meets: those that can hit it (a store fault only on the object store, a full disk only on
+    the small disk); a job on the store meets at least one store fault."""
+    on_store = job_kind.endswith("-s3")
+    fits = tuple(k for k in kinds if k not in LINK_KINDS and (k not in STORE_KINDS or on_store)
+                 and (k not in DISK_KINDS or not on_store))
+    faults = schedule(rng, n, fits)
+    store = tuple(k for k in fits if k in STORE_KINDS)
+    if store and not any(f.kind in STORE_KINDS for f in faults):
+        i = rng.randrange(n)
+        f = faults[i]
+        faults[i] = Fault(rng.choice(store), f.moment, f.jitter_s, f.hold_s)
+    return faults
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=float(os.environ.get("CHAOS_S", 600)))
     parser.add_argument("--seed", type=int, default=int(os.environ.get("CHAOS_SEED", 0) or 0) or None)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results-chaos.md"))
     parser.add_argument("--faults-per-job", type=int, default=3)
+    parser.add_argument("--jobs", default=",".join(JOBS), help=f"the jobs of a round, in order (of {', '.join(JOBS)})")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="the faults to draw from")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1, 10**6)
     rng = random.Random(seed)
     began = time.monotonic()
     print(f"chaos: seed {seed}, about {args.seconds:g} s", flush=True)
+    jobs = tuple(j for j in args.jobs.split(",") if j)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if unknown := (set(jobs) - set(JOBS)) | (set(kinds) - set(KINDS)):
+        parser.error(f"unknown: {sorted(unknown)}")
+    notes: list[str] = []
 
     import ray
     from ray.cluster_utils import Cluster
@@ -599,32 +1065,47 @@ def main() -> int:
     disk = work / "disk"
     mounted = mount_small_disk(disk)
     if not mounted:
-        print("chaos: cannot mount a tmpfs (needs root): no disk-full faults", flush=True)
-    kinds = KINDS if mounted else tuple(k for k in KINDS if k != "disk_full")
+        notes.append("disk_full: not injected: cannot mount a tmpfs (needs root)")
+        print(f"chaos: {notes[-1]}", flush=True)
+        kinds = tuple(k for k in kinds if k not in DISK_KINDS)
+    dummy_aws_credentials()  # before the raylets start: they pass their environment on
+    store = proxy = None
+    if any(j.endswith("-s3") for j in jobs):
+        store = ObjectStore(work / "moto.log")
+        proxy = StoreProxy(store.port)
+    links_why = link_tier_why_not() if "link_down" in kinds else "link_down is not among --kinds"
+    link_s = LINK_S if links_why is None else 0  # the end of the bound is the namespace tier's
     node_args = {"num_cpus": 2, "temp_dir": str(work / "ray"), **EMBEDDED_NODE}
     os.environ["PYTHONPATH"] = job_env()["PYTHONPATH"]  # the raylets pass it to the node actors and ranks
     cluster = Cluster(initialize_head=True, head_node_args=node_args)
     outcomes: list[Outcome] = []
-    job = None
+    job = ref = None
     try:
         cluster.add_node(**node_args)
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        chaos = Chaos(cluster, disk, disk if mounted else None, rng)
+        chaos = Chaos(cluster, disk, disk if mounted else None, rng, proxy=proxy)
         chaos.node_args = node_args
         digits_epochs, elastic_epochs = 3, 10
-        ref = reference_digits(work, cluster.address, digits_epochs)
-        print(f"chaos: the undisturbed digits run: weights {ref['weights']} ({time.monotonic() - began:.0f} s)",
-              flush=True)
+        if any(j.startswith("digits") for j in jobs) or link_s:
+            # One reference for the digits job on either storage: where the run is kept does not change the model.
+            ref = reference_digits(work, cluster.address, digits_epochs)
+            print(f"chaos: the undisturbed digits run: weights {ref['weights']} ({time.monotonic() - began:.0f} s)",
+                  flush=True)
         round_ = 0
-        while time.monotonic() - began < args.seconds - 60:
+        while jobs and time.monotonic() - began < args.seconds - 60 - link_s:
             round_ += 1
-            for kind in ("digits", "elastic"):
-                if time.monotonic() - began > args.seconds - 60:
+            for job_kind in jobs:
+                if time.monotonic() - began > args.seconds - 60 - link_s:
                     break
-                name = f"{kind}-{round_}"
+                name = f"{job_kind}-{round_}"
+                kind = job_kind.split("-")[0]
                 epochs = digits_epochs if kind == "digits" else elastic_epochs
-                job = make_job(work, disk, cluster.address, kind, name, epochs)
-                faults = schedule(rng, args.faults_per_job, kinds)
+                if job_kind.endswith("-s3"):
+                    job = make_job(work, ObjectStore.uri("runs", proxy.port), cluster.address, kind, name, epochs,
+                                   reads=ObjectStore.uri("runs", store.port))
+                else:
+                    job = make_job(work, disk, cluster.address, kind, name, epochs)
+                faults = job_schedule(rng, job_kind, args.faults_per_job, kinds)
                 print(f"chaos: {name}: " + ", ".join(f.describe() for f in faults), flush=True)
                 before = dict(chaos.seen)
                 injected = chaos.run_job(job, faults)
@@ -632,32 +1113,99 @@ def main() -> int:
                 outcomes.append(o)
                 print(f"chaos: {name}: {o.status}, attempts {o.attempts}, restarts {o.restarts}, "
                       f"{'checks pass' if not o.problems else o.problems}", flush=True)
-                if o.survived:
-                    shutil.rmtree(disk / name, ignore_errors=True)  # the small disk holds the next runs
-                else:
-                    keep = work.parent / f"raylaunch-chaos-failed-{seed}-{name}"
-                    shutil.copytree(disk / name, keep, dirs_exist_ok=True)
+                keep = None if o.survived else work.parent / f"raylaunch-chaos-failed-{seed}-{name}"
+                clear_run(job, keep)
+                if keep is not None:
                     shutil.copy(job.log, keep / "driver.log")
                     print(f"chaos: kept {keep}", flush=True)
     finally:
         if job is not None and job.proc is not None and job.proc.poll() is None:  # interrupted mid-job
             job.proc.kill()
             job.proc.wait(30)
-        for stop in (ray.shutdown, cluster.shutdown):
+        for stop in (ray.shutdown, cluster.shutdown) + ((proxy.close, store.stop) if store else ()):
             try:
                 stop()
             except Exception as exc:  # the rest of the cleanup still runs
                 print(f"chaos: {stop.__qualname__}: {exc}", flush=True)
-        if mounted:
-            subprocess.run(["umount", str(disk)])
-        shutil.rmtree(work, ignore_errors=True)
-    text = report(outcomes, seed, args.seconds, time.monotonic() - began)
+        try:
+            if links_why is None and ref is not None:  # after the local cluster: one Ray at a time on the cores
+                outcomes += link_tier(work, rng, ref, args.faults_per_job, notes, began + args.seconds - 30)
+            elif "link_down" in args.kinds.split(","):
+                notes.append(f"link_down: not injected: the namespace tier cannot run here: {links_why}")
+                print(f"chaos: {notes[-1]}", flush=True)
+        finally:
+            if mounted:
+                subprocess.run(["umount", str(disk)])
+            shutil.rmtree(work, ignore_errors=True)
+    how = "".join(f" {flag} {value!r}" for flag, value, default in (("--jobs", args.jobs, ",".join(JOBS)),
+                                                                    ("--kinds", args.kinds, ",".join(KINDS)))
+                  if value != default)
+    text = report(outcomes, seed, args.seconds, time.monotonic() - began, notes, how)
     print(text)
     out = Path(args.out)
     head = out.read_text().split("## Runs", 1)[0] if out.exists() else "# Chaos\n\n"
     runs = out.read_text().split("## Runs\n", 1)[1] if out.exists() and "## Runs\n" in out.read_text() else ""
     out.write_text(head.rstrip() + "\n\n## Runs\n\n" + text + "\n" + runs.lstrip())
     return 0 if outcomes and all(o.survived for o in outcomes) else 1
+
+
+LINK_S = 200  # the namespace tier's share of the bound: two `ray start`s, a digits job and its link faults
+
+
+def link_tier(work: Path, rng: random.Random, ref: dict, n: int, notes: list[str], end: float) -> list[Outcome]:
+    """The digits job on the namespace hosts, meeting ``n`` network links down; its checks are the digits job's."""
+    began = time.monotonic()
+    try:
+        links = LinkHosts(work, say=print)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        notes.append(f"link_down: not injected: the namespace hosts could not be made here: {exc}"[:600])
+        print(f"chaos: {notes[-1]}", flush=True)
+        return []
+    out = []
+    try:
+        print(f"chaos: namespace hosts up ({time.monotonic() - began:.0f} s): a head at {links.address}, a worker "
+              f"node at {links.hosts[links.worker_ns][0]}", flush=True)
+        chaos = Chaos(None, work / "links", None, rng)
+        chaos.links = LinkChaos(links)
+        storage = work / "links"
+        storage.mkdir(exist_ok=True)
+        job = make_job(work, storage, links.address, "digits", "links-1", 3)
+        job.env, job.prefix = links.env, ("ip", "netns", "exec", links.head_ns)
+        faults = [Fault("link_down", f.moment, f.jitter_s, f.hold_s) for f in schedule(rng, n, LINK_KINDS)]
+        print("chaos: links-1: " + ", ".join(f.describe() for f in faults), flush=True)
+        injected = chaos.run_job(job, faults, timeout_s=max(240.0, end - time.monotonic()))
+        o = check_job(chaos, job, injected, ref, 3, {})
+        out.append(o)
+        print(f"chaos: links-1: {o.status}, attempts {o.attempts}, restarts {o.restarts}, worker nodes started "
+              f"again {links.restarts}, {'checks pass' if not o.problems else o.problems}", flush=True)
+        if not o.survived:
+            keep = work.parent / f"raylaunch-chaos-failed-links-{job.name}"
+            clear_run(job, keep)
+            shutil.copy(job.log, keep / "driver.log")
+            for node in links.temp.iterdir():  # the namespace hosts' Ray logs: why a node did not come back
+                logs = node / "session_latest" / "logs"
+                if logs.is_dir():
+                    shutil.copytree(logs.resolve(), keep / "ray-logs" / node.name, dirs_exist_ok=True)
+            print(f"chaos: kept {keep}", flush=True)
+    finally:
+        left = links.close()
+        if left:
+            notes.append(f"namespace hosts left behind: {left}")
+    return out
+
+
+def clear_run(job: JobRun, keep: Path | None) -> None:
+    """Remove the run from its storage (the small disk holds the next runs), copying it to ``keep`` first."""
+    run = job.reader
+    from pyarrow import fs as pafs
+
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(run.path, str(keep), source_filesystem=run.fs, destination_filesystem=pafs.LocalFileSystem())
+    try:
+        run.fs.delete_dir(run.path)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

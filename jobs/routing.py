@@ -137,6 +137,12 @@ class AttemptRouter:
                                            step=max(s for _, _, s in a.restored.values()),
                                            seconds=round(max(s for _, s, _ in a.restored.values()), 4)))
                 case CheckpointPart():
+                    # The rows read before it (this rank's metrics up to this step, logged before the save) go to
+                    # storage first: the commit flushes them, and a driver killed after the commit loses nothing
+                    # of the steps it covers (a rerun resumes past them and never logs them again).
+                    if records:
+                        rec.metrics(records)
+                        records = []
                     self.checkpoint(e)
                 case CheckpointInterval():
                     cost = (f"a save holds training {e.save_s:.2f} s" if e.measured else

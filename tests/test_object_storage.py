@@ -167,6 +167,36 @@ def test_a_rank_loads_exactly_the_bytes_it_checked_and_nothing_altered_on_the_bu
         rank_session(tmp_path, run, other.uri).restore(accelerator)
 
 
+def test_the_rows_of_a_committed_step_are_on_the_bucket_before_the_driver_could_die(s3):
+    """Found by `make chaos` (tests/test_chaos.py's elastic job on the bucket: a rank killed, a node actor killed in the
+    recovery, the driver killed 0.1 s into a commit): a rank's metrics row of the step just committed was in the same
+    poll as its part of the checkpoint, and was added to metrics.jsonl after the commit's flush; the killed driver never
+    wrote it, the rerun resumed past that step, and the row (8 sample ids of epoch 0) was lost for good."""
+    from cluster.protocol import CheckpointPart, Metrics
+    from jobs.routing import AttemptRouter, AttemptState
+
+    run = RunDir(s3.uri("unit"), "rowsfirst")
+    run.prepare({"name": "rowsfirst"})
+
+    class Recorder:  # what the router asks of the driver's recorder: only the metrics are kept
+        def metrics(self, records):
+            run.append_metrics(records)
+
+        def mark(self, *args): pass
+        def progress(self, *args): pass
+        def say(self, *args): pass
+        def event(self, *args): pass
+
+    route = AttemptRouter(AttemptState(1, run.staging_uri(1), {0: 0}), Recorder(), run, keep=2, heartbeat_s=8)
+    route.events([Metrics(time=1.0, rank=0, step=1, values={"loss": 1.0}).to_dict()])  # the first rows go out at once
+    uri = stage(s3, run, 1, 2, [0])
+    route.events([Metrics(time=2.0, rank=0, step=2, values={"loss": 0.5}).to_dict(),  # one poll: the row, then the part
+                  CheckpointPart(time=2.1, rank=0, step=2, uri=uri).to_dict()])
+    # the driver is killed here: nothing is flushed after the commit
+    assert run.latest_checkpoint().step == 2
+    assert [json.loads(line)["step"] for line in s3.read("unit/rowsfirst/metrics.jsonl").splitlines()] == [1, 2]
+
+
 def test_gs_uris_keep_their_scheme_and_options_on_every_path_handed_out():
     """gs:// goes through the same pyarrow layer (no GCS server here: opening, not writing)."""
     storage = "gs://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http"
