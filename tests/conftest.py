@@ -152,16 +152,33 @@ def rank_session(tmp_path: Path, run, restore_uri: str):
     return Session(payload)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The chaos tests go last. They SIGKILL drivers that uploaded this folder as their working directory and then
     run the same command again; on one machine every node of the shared cluster keeps its runtime-environment files
     in one session folder, and the killed job's clean-up there can remove the package that the next upload of the
     same folder (the same content, so the same package) is told is already there: a later `raylaunch run
     --address` then failed to start ("Local directory ... does not exist"). Found when test_history's runs
-    followed them."""
+    followed them.
+
+    First of this hook's implementations (tryfirst): xdist's own, on each worker, reads the xdist_group marks to
+    name each test's group, and ran before this one, so the marks ``group_module_fixtures`` adds were never seen."""
     items.sort(key=lambda item: item.path.name == "test_chaos.py")
     if config.pluginmanager.hasplugin("xdist"):
         group_module_fixtures(items)
+
+
+def pytest_configure(config) -> None:
+    """`--dist loadgroup` needs pytest below 9.2 with pytest-xdist 3.8: pytest 9.2's structured node ids drop the
+    ``@group`` suffix xdist adds for the scheduler (pytest-dev/pytest-xdist#1386), so every xdist_group would be
+    ignored without a word and a module-scoped fixture made on both workers, at once."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    if pytest.version_tuple[:2] >= (9, 2) and tuple(int(p) for p in xdist.__version__.split(".")[:2]) <= (3, 8):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} ignores the "
+                                "xdist groups (--dist loadgroup): install the test extra, which keeps pytest below 9.2")
 
 
 def group_module_fixtures(items) -> None:

@@ -335,18 +335,22 @@ def elastic(config: dict) -> dict:
 
 
 def _wait_for_commit(session, step: int, timeout_s: float = 120.0) -> None:
-    """Until the driver has committed the checkpoint of ``step`` (``latest.json`` on the run's storage
-    names it or a later one); raises after ``timeout_s``."""
+    """Until the driver has committed the checkpoint of ``step`` (``latest.json`` on the run's storage, a local
+    folder or an object store, names it or a later one); raises after ``timeout_s``."""
     import json
     import time
-    from pathlib import Path
 
-    latest = Path(session.payload.staging_uri).parent.parent / "checkpoints" / "latest.json"
+    from cluster.layout import CHECKPOINTS, LATEST, run_of_staging
+    from cluster.storage_io import open_uri
+
+    fs, staging = open_uri(session.payload.staging_uri)
+    latest = f"{run_of_staging(staging)}/{CHECKPOINTS}/{LATEST}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if json.loads(latest.read_text())["step"] >= step:
-                return
+            with fs.open_input_stream(latest) as f:
+                if json.loads(f.read())["step"] >= step:
+                    return
         except (OSError, ValueError, KeyError):  # not written yet, or being replaced
             pass
         time.sleep(0.05)

@@ -2,7 +2,7 @@
 
 Pure tests first (the spec, the variables Accelerate reads, the commit rule for shards), then
 real FSDP runs on the shared two-node Ray cluster (gloo, CPU): sharded, committed with every
-rank's shards, resumed exactly, and resumed at another world size.
+rank's shards, resumed exactly (from local disk and from an S3 bucket), and resumed at another world size.
 """
 
 from __future__ import annotations
@@ -251,8 +251,18 @@ def manifest(storage, name, step) -> dict:
     return json.loads((Path(storage) / name / "checkpoints" / f"checkpoint-{step:08d}" / "manifest.json").read_text())
 
 
-def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_cluster, tmp_path):
-    whole, log = run("whole", tmp_path, steps=8)
+@pytest.fixture(scope="module")
+def whole(ray_cluster, tmp_path_factory):
+    """An uninterrupted FSDP run of 12 steps on local disk: the subject of the first test below and the reference
+    that the killed runs below (after step 4's commit, on local disk and on the bucket; during step 8's background
+    write) must end bitwise equal to."""
+    storage = tmp_path_factory.mktemp("whole")
+    result, log = run("whole", storage, steps=12)
+    return result, log, storage
+
+
+def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(whole, tmp_path):
+    whole, log, storage = whole
     ranks = whole.rank_results
     assert len(ranks) == 2  # every rank's result, before the checks over them
     assert {r["distributed_type"] for r in ranks.values()} == {"DistributedType.FSDP"}
@@ -262,24 +272,42 @@ def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(ray_c
     assert all(abs(r["local_params"] - total / 2) <= total * 0.05 for r in ranks.values())
     assert f"rank 1: model sharded with FSDP over 2 ranks: this rank holds {ranks['1']['local_params']:,} " \
            f"of {total:,} parameters" in log
-    files = manifest(tmp_path, "whole", 8)["files"]
+    files = manifest(storage, "whole", 12)["files"]
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(files)
-    assert RunDir(str(tmp_path), "whole").loadable_checkpoint().step == 8  # every byte matches its manifest
+    assert RunDir(str(storage), "whole").loadable_checkpoint().step == 12  # every byte matches its manifest
 
     # killed after the commit of step 4, resumed there: the same weights and optimizer state, bit for bit
-    cut, _ = run("cut", tmp_path, steps=8, extra=", fail_at: 4")
+    cut, _ = run("cut", tmp_path, steps=12, extra=", fail_at: 4")
     assert cut.restarts == 1
     assert cut.rank_results["0"]["restored_step"] == 4
     assert cut.rank_results["0"]["final"] == ranks["0"]["final"]
 
 
-def test_fsdp_shards_are_written_in_the_background_and_a_rank_killed_meanwhile_resumes_exactly(ray_cluster, tmp_path):
+def test_fsdp_sharded_checkpoints_on_the_bucket_commit_every_shard_and_a_killed_rank_resumes_exactly(whole):
+    """FSDP's sharded state (DCP files, written in the background) on an object store (tests/test_object_storage.py's
+    S3 server): every rank's shards are committed under one manifest, a rank killed after step 4's commit resumes
+    from it on the bucket, and the run ends bitwise equal to an uninterrupted one on local disk (``whole``)."""
+    from test_object_storage import s3_server
+
+    whole, _, _ = whole
+    with s3_server() as s3:
+        result, out = run("s3fsdp", s3.uri("runs"), steps=12, extra=", fail_at: 4")
+        assert result.restarts == 1 and result.rank_results["0"]["restored_step"] == 4, out[-3000:]
+        for rank in "01":
+            assert result.rank_results[rank]["final"] == whole.rank_results[rank]["final"]  # model and optimizer
+        files = json.loads(s3.read("runs/s3fsdp/checkpoints/checkpoint-00000012/manifest.json"))["files"]
+        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(files)
+        assert not [k for k in s3.keys("runs/s3fsdp") if "/.staging/" in k]
+
+
+def test_fsdp_shards_are_written_in_the_background_and_a_rank_killed_meanwhile_resumes_exactly(whole, tmp_path):
     """checkpoint.async (the default) with FSDP's sharded state: DCP's collectives run in the save, its files are
     held in memory and written beside training (slow storage: every file the background thread writes with
     torch.save waits 2 s). Rank 0 killed while its shards of step 8 are being written: step 8 is never committed,
-    the run resumes from step 4 and ends bitwise equal to an uninterrupted run."""
-    whole, _ = run("straight", tmp_path, steps=12)
+    the run resumes from step 4 and ends bitwise equal to an uninterrupted run (``whole``)."""
+    whole, _, _ = whole
     marks = tmp_path / "marks"
     spec = load_spec_text(SHARDED.format(name="held", storage=tmp_path, steps=12, nodes=2, workers=1, cpus=1,
                                          extra=f", write_delay_s: 2.0, marks: {marks}", accelerate="{fsdp: {}}"),
