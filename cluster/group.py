@@ -265,7 +265,19 @@ class NodeGroup:
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
-        ray.get(starts)
+        failed: list[tuple[int, OSError]] = []
+        for node_rank, ref in enumerate(starts):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, OSError):
+                    raise  # raylaunch's own failure: said as such
+                failed.append((node_rank, exc.cause))
+        if failed:
+            # The node's host could not start processes (its folder gone, out of memory or processes): that node
+            # fails this attempt as a lost one does, and the next reserves afresh (new actors, new worker processes).
+            raise NodeLostError([n for n, _ in failed], "its actor could not start its ranks: " +
+                                "; ".join(f"node {n}: {type(e).__name__}: {e}" for n, e in failed))
         self._answered = [False] * len(self.actors)
         self._states = [NodeState.RUNNING] * len(self.actors)
         return self.contexts

@@ -353,3 +353,37 @@ def test_a_node_actor_that_dies_before_its_ranks_start_is_a_lost_node_not_the_dr
         assert lost.value.nodes == [1]
     finally:
         group.shutdown()
+
+
+def test_a_node_actor_whose_folder_is_gone_is_a_lost_node_not_the_drivers_failure(ray_cluster, tmp_path):
+    """Found by `make chaos` (seed 5: the driver killed in a commit, a node lost during the recovery, a rank stopped
+    in a commit): a node actor whose working folder had been removed (two simulated nodes share one Ray session
+    folder, and one's runtime-env agent removed the job's package) raised FileNotFoundError from its ranks' start
+    (multiprocessing asks for the current folder), and the driver failed the run. A node whose actor cannot start
+    processes (its folder gone, out of memory or processes) fails the attempt as a lost node does: the next attempt
+    reserves new actors."""
+    from cluster.group import NodeGroup, NodeLostError
+    from cluster.protocol import WorkerPayload
+
+    group = NodeGroup.create(resolve_placement(2, 1, False, 1.0), timeout_s=60, can_grow=False)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    try:
+        def leave_for(actor, path):  # once the actor has its torch (imported in a thread as it starts)
+            __import__("torch.distributed.elastic.multiprocessing")
+
+            os.chdir(path)
+
+        ray.get(group.actors[1].__ray_call__.remote(leave_for, str(gone)))
+        gone.rmdir()  # the actor's current folder no longer exists
+
+        def payload(ctx, events_path):
+            return WorkerPayload(context=ctx, attempt=1, train_fn="fns:steady", config={}, events_path=events_path,
+                                 staging_uri=str(tmp_path / "staging"), restore_uri=None, backend="gloo")
+
+        with pytest.raises(NodeLostError, match=r"^node 1 lost before the ranks started \(its actor could not "
+                                                r"start its ranks: node 1: FileNotFoundError") as lost:
+            group.start(payload, 1, 60, None)
+        assert lost.value.nodes == [1]
+    finally:
+        group.shutdown()
