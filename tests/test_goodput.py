@@ -129,4 +129,6 @@ def test_checkpoint_every_auto_saves_at_the_young_daly_interval_and_revises_it(r
         interval = checkpoint_interval(max(before["held_s"], 1e-3), 20.0)
         assert interval * 0.5 <= after["time"] - before["time"] <= interval * 1.5 + before["held_s"] + 1.0, (
             before, after, interval)
-    assert len(saves) >= 4 and len([e for e in events if e["kind"] == "committed"]) == len(saves)
+    # The first measured hold decides how many more fit in the run: a few milliseconds, about one a second; a first
+    # save that pays the process's first-time costs on a loaded machine (0.47 s seen in CI), one in 4.8 s.
+    assert len(saves) >= 3 and len([e for e in events if e["kind"] == "committed"]) == len(saves)
