@@ -7,6 +7,7 @@ as its own concern; it uses the run directory's filesystem, paths and writers.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -17,6 +18,9 @@ from pyarrow import fs as pafs
 from cluster.layout import LATEST, checkpoint_name, is_checkpoint_name, rank_part_file
 from cluster.storage_io import MANIFEST, CheckpointError, check_manifest, describe_files
 from cluster.strategy import missing_shards
+
+# How long a commit is tried again while an object store refuses or does not answer.
+COMMIT_RETRY_S = 60.0
 
 __all__ = ["CheckpointCatalogue", "CommittedCheckpoint"]
 
@@ -45,13 +49,22 @@ class CheckpointCatalogue:
         where no resume will ever load it, and ``latest.json`` is unchanged.
         """
         staging = self._path(staging_uri)
-        try:
-            return self._commit(staging, step, attempt, world_size, keep, reported or {}, timing)
-        except OSError as exc:
-            raise CheckpointError(
-                f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
-                f"{exc}. The previous committed checkpoint is still the latest."
-            ) from exc
+        began = time.monotonic()
+        while True:
+            try:
+                return self._commit(staging, step, attempt, world_size, keep, reported or {}, timing)
+            except OSError as exc:
+                # An object store refusing or not answering for some seconds (503 Slow Down, a reset): the commit
+                # is tried again (each of its writes can be redone) for up to COMMIT_RETRY_S; a full disk is not.
+                waited = time.monotonic() - began
+                if self._local or getattr(exc, "errno", None) == errno.ENOSPC or waited >= COMMIT_RETRY_S:
+                    raise CheckpointError(
+                        f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
+                        f"{exc}. The previous committed checkpoint is still the latest."
+                    ) from exc
+                self._warn_once(f"raylaunch: committing the checkpoint of step {step} failed ({str(exc)[:200]}); "
+                                f"trying again for up to {COMMIT_RETRY_S:g} s")
+                time.sleep(min(2.0 ** min(int(waited), 4), 5.0))
 
     def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int,
                 reported: dict[str, dict], timing: dict | None = None) -> CommittedCheckpoint:

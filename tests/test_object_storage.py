@@ -468,3 +468,28 @@ def test_a_restore_reads_the_checkpoint_once_per_node_however_many_ranks_it_has(
             assert files["model.safetensors"] == b"weights 5"
         assert not any(node_dir.glob("restore-checkpoint-*/*"))  # the node's copy is gone after the last load
     assert reads[3] == reads[1] > 0, reads
+
+
+def test_a_commit_meeting_a_store_that_refuses_for_some_seconds_is_tried_again(s3, capsys):
+    """Found by `make chaos` (seed 5, digits on the object store: the store refusing requests during training, then
+    stalling): the store answered the driver's commit with 503 ("Slow Down") and the driver ended the run
+    "could not commit the checkpoint of step 45". A commit meeting an object store that refuses or does not answer
+    is tried again (up to a minute), and commits once the store answers."""
+    from bench.chaos import StoreProxy
+
+    staged = RunDir(s3.uri("refused"), "run")
+    staged.prepare({"name": "run"})
+    uri = stage(s3, staged, 1, 5, [0, 1])
+    proxy = StoreProxy(s3.port)
+    try:
+        through = RunDir(f"s3://{BUCKET}/refused?endpoint_override=127.0.0.1:{proxy.port}&scheme=http&region=us-east-1",
+                         "run")
+        proxy.start("refuse", 12.0)  # every request answered 503 for 12 s (the client's own retries give up)
+        began = time.monotonic()
+        c = through.commit_checkpoint(uri.replace(f"127.0.0.1:{s3.port}", f"127.0.0.1:{proxy.port}"), 5, 1,
+                                      world_size=2, keep=2)
+        assert time.monotonic() - began >= 11.5 and proxy.counts["503"] + proxy.counts["reset"] > 0
+    finally:
+        proxy.close()
+    assert c.step == 5 and [k.step for k in staged.committed_checkpoints()] == [5]
+    assert "committing the checkpoint of step 5 failed" in capsys.readouterr().err
