@@ -363,7 +363,10 @@ class _Write:
             return [], {}
         try:
             try:
-                return self.snap.write(self.writer, hash_files=True)
+                # Until the writer has started (the rank's first save), this thread writes: the first checkpoint is
+                # committed as soon as it would be without a writer.
+                ready = self.writer is not None and self.writer.ready()
+                return self.snap.write(self.writer if ready else None, hash_files=True)
             except WriterGone as exc:  # the writer process ended (killed, out of memory): this thread writes
                 print(f"raylaunch: {exc}; this rank writes the checkpoint of step {self.step} itself", file=sys.stderr,
                       flush=True)

@@ -78,6 +78,7 @@ class CheckpointWriter:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one request at a time (one save in flight a rank, but be plain about it)
         self.broken: str | None = None  # why the writer cannot be used (the rank's thread writes instead)
+        self._ready = False  # the writer said it is ready
 
     def ensure(self) -> bool:
         """Start the writer if it is not running; False (and ``broken`` says why) if it cannot be."""
@@ -95,7 +96,25 @@ class CheckpointWriter:
         except OSError as exc:
             self.broken = f"the checkpoint writer process could not start ({exc})"
             return False
+        self._ready = False
         return True
+
+    def ready(self) -> bool:
+        """Whether the writer has its torch imported and answers (it says so once, first): until then a save is
+        written by the rank's thread, so the first checkpoint is not held back by the writer's start."""
+        if self._ready:
+            return True
+        proc = self._proc
+        if proc is None or proc.stdout is None or proc.poll() is not None:
+            return False
+        import select
+
+        if select.select([proc.stdout], [], [], 0)[0]:
+            try:
+                self._ready = _receive(proc.stdout) == {"ready": True}
+            except (OSError, EOFError):
+                return False
+        return self._ready
 
     @property
     def pid(self) -> int | None:
@@ -116,6 +135,8 @@ class CheckpointWriter:
 
         with self._lock:
             try:
+                if not self._ready:  # its first word: it is ready
+                    self._ready = _receive(proc.stdout) == {"ready": True}
                 _send(proc.stdin, (os.getpid(), writes, hash_files), Pickler)
                 answer = _receive(proc.stdout)
             except (OSError, EOFError) as exc:
@@ -169,6 +190,7 @@ def _serve(parent: int) -> None:
     torch.set_num_threads(1)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers on the pipe
+    _send(stdout, {"ready": True})
 
     def tensor(pid: tuple) -> Any:
         fd, dtype, size, stride, nbytes = pid
