@@ -66,7 +66,9 @@ def runs(ray_cluster, tmp_path_factory):
     deadline = time.monotonic() + 120
     while thread.is_alive() and time.monotonic() < deadline:
         table = format_runs(str(storage))
-        if "running" in table and any(r.get("step") for r in RunDir(str(storage), "steady").read_metrics()):
+        # rank 0's "loss" (what the plot below draws), not any rank's row: rank 1's "rank_loss" can come first
+        if "running" in table and any(r.get("step") and "loss" in r
+                                      for r in RunDir(str(storage), "steady").read_metrics()):
             # runs, show and plot on the run while it trains
             (curve,) = plot(str(storage), ["steady"], "loss", str(storage / "running.png"))
             while_running = {"table": table, "show": format_show(str(storage), "steady"), "curve": curve}
