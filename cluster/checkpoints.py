@@ -318,8 +318,9 @@ def _copies_in_memory(accelerator: Any) -> bool:
 
 
 class _Write:
-    """One rank's checkpoint part, written from memory (``snap``; None: on local disk already) and, on an object
-    store (``upload_uri``), hashed and uploaded, in a thread; then reported."""
+    """One rank's checkpoint part, written from memory (``snap``; None: on local disk already; the tensor files by
+    the rank's writer process once it is ready) and, on an object store (``upload_uri``), uploaded, all waited on
+    by a thread of the rank; then reported."""
 
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
                  on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None) -> None:

@@ -68,8 +68,9 @@ class Snapshot:
         if by_writer:
             files.update(writer.write([(w.path, w.obj, w.safetensors, w.kwargs) for w in by_writer], self.segments,
                                       hash_files=hash_files))
+        theirs = {id(w) for w in by_writer}
         for w in self.writes:
-            if any(w is b for b in by_writer):
+            if id(w) in theirs:
                 continue
             Path(w.path).parent.mkdir(parents=True, exist_ok=True)
             if isinstance(w.obj, _Serialised):
