@@ -619,8 +619,10 @@ class Chaos:
         due = [t for t in self.returning if t <= time.monotonic()]
         for t in due:
             self.returning.remove(t)
+            from cluster.connect import embedded_node
+
             with self.lock:
-                self.cluster.add_node(**self.node_args)
+                self.cluster.add_node(**embedded_node(**self.node_args))
             self.say("chaos: a node was added back")
 
     node_args: dict = {}
@@ -1059,7 +1061,7 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import EMBEDDED_NODE
+    from cluster.connect import embedded_node
 
     work = Path(tempfile.mkdtemp(prefix="raylaunch-chaos-"))
     disk = work / "disk"
@@ -1075,13 +1077,13 @@ def main() -> int:
         proxy = StoreProxy(store.port)
     links_why = link_tier_why_not() if "link_down" in kinds else "link_down is not among --kinds"
     link_s = LINK_S if links_why is None else 0  # the end of the bound is the namespace tier's
-    node_args = {"num_cpus": 2, "temp_dir": str(work / "ray"), **EMBEDDED_NODE}
+    node_args = {"num_cpus": 2, "temp_dir": str(work / "ray")}
     os.environ["PYTHONPATH"] = job_env()["PYTHONPATH"]  # the raylets pass it to the node actors and ranks
-    cluster = Cluster(initialize_head=True, head_node_args=node_args)
+    cluster = Cluster(initialize_head=True, head_node_args=embedded_node(**node_args))
     outcomes: list[Outcome] = []
     job = ref = None
     try:
-        cluster.add_node(**node_args)
+        cluster.add_node(**embedded_node(**node_args))
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         chaos = Chaos(cluster, disk, disk if mounted else None, rng, proxy=proxy)
         chaos.node_args = node_args

@@ -71,17 +71,17 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import EMBEDDED_NODE
+    from cluster.connect import embedded_node
 
     storage = os.environ.get("BENCH_CKPT_STORAGE") or str(work / "runs")
-    node_args = {"num_cpus": 1, "temp_dir": str(work / "ray"), **EMBEDDED_NODE}
+    node_args = {"num_cpus": 1, "temp_dir": str(work / "ray")}
     (work / "ray").mkdir()
     load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args=embedded_node(**{**node_args, "num_cpus": 0}))
     results = {}
     try:
         for _ in range(2):
-            cluster.add_node(**node_args)
+            cluster.add_node(**embedded_node(**node_args))
         env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
         results["async"] = _one(True, storage)

@@ -235,6 +235,8 @@ def _raytrain(job: Job, work: Path) -> None:
 
 def _repetition(side: str, rep: int, cluster, work: Path, node_args: dict, grow_s: float | None) -> dict:
     """Start, lose rank 1's node, measure, add a node, optionally measure growing back, stop."""
+    from cluster.connect import embedded_node
+
     job = Job(side, rep, work)
     began = time.time()
     (_raylaunch if side == "raylaunch" else _raytrain)(job, work)
@@ -251,7 +253,7 @@ def _repetition(side: str, rep: int, cluster, work: Path, node_args: dict, grow_
         row["lost_at"], row["shrink_s"] = lost_at, first["ended"] - lost_at
         row["shrink_started_s"] = (job.started(1, lost_at) or first["began"]) - lost_at
         row["steps_redone"] = last_before - (first["step"] - 1)
-        cluster.add_node(**node_args)
+        cluster.add_node(**embedded_node(**node_args))
         added_at = time.time()
         if grow_s:
             try:
@@ -402,14 +404,14 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from ray.train.v2._internal.constants import is_v2_enabled
 
-    from cluster.connect import EMBEDDED_NODE
+    from cluster.connect import embedded_node
 
-    node_args = {"num_cpus": 1, "temp_dir": str(work / "ray"), **EMBEDDED_NODE}
+    node_args = {"num_cpus": 1, "temp_dir": str(work / "ray")}
     cluster, rows = None, []
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 0})
+        cluster = Cluster(initialize_head=True, head_node_args=embedded_node(**{**node_args, "num_cpus": 0}))
         for _ in range(2):
-            cluster.add_node(**node_args)
+            cluster.add_node(**embedded_node(**node_args))
         env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
         for rep in range(reps):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from typing import Iterator
 
@@ -13,8 +14,8 @@ from cluster.rankhost import PROJECT_VAR
 from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
-__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect", "job_workdir",
-           "stop_processes_under"]
+__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect", "embedded_node",
+           "job_workdir", "stop_processes_under"]
 
 
 class AuthTokenMissing(RaylaunchError, RuntimeError):
@@ -51,6 +52,17 @@ def check_auth_token() -> None:
 # log monitor. Each is a Python process that would compete with the ranks for the cores
 # (the log monitor alone used about 1% of a core beside training, in the bench).
 EMBEDDED_NODE = {"include_dashboard": False, "no_monitor": True, "include_log_monitor": False}
+_nodes_started = itertools.count()
+
+
+def embedded_node(**args: object) -> dict[str, object]:
+    """``ray.cluster_utils.Cluster`` node arguments: ``EMBEDDED_NODE`` and a runtime-environment folder of the node's
+    own. The nodes of one machine share one session folder; with one runtime-environment folder between them, one
+    node's agent unpacking a job's package again (Ray unpacks over what is there) or removing it pulled the folder
+    from under another node's workers ("Local directory ... does not exist on the cluster"), which a real node,
+    with a disk of its own, never meets."""
+    name = f"runtime_resources_{os.getpid()}_{next(_nodes_started)}"
+    return {**EMBEDDED_NODE, "runtime_env_dir_name": name, **args}
 
 
 @contextlib.contextmanager
@@ -70,10 +82,10 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
 
         runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, **EMBEDDED_NODE})
+        cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=cpus_per_node))
         try:
             for _ in range(local_nodes - 1):
-                cluster.add_node(num_cpus=cpus_per_node, **EMBEDDED_NODE)
+                cluster.add_node(**embedded_node(num_cpus=cpus_per_node))
             # PYTHONPATH: the runner's own packages first (a project's own cluster/ or jobs/ folder cannot
             # stand in for them on the nodes), then the project, whose modules the ranks import.
             # ray.init puts the driver's current folder first on every worker's sys.path,

@@ -33,13 +33,13 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import EMBEDDED_NODE
+    from cluster.connect import embedded_node
 
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
     # A runtime environment that cannot be built (env.pip's failing-node test) is tried once, not three times.
     os.environ.setdefault("RUNTIME_ENV_RETRY_TIMES", "1")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, **EMBEDDED_NODE})
-    cluster.add_node(num_cpus=2, **EMBEDDED_NODE)
+    cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=2))
+    cluster.add_node(**embedded_node(num_cpus=2))
     pythonpath = os.pathsep.join([str(ROOT), str(TESTS)])
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
              log_to_driver=False, configure_logging=False)

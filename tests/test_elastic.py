@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from cluster.connect import embedded_node
 from conftest import wait_for
 from jobs.driver import Driver
 from jobs.runs import format_show, series
@@ -222,7 +223,7 @@ def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_f
     other work ends, the run grows back onto the head."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ray_cluster.add_node(num_cpus=2)
+    ray_cluster.add_node(**embedded_node(num_cpus=2))
     ray_cluster.wait_for_nodes()
     head = ray_cluster.head_node.node_id
     other = OtherWork.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import ray
 
+from cluster.connect import embedded_node
 from cluster.protocol import RankFailure
 from conftest import wait_for
 from jobs.driver import Driver, group_failures
@@ -211,7 +212,7 @@ def test_a_node_that_arrives_while_waiting_is_used(ray_cluster, tmp_path):
     # the node comes only once the driver says it waits for it (after its first 10 s of waiting)
     wait_for(lambda: "raylaunch: waiting for 3 nodes with {'CPU': 1.0}" in out.getvalue(), 60,
              "the driver to say it waits")
-    node = ray_cluster.add_node(num_cpus=2)
+    node = ray_cluster.add_node(**embedded_node(num_cpus=2))
     try:
         thread.join(180)
         result = box["result"]

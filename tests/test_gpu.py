@@ -25,9 +25,9 @@ def gpu_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import EMBEDDED_NODE
+    from cluster.connect import embedded_node
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 2, **EMBEDDED_NODE})
+    cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=4, num_gpus=2))
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}})
     try:

@@ -14,13 +14,13 @@ import pytest
 
 from cluster.protocol import WorkerPayload
 from cluster.group import NodeGroup, resolve_placement
-from cluster.connect import EMBEDDED_NODE
+from cluster.connect import embedded_node
 
 
 @pytest.fixture
 def gpu_nodes(ray_cluster):
     """Two more nodes on the shared cluster, each declaring 2 GPUs; removed after the test."""
-    nodes = [ray_cluster.add_node(num_cpus=2, num_gpus=2, **EMBEDDED_NODE) for _ in range(2)]
+    nodes = [ray_cluster.add_node(**embedded_node(num_cpus=2, num_gpus=2)) for _ in range(2)]
     ray_cluster.wait_for_nodes()
     try:
         yield nodes
