@@ -19,7 +19,7 @@ from cluster.layout import LATEST, checkpoint_name, is_checkpoint_name, rank_par
 from cluster.storage_io import MANIFEST, CheckpointError, check_manifest, describe_files
 from cluster.strategy import missing_shards
 
-# How long a commit is tried again while an object store refuses or does not answer.
+# How long a commit is tried again while an object store refuses or does not answer, or the disk is full.
 COMMIT_RETRY_S = 60.0
 
 __all__ = ["CheckpointCatalogue", "CommittedCheckpoint"]
@@ -45,29 +45,45 @@ class CheckpointCatalogue:
         uploading; files whose size matches are not read back from storage.
 
         Raises ``CheckpointError`` if a rank's part is missing, or if storage
-        fails while committing (full, say); the staging folder is then left
-        where no resume will ever load it, and ``latest.json`` is unchanged.
+        fails while committing for longer than ``COMMIT_RETRY_S``: an object store
+        refusing or not answering (503 Slow Down, a reset) and a full disk are
+        tried again until then, any other error of a local path fails at once.
+        Until its manifest is written the staging folder stays where no resume
+        will ever load it, and ``latest.json`` is unchanged; once it is, the
+        checkpoint is committed, and a retry only finishes the rest (the staging
+        folder removed, ``latest.json``, the pruning).
         """
         staging = self._path(staging_uri)
         began = time.monotonic()
+        placed: CommittedCheckpoint | None = None
         while True:
             try:
-                return self._commit(staging, step, attempt, world_size, keep, reported or {}, timing)
+                if placed is None:
+                    placed = self._place(staging, step, attempt, world_size, reported or {}, timing)
+                self._point(staging, placed, keep)
+                return placed
             except OSError as exc:
-                # An object store refusing or not answering for some seconds (503 Slow Down, a reset): the commit
-                # is tried again (each of its writes can be redone) for up to COMMIT_RETRY_S; a full disk is not.
                 waited = time.monotonic() - began
-                if self._local or getattr(exc, "errno", None) == errno.ENOSPC or waited >= COMMIT_RETRY_S:
-                    raise CheckpointError(
-                        f"could not commit the checkpoint of step {step} into {self._show(self.checkpoints_path)}: "
-                        f"{exc}. The previous committed checkpoint is still the latest."
-                    ) from exc
-                self._warn_once(f"raylaunch: committing the checkpoint of step {step} failed ({str(exc)[:200]}); "
-                                f"trying again for up to {COMMIT_RETRY_S:g} s")
+                full = getattr(exc, "errno", None) == errno.ENOSPC
+                if (self._local and not full) or waited >= COMMIT_RETRY_S:
+                    where = self._show(self.checkpoints_path)
+                    tried = f" (tried for {waited:.0f} s)" if waited >= 1 else ""
+                    state = ("The previous committed checkpoint is still the latest." if placed is None else
+                             "It is in place with its manifest, but latest.json may still name the previous one, "
+                             "which a resume then loads.")
+                    hint = (" Free space on the storage's device (old runs, other files), or set `storage` to a "
+                            "larger volume." if full else "")
+                    raise CheckpointError(f"could not commit the checkpoint of step {step} into {where}{tried}: "
+                                          f"{exc}. {state}{hint}") from exc
+                what = "no space left on the device" if full else str(exc)[:200]
+                self._warn_once(f"raylaunch: committing the checkpoint of step {step} failed ({what}); trying again "
+                                f"for up to {COMMIT_RETRY_S:g} s")
                 time.sleep(min(2.0 ** min(int(waited), 4), 5.0))
 
-    def _commit(self, staging: str, step: int, attempt: int, world_size: int, keep: int,
-                reported: dict[str, dict], timing: dict | None = None) -> CommittedCheckpoint:
+    def _place(self, staging: str, step: int, attempt: int, world_size: int, reported: dict[str, dict],
+               timing: dict | None = None) -> CommittedCheckpoint:
+        """Every rank's part checked, then the checkpoint in its place under ``checkpoints/`` with its manifest,
+        whose presence is the commit."""
         self.flush()  # the metrics up to this checkpoint are on storage before it counts
         files = describe_files(self.fs, staging, reported)
         missing = [r for r in range(world_size) if rank_part_file(r) not in files]
@@ -105,10 +121,15 @@ class CheckpointCatalogue:
             for rel in files:
                 self.fs.copy_file(f"{staging}/{rel}", f"{final}/{rel}")
             self._write(f"{final}/{MANIFEST}", manifest)
-            self.fs.delete_dir(staging)
-        self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": name, "step": step}).encode())
-        self._prune(keep, latest=name)
         return CommittedCheckpoint(step, self._uri(final), name)
+
+    def _point(self, staging: str, c: CommittedCheckpoint, keep: int) -> None:
+        """After a commit (each part can be redone): its staging folder gone, ``latest.json`` naming it, the
+        checkpoints beyond ``keep`` pruned."""
+        if self.fs.get_file_info(staging).type != pafs.FileType.NotFound:  # an object store's copies' sources
+            self.fs.delete_dir(staging)
+        self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": c.name, "step": c.step}).encode())
+        self._prune(keep, latest=c.name)
 
     def committed_checkpoints(self) -> list[CommittedCheckpoint]:
         """Committed checkpoints, oldest first: real folders of ``checkpoints/`` whose manifest lists their files.

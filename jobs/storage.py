@@ -24,6 +24,7 @@ or an object-store URI (``s3://``, ``gs://``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -259,9 +260,14 @@ class RunDir(CheckpointCatalogue):
                 f.write(data)
             return
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        with self.fs.open_output_stream(tmp) as f:
-            f.write(data)
-        self.fs.move(tmp, path)
+        try:
+            with self.fs.open_output_stream(tmp) as f:
+                f.write(data)
+            self.fs.move(tmp, path)
+        except OSError:  # a full disk, say: no half-written file left beside the real one
+            with contextlib.suppress(OSError):
+                self.fs.delete_file(tmp)
+            raise
 
     def _read_json(self, path: str) -> Any:
         try:

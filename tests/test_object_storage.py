@@ -493,3 +493,28 @@ def test_a_commit_meeting_a_store_that_refuses_for_some_seconds_is_tried_again(s
         proxy.close()
     assert c.step == 5 and [k.step for k in staged.committed_checkpoints()] == [5]
     assert "committing the checkpoint of step 5 failed" in capsys.readouterr().err
+
+
+def test_a_commit_whose_latest_pointer_the_store_refuses_is_finished_not_redone(s3, monkeypatch, capsys):
+    """Found by `make chaos` (seed 7, digits on the object store: a node lost and the store refusing during a
+    commit): the checkpoint of step 30 was in place with its manifest and its staging folder gone when the store
+    refused the write of latest.json; the retry began the commit again, found no staged parts ("lacks the part of
+    ranks [0, 1]") and the run ended failed, latest.json naming step 15. A retry now only finishes what is left."""
+    run = RunDir(s3.uri("pointer"), "run")
+    run.prepare({"name": "run"})
+    run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    write, refused = run._write, []
+
+    def refusing(path: str, data: bytes) -> None:  # the store's 503s, on the pointer's first two writes
+        if path.endswith("latest.json") and len(refused) < 2:
+            refused.append(path)
+            raise OSError("When uploading 'latest.json': AWS Error SLOW_DOWN (HTTP status 503) during PutObject")
+        write(path, data)
+
+    monkeypatch.setattr(run, "_write", refusing)
+    c = run.commit_checkpoint(stage(s3, run, 1, 10, [0, 1]), 10, 1, world_size=2, keep=2)
+    assert c.step == 10 and len(refused) == 2
+    assert json.loads(s3.read("pointer/run/checkpoints/latest.json")) == {"name": "checkpoint-00000010", "step": 10}
+    assert [k.step for k in run.committed_checkpoints()] == [5, 10] and run.loadable_checkpoint().step == 10
+    assert not [k for k in s3.keys("pointer/run") if "/.staging/" in k], "the staged parts were removed"
+    assert "committing the checkpoint of step 10 failed" in capsys.readouterr().err

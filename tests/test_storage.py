@@ -229,3 +229,41 @@ def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, 
     assert json.loads((tiny_disk / "r" / "result.json").read_text()) == {"status": "failed"}
     said = capsys.readouterr().err
     assert said.count("raylaunch: TensorBoard files could not be written") == 1, said
+
+
+def test_a_commit_meeting_a_full_disk_is_tried_again_until_there_is_space(tiny_disk, monkeypatch, capsys):
+    """Found by `make chaos` (seed 7, the elastic job: the disk full for some seconds during a commit): the driver's
+    commit met ENOSPC writing the manifest and ended the run failed, a run of hours lost to seconds of a full disk.
+    A commit meeting a full disk is tried again for up to a minute (said once), commits once there is space, and
+    leaves no half-written file; a disk that stays full fails it naming what to do."""
+    import threading
+    import time
+
+    run = RunDir(str(tiny_disk), "r")
+    run.prepare({"name": "r"})
+    run.commit_checkpoint(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    uri = stage(run, 1, 10, [0, 1])
+    filler = _fill(tiny_disk)
+    freed = threading.Timer(3.0, filler.unlink)
+    freed.start()
+    began = time.monotonic()
+    try:
+        c = run.commit_checkpoint(uri, 10, 1, world_size=2, keep=2)
+    finally:
+        freed.join()
+    assert c.step == 10 and time.monotonic() - began >= 2.5
+    assert run.loadable_checkpoint().step == 10 and [k.step for k in run.committed_checkpoints()] == [5, 10]
+    said = capsys.readouterr().err
+    assert said.count("committing the checkpoint of step 10 failed (no space left on the device)") == 1, said
+    assert not [p for p in tiny_disk.rglob("*") if ".tmp-" in p.name], "a half-written manifest or pointer was left"
+
+    monkeypatch.setattr("jobs.checkpoint_store.COMMIT_RETRY_S", 2.0)  # a disk that stays full
+    uri = stage(run, 1, 15, [0, 1])
+    _fill(tiny_disk)
+    with pytest.raises(CheckpointError) as failed:
+        run.commit_checkpoint(uri, 15, 1, world_size=2, keep=2)
+    assert "could not commit the checkpoint of step 15" in str(failed.value)
+    assert "The previous committed checkpoint is still the latest. Free space on the storage's device" in \
+        str(failed.value)
+    assert run.loadable_checkpoint().step == 10
+    assert not [p for p in tiny_disk.rglob("*") if ".tmp-" in p.name]
