@@ -3,7 +3,8 @@
 Each repetition, in alternating order, times Accelerate's own ``save_state`` to the node's local disk and
 ``session.save`` (committed on the run's storage), as the training loop sees them: the seconds until the call
 returns. After each ``session.save`` it keeps stepping while that save's background write runs and times those
-steps; the steps before the first save are the reference. Rank 0 returns every figure.
+steps; the reference is the steps just before each ``session.save`` (no write of any rank in flight), and the
+steps before the first save. Rank 0 returns every figure.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def train(config: dict) -> dict:
     before_saves_rss = _rss_mb()
     local = tempfile.mkdtemp(prefix="raylaunch-bench-savestate-")
     out = {"state_mb": sum(p.numel() * 3 * 4 for p in model.parameters()) / 2**20, "save_state_s": [],
-           "session_save_s": [], "steps_during_write_s": [], "steps_before_s": steady[1:]}
+           "session_save_s": [], "steps_during_write_s": [], "steps_before_s": steady[1:], "steps_quiet_s": []}
     n = 0
     try:
         for rep in range(config.get("reps", 3)):
@@ -73,6 +74,9 @@ def train(config: dict) -> dict:
                     out["save_state_s"].append(time.perf_counter() - began)
                     shutil.rmtree(f"{local}/{n}", ignore_errors=True)
                 else:
+                    session.wait_for_upload()
+                    accelerator.wait_for_everyone()
+                    out["steps_quiet_s"] += [step() for _ in range(config.get("quiet", 3))]
                     began = time.perf_counter()
                     session.save(accelerator, n)
                     out["session_save_s"].append(time.perf_counter() - began)

@@ -29,7 +29,7 @@ from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.restore import node_copy, node_verified
-from cluster.snapshot import Snapshot, capture
+from cluster.snapshot import SegmentPool, Snapshot, capture
 from cluster.sharding import init_optimizers_for_load, seed_missing_rng
 from cluster.storage_io import CheckpointError, describe_files, is_local, join_uri, open_uri, split_query
 from cluster.layout import CHECKPOINTS, SCRIPT_FOLDER, checkpoint_name, run_of_staging
@@ -55,6 +55,7 @@ class StagedCheckpoints:
         self._log = log  # this rank's metrics: how long each save held training, and its memory
         self._upload: _Write | None = None  # this rank's checkpoint write or upload in flight
         self._writer = CheckpointWriter()  # the process that writes the tensors of a save in the background
+        self._segments = SegmentPool()  # the last save's shared memory, copied into again by the next
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
 
     def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
@@ -101,7 +102,7 @@ class StagedCheckpoints:
         on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"  # a GPU's copy: pinned memory
         writer = self._writer if on_cpu and self._writer.ensure() else None
         try:
-            snap = capture(save, shared=writer is not None)
+            snap = capture(save, shared=writer is not None, pool=self._segments)
         except BaseException:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
@@ -362,18 +363,21 @@ class _Write:
         on a shared path their sizes and hashes."""
         if self.snap is None:
             return [], {}
+        # Files written into the run's storage are flushed before they are reported (their write-back at the
+        # writer's priority, within the save); files bound for an upload only wait in the node's temporary folder.
+        durable = self.upload_uri is None
         try:
             try:
                 # Until the writer has started (the rank's first save), this thread writes: the first checkpoint is
                 # committed as soon as it would be without a writer.
                 ready = self.writer is not None and self.writer.ready()
-                return self.snap.write(self.writer if ready else None, hash_files=True)
+                return self.snap.write(self.writer if ready else None, hash_files=True, durable=durable)
             except WriterGone as exc:  # the writer process ended (killed, out of memory): this thread writes
                 print(f"raylaunch: {exc}; this rank writes the checkpoint of step {self.step} itself", file=sys.stderr,
                       flush=True)
                 if self.writer is not None:
                     self.writer.broken = str(exc)
-                return self.snap.write(None, hash_files=True)
+                return self.snap.write(None, hash_files=True, durable=durable)
         finally:
             self.snap.release()
 

@@ -9,14 +9,16 @@ A process of its own, at the lowest CPU priority, writes instead: the snapshot's
 thread's interpreter. The rank starts it on its first background save, from the training thread, and it ends with
 that thread (``PR_SET_PDEATHSIG``) or when the rank closes its pipe. Imports nothing from Ray.
 
-Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash)``; a write
+Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable)``; a write
 is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride, nbytes)``
-naming the rank's memfd descriptors; the answer is ``{"files": {path: {"size", "sha256"}}}`` (hashed when asked)
+naming the rank's memfd descriptors; the answer is ``{"files": {path: {"size", "sha256"}}}`` (hashed when asked, after a flush to the disk when
+``durable``)
 or ``{"error": str, "errno": int | None}`` (``"unmapped": True`` when it could not map the segments).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -26,7 +28,7 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
-__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "sha256_file"]
+__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "describe_written", "sha256_file"]
 
 # The writer's niceness: it uses the cores training leaves, and yields them at once when training wants them.
 WRITER_NICE = 19
@@ -42,13 +44,33 @@ _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_locat
 
 def sha256_file(path: str) -> str:
     """The sha256 of a file on this node's disk, as a manifest lists it."""
+    return describe_written(path)["sha256"]
+
+
+def describe_written(path: str, durable: bool = False) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of a file this process just wrote, hashed from the page cache in place (mapped, not
+    copied out). ``durable``: first flushed to its disk from this process, so the kernel's write-back of it runs
+    here, at this process's priority and within the save's time, rather than in the kernel's flusher threads beside
+    training up to 30 s later; its pages then leave the page cache (the next checkpoint does not evict the
+    project's own files to make room)."""
     import hashlib
+    import mmap
 
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if durable:
+            os.fdatasync(fd)
+        size = os.fstat(fd).st_size
+        if size:
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+                view.madvise(mmap.MADV_SEQUENTIAL)
+                h.update(view)
+        if durable:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return {"size": size, "sha256": h.hexdigest()}
 
 
 class WriterGone(RuntimeError):
@@ -120,8 +142,10 @@ class CheckpointWriter:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    def write(self, writes: list[WriteRequest], segments: dict[int, tuple], *, hash_files: bool) -> dict[str, dict]:
-        """Write ``writes`` (tensors in ``segments``: id(tensor) -> (fd, nbytes)) and return what it hashed."""
+    def write(self, writes: list[WriteRequest], segments: dict[int, tuple], *, hash_files: bool,
+              durable: bool = False) -> dict[str, dict]:
+        """Write ``writes`` (tensors in ``segments``: id(tensor) -> (fd, nbytes)) and return what it hashed
+        (``describe_written``: ``durable``, flushed to the disk first)."""
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise WriterGone("the checkpoint writer is not running")
@@ -137,7 +161,7 @@ class CheckpointWriter:
             try:
                 if not self._ready:  # its first word: it is ready
                     self._ready = _receive(proc.stdout) == {"ready": True}
-                _send(proc.stdin, (os.getpid(), writes, hash_files), Pickler)
+                _send(proc.stdin, (os.getpid(), writes, hash_files, durable), Pickler)
                 answer = _receive(proc.stdout)
             except (OSError, EOFError) as exc:
                 code = proc.poll()
@@ -201,7 +225,7 @@ def _serve(parent: int) -> None:
         def persistent_load(self, pid: Any) -> Any:
             return tensor(pid)
 
-    def handle(writes: list[WriteRequest], hash_files: bool) -> dict:
+    def handle(writes: list[WriteRequest], hash_files: bool, durable: bool) -> dict:
         files = {}
         for path, obj, safetensors, kwargs in writes:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -210,19 +234,19 @@ def _serve(parent: int) -> None:
             else:
                 torch.save(obj, path, **kwargs)
             if hash_files:
-                files[path] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+                files[path] = describe_written(path, durable)
         return {"files": files}  # the segments are unmapped on return, before the rank closes them
 
     while True:
         try:
-            _pid, writes, hash_files = _receive(stdin, Unpickler)
+            _pid, writes, hash_files, durable = _receive(stdin, Unpickler)
         except EOFError:
             return
         except Exception as exc:  # the rank's segments cannot be mapped here: its own thread writes instead
             _send(stdout, {"error": f"{type(exc).__name__}: {exc}", "errno": None, "unmapped": True})
             continue
         try:
-            answer = handle(writes, hash_files)
+            answer = handle(writes, hash_files, durable)
         except Exception as exc:  # said to the rank, which fails this save and keeps the previous checkpoint
             answer = {"error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)}
         del writes
@@ -232,6 +256,8 @@ def _serve(parent: int) -> None:
 def main() -> None:
     parent = int(sys.argv[-1])
     os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)  # before torch starts any thread: they all inherit it
+    with contextlib.suppress(AttributeError, OSError):  # and Linux's idle class: a core only when no one else wants it
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     _die_with_parent(parent)
     _serve(parent)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from cluster.ckptwriter import sha256_file
+from cluster.ckptwriter import describe_written
 
 __all__ = ["Snapshot", "capture"]
 
@@ -42,6 +42,41 @@ class _Write:
     kwargs: dict
 
 
+class SegmentPool:
+    """The memfd segments of a rank's last snapshot, kept for its next one: a save that copies into segments it
+    used before touches pages that are already there, where new segments fault in and zero every page first
+    (measured here: 576 MiB in 18 tensors copied in 0.09 s into kept segments, 0.26 s into new ones). It holds at
+    most one snapshot's segments (those the next capture does not take are closed when its snapshot is released),
+    so from its first save on a rank keeps one copy of its state's size in host memory. Thread-safe: the training
+    thread takes, the background write gives back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[tuple[int, Any]]] = {}  # nbytes -> [(fd, its mapped storage)]
+
+    def take(self, nbytes: int) -> tuple[int, Any] | None:
+        with self._lock:
+            kept = self._free.get(nbytes)
+            return kept.pop() if kept else None
+
+    def keep(self, segments: list[tuple[int, int, Any]]) -> None:
+        """``segments`` ((fd, nbytes, storage)) are free for the next snapshot; any kept before are closed."""
+        with self._lock:
+            old, self._free = self._free, {}
+            for fd, nbytes, storage in segments:
+                self._free.setdefault(nbytes, []).append((fd, storage))
+        _close(fd for kept in old.values() for fd, _ in kept)
+
+    def close(self) -> None:
+        self.keep([])
+
+
+def _close(fds: Any) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 @dataclass
 class Snapshot:
     """The files one rank's ``save_state`` would have written, held in memory.
@@ -53,11 +88,14 @@ class Snapshot:
     nbytes: int = 0  # host memory its tensors hold
     shared: bool = False
     segments: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pool: SegmentPool | None = None  # where its segments come from and go back to
+    storages: dict[int, Any] = field(default_factory=dict)  # fd -> its mapped storage, kept for the pool
     on_gpu: bool = False  # a tensor was copied off a GPU (into pinned memory: written by the rank's thread)
 
-    def write(self, writer: Any = None, hash_files: bool = False) -> tuple[list[str], dict[str, dict]]:
+    def write(self, writer: Any = None, hash_files: bool = False,
+              durable: bool = False) -> tuple[list[str], dict[str, dict]]:
         """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, sha256}}`` when
-        ``hash_files``. ``writer`` (a started ``cluster.ckptwriter.CheckpointWriter``) writes the files that hold
+        ``hash_files`` (``durable``: each file flushed to its disk before it is hashed, ``describe_written``). ``writer`` (a started ``cluster.ckptwriter.CheckpointWriter``) writes the files that hold
         tensors, from the shared segments; this thread writes the files already in bytes (no interpreter lock held
         while they go to disk) and any file of a snapshot off a GPU."""
         import torch
@@ -67,7 +105,7 @@ class Snapshot:
         files: dict[str, dict] = {}
         if by_writer:
             files.update(writer.write([(w.path, w.obj, w.safetensors, w.kwargs) for w in by_writer], self.segments,
-                                      hash_files=hash_files))
+                                      hash_files=hash_files, durable=durable))
         theirs = {id(w) for w in by_writer}
         for w in self.writes:
             if id(w) in theirs:
@@ -80,32 +118,40 @@ class Snapshot:
             else:
                 torch.save(w.obj, w.path, **w.kwargs)
             if hash_files:
-                files[w.path] = {"size": os.path.getsize(w.path), "sha256": sha256_file(w.path)}
+                files[w.path] = describe_written(w.path, durable)
         return [w.path for w in self.writes], files
 
     def release(self) -> None:
         self.writes.clear()
         self.nbytes = 0
         segments, self.segments = self.segments, {}
-        for fd, _ in segments.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        storages, self.storages = self.storages, {}
+        if self.pool is not None and segments:  # (released twice: the second time has nothing to give back)
+            self.pool.keep([(fd, nbytes, storages[fd]) for fd, nbytes in segments.values()])
+        else:
+            _close(fd for fd, _ in segments.values())
 
 
 def _shared_empty(t: Any, snap: Snapshot) -> Any:
-    """An uninitialised CPU tensor like ``t`` whose storage is a memfd segment of its own (kept in ``snap``)."""
+    """An uninitialised CPU tensor like ``t`` whose storage is a memfd segment of its own (kept in ``snap``): one of
+    the pool's of the same size when it has one."""
     import torch
 
     layout = torch.empty_like(t, device="meta")  # the strides a copy of ``t`` gets
     nbytes = t.numel() * t.element_size()
-    fd = os.memfd_create("raylaunch-checkpoint", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
-        out = torch.empty(0, dtype=t.dtype).set_(storage, 0, layout.size(), layout.stride())
-    except BaseException:
-        os.close(fd)
-        raise
+    kept = snap.pool.take(nbytes) if snap.pool is not None else None
+    if kept is not None:
+        fd, storage = kept
+    else:
+        fd = os.memfd_create("raylaunch-checkpoint", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+    out = torch.empty(0, dtype=t.dtype).set_(storage, 0, layout.size(), layout.stride())
+    snap.storages[fd] = storage
     snap.segments[id(out)] = (fd, nbytes)
     return out
 
@@ -282,10 +328,10 @@ def _captured(snap: Snapshot) -> Iterator[None]:
         _CAPTURING.thread = None
 
 
-def capture(save: Callable[[], Any], shared: bool = False) -> Snapshot:
+def capture(save: Callable[[], Any], shared: bool = False, pool: SegmentPool | None = None) -> Snapshot:
     """Run ``save`` (a ``save_state`` and what goes with it) with its file writes kept in memory; ``shared``: CPU
-    tensors in memfd segments, for a writer process."""
-    snap = Snapshot(shared=shared and hasattr(os, "memfd_create"))
+    tensors in memfd segments, for a writer process (from ``pool``'s, and back to it on release, when given)."""
+    snap = Snapshot(shared=shared and hasattr(os, "memfd_create"), pool=pool)
     try:
         with _captured(snap):
             save()
