@@ -9,11 +9,11 @@ A process of its own, at the lowest CPU priority, writes instead: the snapshot's
 thread's interpreter. The rank starts it on its first background save, from the training thread, and it ends with
 that thread (``PR_SET_PDEATHSIG``) or when the rank closes its pipe. Imports nothing from Ray.
 
-Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable)``; a write
-is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride, nbytes)``
-naming the rank's memfd descriptors; the answer is ``{"files": {path: {"size", "sha256"}}}`` (hashed when asked, after a flush to the disk when
-``durable``)
-or ``{"error": str, "errno": int | None}`` (``"unmapped": True`` when it could not map the segments).
+Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable)``;
+a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride,
+nbytes)`` naming the rank's memfd descriptors; the answer is ``{"files": {path: {"size", "sha256"}}}`` (hashed when
+asked, after a flush to the disk when ``durable``) or ``{"error": str, "errno": int | None}`` (``"unmapped": True``
+when it could not map the segments).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
-__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "describe_written", "sha256_file"]
+__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "describe_written"]
 
 # The writer's niceness: it uses the cores training leaves, and yields them at once when training wants them.
 WRITER_NICE = 19
@@ -40,11 +40,6 @@ WriteRequest = tuple[str, Any, bool, dict]
 
 _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('raylaunch_ckptwriter', "
          "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); module.main()")
-
-
-def sha256_file(path: str) -> str:
-    """The sha256 of a file on this node's disk, as a manifest lists it."""
-    return describe_written(path)["sha256"]
 
 
 def describe_written(path: str, durable: bool = False) -> dict[str, Any]:
@@ -144,7 +139,7 @@ class CheckpointWriter:
 
     def write(self, writes: list[WriteRequest], segments: dict[int, tuple], *, hash_files: bool,
               durable: bool = False) -> dict[str, dict]:
-        """Write ``writes`` (tensors in ``segments``: id(tensor) -> (fd, nbytes)) and return what it hashed
+        """Write ``writes`` (tensors in ``segments``: id(tensor) -> (fd, nbytes, ...)) and return what it hashed
         (``describe_written``: ``durable``, flushed to the disk first)."""
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdout is None:

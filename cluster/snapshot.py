@@ -67,9 +67,6 @@ class SegmentPool:
                 self._free.setdefault(nbytes, []).append((fd, storage))
         _close(fd for kept in old.values() for fd, _ in kept)
 
-    def close(self) -> None:
-        self.keep([])
-
 
 def _close(fds: Any) -> None:
     for fd in fds:
@@ -81,22 +78,23 @@ def _close(fds: Any) -> None:
 class Snapshot:
     """The files one rank's ``save_state`` would have written, held in memory.
 
-    ``shared``: its CPU tensors are copied into memfd segments (``segments``: id(tensor) -> (fd, nbytes)), which a
+    ``shared``: its CPU tensors are copied into memfd segments (``segments``: id(tensor) -> (fd, nbytes, the
+    storage mapping it)), which a
     writer process of the rank's (``cluster.ckptwriter``) maps and writes from without a copy."""
 
     writes: list[_Write] = field(default_factory=list)
     nbytes: int = 0  # host memory its tensors hold
     shared: bool = False
-    segments: dict[int, tuple[int, int]] = field(default_factory=dict)
+    segments: dict[int, tuple[int, int, Any]] = field(default_factory=dict)
     pool: SegmentPool | None = None  # where its segments come from and go back to
-    storages: dict[int, Any] = field(default_factory=dict)  # fd -> its mapped storage, kept for the pool
     on_gpu: bool = False  # a tensor was copied off a GPU (into pinned memory: written by the rank's thread)
 
     def write(self, writer: Any = None, hash_files: bool = False,
               durable: bool = False) -> tuple[list[str], dict[str, dict]]:
         """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, sha256}}`` when
-        ``hash_files`` (``durable``: each file flushed to its disk before it is hashed, ``describe_written``). ``writer`` (a started ``cluster.ckptwriter.CheckpointWriter``) writes the files that hold
-        tensors, from the shared segments; this thread writes the files already in bytes (no interpreter lock held
+        ``hash_files`` (``durable``: each file flushed to its disk before it is hashed, ``describe_written``).
+        ``writer`` (a started ``cluster.ckptwriter.CheckpointWriter``) writes the files that hold tensors, from the
+        shared segments; this thread writes the files already in bytes (no interpreter lock held
         while they go to disk) and any file of a snapshot off a GPU."""
         import torch
         from safetensors.torch import save_file
@@ -125,11 +123,10 @@ class Snapshot:
         self.writes.clear()
         self.nbytes = 0
         segments, self.segments = self.segments, {}
-        storages, self.storages = self.storages, {}
         if self.pool is not None and segments:  # (released twice: the second time has nothing to give back)
-            self.pool.keep([(fd, nbytes, storages[fd]) for fd, nbytes in segments.values()])
+            self.pool.keep(list(segments.values()))
         else:
-            _close(fd for fd, _ in segments.values())
+            _close(fd for fd, _, _ in segments.values())
 
 
 def _shared_empty(t: Any, snap: Snapshot) -> Any:
@@ -151,8 +148,7 @@ def _shared_empty(t: Any, snap: Snapshot) -> Any:
             os.close(fd)
             raise
     out = torch.empty(0, dtype=t.dtype).set_(storage, 0, layout.size(), layout.stride())
-    snap.storages[fd] = storage
-    snap.segments[id(out)] = (fd, nbytes)
+    snap.segments[id(out)] = (fd, nbytes, storage)
     return out
 
 
