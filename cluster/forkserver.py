@@ -16,7 +16,9 @@ import shutil
 import signal
 import tempfile
 import threading
-from multiprocessing import forkserver, process, resource_tracker
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from multiprocessing import forkserver, process, resource_tracker, spawn
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,9 @@ HOST_PRELOAD = [*FORKSERVER_PRELOAD, "transformers"]
 
 
 _SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
+
+
+_SPAWNING = threading.Lock()  # held while ``ForkServer.starting`` replaces multiprocessing's preparation data
 
 
 class ForkServer:
@@ -59,6 +64,7 @@ class ForkServer:
         self._host: Claim | None = None  # the warm rank host claimed (``cluster.rankhost``), if any
         self._host_fd: int | None = None  # what multiprocessing hands the host's children as its "alive" pipe
         self.note = ""  # where this process's ranks fork from, as the driver says it
+        self._preloaded = False  # this process's own server has imported its preload (``preloaded``)
 
     @property
     def host_pid(self) -> int | None:
@@ -96,6 +102,17 @@ class ForkServer:
             self.note = f"ranks fork from a server of this actor's own ({why})"  # the node actor says it
             self._start_own()
 
+    def preloaded(self) -> None:
+        """Wait until this process's own server (if its ranks fork from one) has imported its preload: a child
+        that returns at once, started and joined (a warm host is ready once ``ready`` returns)."""
+        if self._host is not None or self._thread is None or self._preloaded:
+            return
+        with self.starting():
+            child = multiprocessing.get_context("forkserver").Process(target=os.getpid, daemon=True)
+            child.start()
+        child.join()
+        self._preloaded = True
+
     def _point_at(self, address: str) -> None:
         """multiprocessing's fork-server client state, aimed at a server this process did not start."""
         fs = forkserver._forkserver
@@ -126,6 +143,30 @@ class ForkServer:
             self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
             self._thread.start()
 
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around the start of this process's ranks: they do not run this process's main module again, and a
+        warm rank host that never answers the start is not claimed again (``rankhost.starting``).
+
+        multiprocessing has each child it starts run its parent's ``__main__`` again (as ``__mp_main__``), for a
+        target defined there. A Ray worker's is Ray's ``default_worker.py``: every rank would import Ray and run
+        that module's body (0.3 s of a core a rank) for nothing, as ``rank_main`` and a rank's payload live in
+        importable modules."""
+        original = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict[str, Any]:
+            data = original(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
+
+        with _SPAWNING, (rankhost.starting(self._host) if self._host is not None else nullcontext()):
+            spawn.get_preparation_data = without_main
+            try:
+                yield
+            finally:
+                spawn.get_preparation_data = original
+
     def release(self) -> None:
         with self._lock:
             self._holders -= 1
@@ -139,6 +180,7 @@ class ForkServer:
                 return
             self._thread.join(timeout=120)  # a server still starting is stopped once it runs
             self._thread = None
+            self._preloaded = False
             # Its ranks are stopped already, so it is killed: a normal exit would unload torch first,
             # which can take tens of seconds while the next attempt waits for this node.
             if forkserver._forkserver._forkserver_pid is not None:

@@ -249,6 +249,9 @@ class NodeGroup:
             if isinstance(exc.cause, RendezvousError):
                 raise RendezvousError(str(exc.cause)) from None
             raise
+        # The servers the ranks fork from finish their imports first (unbounded here: a warm host still importing
+        # has its own bound), so the starts below take a fork's time and a bound tells a hung one.
+        self._each([a.prepare.remote() for a in self.actors], None, "its actor could not start its ranks")
         threads = max(1, int(p.cpus_per_worker))
         starts = []
         for node_rank, actor in enumerate(self.actors):
@@ -265,22 +268,36 @@ class NodeGroup:
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
-        failed: list[tuple[int, OSError]] = []
-        for node_rank, ref in enumerate(starts):
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                if not isinstance(exc.cause, OSError):
-                    raise  # raylaunch's own failure: said as such
-                failed.append((node_rank, exc.cause))
-        if failed:
-            # The node's host could not start processes (its folder gone, out of memory or processes): that node
-            # fails this attempt as a lost one does, and the next reserves afresh (new actors, new worker processes).
-            raise NodeLostError([n for n, _ in failed], "its actor could not start its ranks: " +
-                                "; ".join(f"node {n}: {type(e).__name__}: {e}" for n, e in failed))
+        self._each(starts, rendezvous_timeout_s, "its actor could not start its ranks")
         self._answered = [False] * len(self.actors)
         self._states = [NodeState.RUNNING] * len(self.actors)
         return self.contexts
+
+    def _each(self, refs: list, bound_s: float | None, what: str) -> None:
+        """Wait for one call a node; a node whose call failed with an OSError, or has not returned within
+        ``bound_s``, fails the attempt as a lost node does (``NodeLostError``), and the next reserves afresh (new
+        actors, new worker processes; a warm rank host that hung is not claimed again: ``cluster.rankhost``)."""
+        failed: list[tuple[int, str]] = []
+        deadline = None if bound_s is None else time.monotonic() + bound_s
+        for node_rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                try:
+                    ray.kill(self.actors[node_rank])  # its call never returns: nothing to ask it, nor wait for
+                except Exception:  # gone already
+                    pass
+                host = self.infos[node_rank].rank_host_pid
+                failed.append((node_rank, f"its ranks did not start within timeouts.rendezvous_s ({bound_s:g} s): "
+                                          "the " + (f"warm rank host {host}" if host else "actor's fork server")
+                                          + " they fork from did not answer"))
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, OSError):
+                    raise  # raylaunch's own failure: said as such
+                # its host could not start processes (its folder gone, out of memory or processes)
+                failed.append((node_rank, f"{type(exc.cause).__name__}: {exc.cause}"))
+        if failed:
+            raise NodeLostError([n for n, _ in failed], f"{what}: " + "; ".join(f"node {n}: {why}" for n, why in failed))
 
     def _call_all(self, method: str, timeout_s: float, default: Any) -> list[Any]:
         """Call ``method`` on every actor; a dead actor or a lost node gives ``default``."""

@@ -145,15 +145,21 @@ class NodeActor:
             "or end what holds them."
         )
 
+    def prepare(self) -> None:
+        """Before ``start``: wait until the server the ranks fork from has imported everything (a warm host still
+        importing, or this actor's own server), so that a start takes a fork's time (the driver bounds it)."""
+        note = FORK_SERVER.note
+        FORK_SERVER.ready()
+        if FORK_SERVER.note != note:  # the host could not be used after all: say why, with the ranks' output
+            self._notes.append(f"raylaunch: node {self.node_rank}: {FORK_SERVER.note}")
+        FORK_SERVER.preloaded()
+
     def start(self, payloads: list[WorkerPayload], envs: list[dict[str, str]], attempt: int) -> None:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
         if self._pctx is not None:
             raise RuntimeError("this node's ranks are still running; stop them first")
-        note = FORK_SERVER.note
-        FORK_SERVER.ready()
-        if FORK_SERVER.note != note:  # the host could not be used after all: say why, with the ranks' output
-            self._notes.append(f"raylaunch: node {self.node_rank}: {FORK_SERVER.note}")
+        self.prepare()  # done already, unless a caller skipped it
         log_dir = os.path.join(self._tmp, attempt_dir(attempt))
         os.makedirs(log_dir, exist_ok=True)
         full_envs = {}
@@ -166,14 +172,15 @@ class NodeActor:
         # this actor's scratch folder, it goes with the folder.
         saved_tempdir, tempfile.tempdir = tempfile.tempdir, self._tmp
         try:
-            self._pctx = start_processes(
-                name="raylaunch",
-                entrypoint=rank_main,
-                args={i: (p,) for i, p in enumerate(payloads)},
-                envs=full_envs,
-                logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
-                start_method="forkserver",
-            )
+            with FORK_SERVER.starting():
+                self._pctx = start_processes(
+                    name="raylaunch",
+                    entrypoint=rank_main,
+                    args={i: (p,) for i, p in enumerate(payloads)},
+                    envs=full_envs,
+                    logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
+                    start_method="forkserver",
+                )
         finally:
             tempfile.tempdir = saved_tempdir
         self._beats = {p.context.world_rank: heartbeat_file(p.events_path) for p in payloads}

@@ -27,10 +27,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,13 +41,16 @@ from cluster.hostproc import (KEY_VARS, PROJECT_VAR, alive_pid, busy, host_key, 
                               project_dirs, rss_mb, shared_path, stat_fields)
 
 __all__ = ["Claim", "MAX_HOSTS", "PROJECT_VAR", "WarmHost", "alive", "claim", "host_key", "ready", "rss_mb",
-           "unclaim"]
+           "starting", "unclaim"]
 
 
 MAX_HOSTS = 2  # warm hosts a node keeps at most; a newer one ends the least recently claimed idle one
 
 
 _STARTING_S = 60.0  # a host folder without a live host is left alone this long: its host may be starting
+
+
+START_HUNG_S = 30.0  # a start of ranks a host has not answered in this long hung (one takes milliseconds)
 
 
 # What the host keeps of the claiming actor's environment beside those: nothing of a job's own.
@@ -136,13 +142,20 @@ def claim(settings: WarmHost, preload: list[str]) -> Claim:
     base = _base()
     folder = base / f"a{raylet}-{key[:16]}"  # the host tied to this node's raylet
     prefix = f"a{raylet}-"
+    replaced = ""
     with locked(folder):
         pid = _host_pid(folder)
+        hung = _hung_start(folder) if pid is not None else None
+        if hung is not None:  # a start it never answered: not trusted with this job's ranks
+            _kill(pid)
+            replaced = f" in place of host {pid}, which left the start of process {hung}'s ranks unanswered"
+            pid = None
         reused = pid is not None
         if not reused:
             _tidy(base, prefix)
             for name in ("ready", "sock", "pid", "evict"):
                 (folder / name).unlink(missing_ok=True)
+            shutil.rmtree(folder / "starts", ignore_errors=True)
             _spawn({"folder": str(folder), "anchor": raylet, "key": key, "preload": preload,
                     "sys_path": shared_path(sys.path)}, os.environ)
             _wait_for(lambda: _host_pid(folder) is not None, 30.0)  # it writes its pid once it has left us
@@ -154,7 +167,62 @@ def claim(settings: WarmHost, preload: list[str]) -> Claim:
         return Claim(None, None, None, f"the warm rank host did not start (see {folder / 'host.log'})")
     _wait_for(lambda: (folder / "sock").exists() or not alive_pid(pid), 30.0)
     said = "started" if not reused else "reused" if (folder / "ready").exists() else "claimed while it imports"
-    return Claim(str(folder / "sock"), pid, str(folder), f"warm rank host {pid}, {said}")
+    return Claim(str(folder / "sock"), pid, str(folder), f"warm rank host {pid}, {said}{replaced}")
+
+
+def _hung_start(folder: Path) -> int | None:
+    """The process whose start of ranks this host left unanswered (``starting``), if one did: its mark outlived it
+    (the driver ends a node whose start outlasts the rendezvous bound), or is older than ``START_HUNG_S``. A start
+    under way elsewhere (milliseconds) is waited for."""
+    while True:
+        try:
+            marks = list((folder / "starts").iterdir())
+        except OSError:
+            return None
+        pending = False
+        for mark in marks:
+            age = time.time() - mtime(mark)
+            if not mark.name.isdigit() or age > 1e6:  # not ours, or gone meanwhile (answered)
+                continue
+            if age > START_HUNG_S or not alive_pid(int(mark.name)):
+                return int(mark.name)
+            pending = True
+        if not pending:
+            return None
+        time.sleep(0.05)
+
+
+def _kill(pid: int) -> None:
+    """End a host that hung (its ranks, which hold their own actors' pipes, are left to those)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    _wait_for(lambda: not alive_pid(pid), 10.0)
+
+
+@contextmanager
+def starting(found: Claim) -> Iterator[None]:
+    """Around a start of ranks from the host: a mark this process removes once the host has answered (or
+    failed to). A mark left by a process that ended while it waited (the driver ends a node whose start outlasts
+    the rendezvous bound) is a start the host never answered: the next claim ends that host and starts another
+    (``claim``)."""
+    mark = Path(found.folder, "starts", str(os.getpid()))
+    try:
+        mark.parent.mkdir(exist_ok=True)
+        mark.touch()
+    except OSError:  # the host ended and removed its folder: the start fails on its socket
+        pass
+    try:
+        yield
+    except BaseException as exc:
+        # Ending the actor while it waits (the driver does, after the rendezvous bound) comes as SystemExit, or as
+        # torch's SignalException from the SIGTERM its launcher turns into one: the mark stays. Any other
+        # failure is the host's answer (it ended: its socket refused or closed) or the start's own.
+        if isinstance(exc, Exception) and type(exc).__name__ != "SignalException":
+            mark.unlink(missing_ok=True)
+        raise
+    mark.unlink(missing_ok=True)
 
 
 def _spawn(args: dict, environ: dict) -> None:

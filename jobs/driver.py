@@ -311,6 +311,7 @@ class Driver:
         try:
             contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         except NodeLostError as exc:  # a node lost between its reservation and its ranks' start
+            self._say(f"raylaunch: attempt {attempt}: {exc}")
             return AttemptOutcome(False, str(exc), tuple(exc.nodes))
         rec = self.recorder
         rec.mark("ranks_started")

@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,29 @@ def our_processes() -> list:
         except (ValueError, KeyError, psutil.Error):
             continue
     return mine
+
+
+def our_stacks() -> str:
+    """Every Python stack of ``our_processes`` (the actors, the warm hosts, the ranks), read from outside by
+    py-spy: what a test that timed out waiting on the cluster prints, so a hang in CI says where it hung."""
+    import psutil
+
+    py_spy = Path(sys.executable).with_name("py-spy")
+    out = []
+    for p in our_processes():
+        try:
+            name = " ".join(p.cmdline())[:160]
+        except psutil.Error:
+            continue
+        if "python" not in name and "ray::" not in name:
+            continue
+        try:
+            dump = subprocess.run([str(py_spy), "dump", "--pid", str(p.pid)], capture_output=True, text=True,
+                                  timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            dump = f"(py-spy: {exc})"
+        out.append(f"=== {p.pid} {name}\n{dump}")
+    return "\n".join(out)
 
 
 def wait_for(condition, timeout: float, what: str):

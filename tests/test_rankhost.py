@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ import mymod
 
 def probe(config):
     return {"version": mymod.VERSION, "mark": os.environ.get("MARK"), "secret": os.environ.get("%s") == "the-secret-of-a",
-            "host": os.getppid(), "warm": "transformers" in sys.modules}
+            "host": os.getppid(), "warm": "transformers" in sys.modules, "ray": "ray" in sys.modules}
 """ % SECRET
 
 
@@ -76,6 +77,7 @@ def test_jobs_one_after_another_and_at_once_share_the_warm_hosts_and_see_only_th
             assert rank["version"] == version and rank["mark"] == f"mark-{version}", rank
             assert rank["secret"] == (version == "a"), rank  # its value is masked in results: compared in the rank
             assert rank["warm"], "a rank forked from a warm host has transformers imported before it imports it"
+            assert not rank["ray"], "a rank does not run its actor's main module (Ray's worker) again"
     assert set(hosts_a.values()) == {r["host"] for r in first.values()}  # result.json names the host it forked from
     assert hosts_b == hosts_a, "the second job's ranks fork from the hosts the first one started"
     assert out_b.count("warm rank host") == 2 and "reused" in out_b and "MB resident" in out_b
@@ -122,3 +124,30 @@ def test_a_host_is_not_reused_once_its_packages_changed_ends_when_idle_and_can_b
     wait_for(lambda: not any(_alive(p) for p in second), 30, "the hosts idle for 2 s to end")
     own = _run(tmp_path, "own-server", site, warm=False)  # result.json names no host (checked in _run)
     assert not own & (first | second)
+
+
+def test_a_host_that_never_answers_a_start_fails_that_attempt_only_and_is_replaced(ray_cluster, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    stopped = min(_run(tmp_path, "warm-up", site))  # a host this spec's ranks fork from
+    os.kill(stopped, signal.SIGSTOP)  # hung: its socket still takes the connection, nothing answers
+    try:
+        path = os.pathsep.join([str(ROOT), str(TESTS), str(site)])
+        text = SPEC.format(name="hung", storage=tmp_path / "runs", path=path, warm="true", idle=600) + \
+            "timeouts: {rendezvous_s: 15}\nfailure: {max_restarts: 1}\n"
+        out = io.StringIO()
+        result = Driver(load_spec_text(text), can_grow=False, out=out).run()
+    finally:
+        try:
+            os.kill(stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    said = out.getvalue()
+    assert result.status == "succeeded", result.error + said[-3000:]
+    assert result.attempts == 2, said[-3000:]
+    assert f"did not start within timeouts.rendezvous_s (15 s): the warm rank host {stopped} they fork from " \
+           "did not answer" in said, said[-3000:]
+    assert f"in place of host {stopped}, which left the start" in said, said[-3000:]
+    assert not _alive(stopped), "the host that hung was ended"
+    nodes = json.loads((tmp_path / "runs" / "hung" / "result.json").read_text())["nodes"]
+    assert stopped not in {n["rank_host_pid"] for n in nodes}
