@@ -44,13 +44,16 @@ def test_a_rank_that_dies_10_steps_after_a_commit_costs_those_steps_as_recompute
     assert result.rank_results["0"]["restored_step"] == 20
     goodput = _result(tmp_path, "redo")["goodput"]
     _adds_up(goodput)
-    # the steps past the commit, 20 to 30, as rank 0 logged them in attempt 1
+    # the steps past the commit, 20 to 30, as rank 0 logged them in attempt 1, less the time the save of step 20
+    # held training (the books count it as checkpoint: under load it was 0.46 s, more than the margin below)
     at = {r["step"]: r["time"] for r in rows(tmp_path, "redo") if r["attempt"] == 1 and r["rank"] == 0
           and "rank_loss" in r}
-    redone = at[max(at)] - at[20]
-    assert max(at) >= 29 and redone > 0.9, at
+    events = [json.loads(line) for line in (tmp_path / "runs" / "redo" / "events.jsonl").read_text().splitlines()]
+    held = next(e["held_s"] for e in events if e["kind"] == "saved" and e["attempt"] == 1 and e["step"] == 20)
+    redone = at[max(at)] - at[20] - held
+    assert max(at) >= 29 and redone > 0.8, (at, held)
     seconds = goodput["seconds"]
-    assert seconds["recompute"] == pytest.approx(redone, rel=0.25, abs=0.3), (seconds, redone)
+    assert seconds["recompute"] == pytest.approx(redone, rel=0.25, abs=0.3), (seconds, redone, held)
     assert seconds["failure"] > 0 and seconds["restore"] > 0 and seconds["startup"] > 0
     assert seconds["checkpoint"] > 0 and seconds["training"] > 2.0, seconds  # 40 steps of 0.1 s and more
     # show: the ledger, each category with its share; runs: the GOODPUT column
