@@ -50,7 +50,7 @@ MAX_HOSTS = 2  # warm hosts a node keeps at most; a newer one ends the least rec
 _STARTING_S = 60.0  # a host folder without a live host is left alone this long: its host may be starting
 
 
-START_HUNG_S = 30.0  # a start of ranks a host has not answered in this long hung (one takes milliseconds)
+START_HUNG_S = 120.0  # a start of ranks a host has not answered in this long hung (one takes milliseconds)
 
 
 # What the host keeps of the claiming actor's environment beside those: nothing of a job's own.
