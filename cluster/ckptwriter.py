@@ -43,24 +43,28 @@ _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_locat
 
 
 def describe_written(path: str, durable: bool = False) -> dict[str, Any]:
-    """``{"size", "sha256"}`` of a file this process just wrote, hashed from the page cache in place (mapped, not
-    copied out). ``durable``: first flushed to its disk from this process, so the kernel's write-back of it runs
-    here, at this process's priority and within the save's time, rather than in the kernel's flusher threads beside
+    """``{"size", "sha256"}`` of a file this process just wrote, hashed from the page cache. ``durable``: first
+    flushed to its disk from this process, so the kernel's write-back of it runs here, at this process's priority and within the save's time, rather than in the kernel's flusher threads beside
     training up to 30 s later; its pages then leave the page cache (the next checkpoint does not evict the
     project's own files to make room)."""
     import hashlib
-    import mmap
 
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)
+    size = 0
+    # Read in pieces into one buffer that stays in the CPU's cache, not mapped: some of save_state's files are
+    # written by every rank to one shared path (dl_state_dict.bin), so another rank may rewrite this file while
+    # it is hashed; a mapping then failed ("mmap length is greater than file size") or would fault (SIGBUS).
+    # What is read is hashed; ranks that disagree on a file leave it to the commit (``jobs.routing._agreed``).
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
     try:
         if durable:
             os.fdatasync(fd)
-        size = os.fstat(fd).st_size
-        if size:
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
-                view.madvise(mmap.MADV_SEQUENTIAL)
-                h.update(view)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := os.readv(fd, [buf]):
+            h.update(view[:n])
+            size += n
         if durable:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
