@@ -44,9 +44,9 @@ _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_locat
 
 def describe_written(path: str, durable: bool = False) -> dict[str, Any]:
     """``{"size", "sha256"}`` of a file this process just wrote, hashed from the page cache. ``durable``: first
-    flushed to its disk from this process, so the kernel's write-back of it runs here, at this process's priority and within the save's time, rather than in the kernel's flusher threads beside
-    training up to 30 s later; its pages then leave the page cache (the next checkpoint does not evict the
-    project's own files to make room)."""
+    flushed to its disk from this process, so the kernel's write-back of it runs here, at this process's priority
+    and within the save's time, rather than in the kernel's flusher threads beside training up to 30 s later; its
+    pages then leave the page cache (the next checkpoint does not evict the project's own files to make room)."""
     import hashlib
 
     h = hashlib.sha256()

@@ -251,7 +251,7 @@ class NodeGroup:
             raise
         # The servers the ranks fork from finish their imports first (unbounded here: a warm host still importing
         # has its own bound), so the starts below take a fork's time and a bound tells a hung one.
-        self._each([a.prepare.remote() for a in self.actors], None, "its actor could not start its ranks")
+        self._each([a.prepare.remote() for a in self.actors], None)
         threads = max(1, int(p.cpus_per_worker))
         starts = []
         for node_rank, actor in enumerate(self.actors):
@@ -268,12 +268,12 @@ class NodeGroup:
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
-        self._each(starts, rendezvous_timeout_s, "its actor could not start its ranks")
+        self._each(starts, rendezvous_timeout_s)
         self._answered = [False] * len(self.actors)
         self._states = [NodeState.RUNNING] * len(self.actors)
         return self.contexts
 
-    def _each(self, refs: list, bound_s: float | None, what: str) -> None:
+    def _each(self, refs: list, bound_s: float | None) -> None:
         """Wait for one call a node; a node whose call failed with an OSError, or has not returned within
         ``bound_s``, fails the attempt as a lost node does (``NodeLostError``), and the next reserves afresh (new
         actors, new worker processes; a warm rank host that hung is not claimed again: ``cluster.rankhost``)."""
@@ -297,7 +297,8 @@ class NodeGroup:
                 # its host could not start processes (its folder gone, out of memory or processes)
                 failed.append((node_rank, f"{type(exc.cause).__name__}: {exc.cause}"))
         if failed:
-            raise NodeLostError([n for n, _ in failed], f"{what}: " + "; ".join(f"node {n}: {why}" for n, why in failed))
+            raise NodeLostError([n for n, _ in failed], "its actor could not start its ranks: " +
+                                "; ".join(f"node {n}: {why}" for n, why in failed))
 
     def _call_all(self, method: str, timeout_s: float, default: Any) -> list[Any]:
         """Call ``method`` on every actor; a dead actor or a lost node gives ``default``."""

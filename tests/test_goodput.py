@@ -50,8 +50,8 @@ def test_a_rank_that_dies_10_steps_after_a_commit_costs_those_steps_as_recompute
           and "rank_loss" in r}
     events = [json.loads(line) for line in (tmp_path / "runs" / "redo" / "events.jsonl").read_text().splitlines()]
     held = next(e["held_s"] for e in events if e["kind"] == "saved" and e["attempt"] == 1 and e["step"] == 20)
+    assert max(at) >= 29 and at[max(at)] - at[20] > 0.9, at
     redone = at[max(at)] - at[20] - held
-    assert max(at) >= 29 and redone > 0.8, (at, held)
     seconds = goodput["seconds"]
     assert seconds["recompute"] == pytest.approx(redone, rel=0.25, abs=0.3), (seconds, redone, held)
     assert seconds["failure"] > 0 and seconds["restore"] > 0 and seconds["startup"] > 0
