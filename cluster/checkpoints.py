@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -107,6 +108,12 @@ class StagedCheckpoints:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
             raise
+        if script is None and not accelerator.is_main_process:
+            # Accelerate has every rank write its stateful loaders' state to one shared path (dl_state_dict.bin,
+            # the last writer wins; each rank's own is in dl_state_rank<R>.bin): only rank 0's is written, so no
+            # two ranks rewrite one file while another hashes it. (A script's ranks each mirror their files into
+            # its own folder, which then lacks none of save_state's.)
+            snap.writes[:] = [w for w in snap.writes if not _EVERY_RANK_WRITES.fullmatch(os.path.basename(w.path))]
         if script is not None and script.mirror is not None:
             # Its files come from the background write, but the folder is there when save_state returns, as
             # Accelerate's own save_state leaves it: a script may write beside it at once (its result.json in
@@ -305,6 +312,9 @@ def _out_of_space(exc: BaseException, path: str) -> bool:
         return False
 
 
+# The files Accelerate's save_state has every rank write to the same path.
+_EVERY_RANK_WRITES = re.compile(r"dl_state_dict(_\d+)?\.bin")
+
 # The niceness of a rank's background checkpoint writer (the rank itself stays at its own).
 BACKGROUND_NICE = 10
 
@@ -327,6 +337,7 @@ class _Write:
                  on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
         self.writer = writer  # the rank's writer process, for the files holding tensors (None: this thread)
+        self._own = [w.path for w in snap.writes] if snap is not None else []  # this rank's files in ``target``
         self.error: BaseException | None = None
         self._on_done = on_done
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-checkpoint-{step}")
@@ -351,12 +362,23 @@ class _Write:
             self._on_done(files)
         except BaseException as exc:  # handed to the training thread by wait()
             self.error = exc
-            shutil.rmtree(self.target, ignore_errors=True)  # a part no commit will ever count
+            self._remove_part()
         finally:
             if self.snap is not None:
                 self.snap.release()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
+
+    def _remove_part(self) -> None:
+        """Remove this rank's part, which no commit will ever count: its own files only where ``target`` is the
+        staging folder every rank writes into (a shared path), so one rank's failure never shows up in another's
+        save as a folder gone from under it; the whole folder where it is this rank's own (before an upload)."""
+        if self.upload_uri is not None:
+            shutil.rmtree(self.target, ignore_errors=True)
+            return
+        for path in self._own:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     def _write_files(self) -> tuple[list[str], dict[str, dict]]:
         """The snapshot's files written (the writer process first; this thread when it has none, or it broke), and

@@ -176,3 +176,31 @@ def test_dcp_files_captured_in_memory_are_the_bytes_dcp_writes_and_load_back(tmp
 
     mp.spawn(dcp_captured, args=(2, free_ports(1)[0], str(tmp_path)), nprocs=2)
     assert sorted(p.name for p in (tmp_path / "held").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_a_rank_whose_background_write_fails_removes_only_its_own_files_from_shared_staging(tmp_path):
+    """On a shared path every rank writes into one staging folder: a rank whose write fails removes the files it
+    wrote, never the folder (another rank, still writing or hashing there, would fail on a file gone from under
+    it, and its error would hide the first)."""
+    import pytest
+    import torch
+
+    from cluster.checkpoints import CheckpointSaveError, _Write
+    from cluster.snapshot import capture
+
+    folder = tmp_path / "staging" / "checkpoint-00000004"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"rank 0's weights")  # another rank's part, already written
+    (folder / "blocked").write_text("")  # where this rank needs a folder: its second file cannot be written
+
+    def save() -> None:
+        torch.save({"rng": torch.arange(4)}, folder / "random_states_1.pkl")
+        torch.save({"state": torch.ones(3)}, folder / "blocked" / "optimizer_1.bin")
+
+    reported = []
+    write = _Write(capture(save), str(folder), None, 4, mirror=None, on_done=reported.append)
+    with pytest.raises(CheckpointSaveError, match="checkpoint of step 4"):
+        write.wait()
+    assert reported == []  # never reported: the driver does not commit it
+    assert sorted(p.name for p in folder.iterdir()) == ["blocked", "model.safetensors"]
+    assert (folder / "model.safetensors").read_bytes() == b"rank 0's weights"
