@@ -78,7 +78,14 @@ class Claim:
 
 
 def _base() -> Path:
-    base = Path(tempfile.gettempdir()) / f"raylaunch-hosts-{os.getuid()}"
+    """The hosts' folders of this user and PID namespace: a host's pid means nothing in another namespace, where
+    a claim could take an unrelated process for a live host (nodes in PID namespaces of their own that share a
+    temporary folder, as the tests' namespace hosts do)."""
+    try:
+        ns = f"-{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:  # not Linux
+        ns = ""
+    base = Path(tempfile.gettempdir()) / f"raylaunch-hosts-{os.getuid()}{ns}"
     base.mkdir(mode=0o700, exist_ok=True)
     return base
 

@@ -179,3 +179,22 @@ def test_a_job_whose_folder_holds_a_module_the_host_imported_uses_the_host_only_
     (job / "cluster" / "worker.py").unlink()  # a file fewer is another source too
     shutil.copy(ROOT / "cluster" / "worker.py", job / "cluster" / "extra.py")
     assert ready(claim) is not None
+
+
+def test_hosts_in_another_pid_namespace_are_never_seen(tmp_path):
+    """A host's folder names its pid, which means another process in another PID namespace: a process there
+    (a node in a namespace of its own, sharing the temporary folder) looks for hosts in a folder of its own."""
+    import pytest
+
+    from cluster.rankhost import _base
+
+    if shutil.which("unshare") is None or os.getuid() != 0:
+        pytest.skip("needs root and unshare(1) to make a PID namespace")
+    here = str(_base())
+    there = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                            "from cluster.rankhost import _base; print(_base())"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert there.returncode == 0, there.stderr
+    theirs = Path(there.stdout.strip())
+    theirs.rmdir()  # made by _base, empty
+    assert str(theirs) != here and theirs.parent == Path(here).parent
