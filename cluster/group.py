@@ -316,10 +316,8 @@ class NodeGroup:
                 out.append(default)
         return out
 
-    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0, hold_s: float = 0.0) -> list[NodePoll]:
-        """Every node's news, waiting at most ``wait_s`` for the nodes to answer; with ``hold_s``, each node's
-        actor holds the poll up to that long until it has news (``NodeActor.poll``), and this returns once the
-        first node answers (the others come back empty, their polls still in flight).
+    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0) -> list[NodePoll]:
+        """Every node's news, waiting at most ``wait_s`` for the nodes to answer.
 
         A node whose actor died comes back as state "lost"; so does one that has
         left a poll unanswered for ``lost_after_s`` (its host or its network link
@@ -333,16 +331,11 @@ class NodeGroup:
         for i, a in enumerate(self.actors):
             if i not in self._lost and i not in self._inflight:
                 try:
-                    self._inflight[i] = (a.poll.remote(hold_s), time.monotonic())
+                    self._inflight[i] = (a.poll.remote(), time.monotonic())
                 except Exception:  # the actor is already known dead
                     self._lost.add(i)
         refs = [ref for ref, _ in self._inflight.values()]
-        ready: set = set()
-        if refs and hold_s > 0:  # the first answer, then whatever else has come
-            ray.wait(refs, num_returns=1, timeout=hold_s + wait_s)
-            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        elif refs:
-            ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0])
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0]) if refs else set()
         answers = _get_each([ref for ref, _ in self._inflight.values() if ref in ready])
         now = time.monotonic()
         out = []

@@ -29,7 +29,7 @@ import ray
 from cluster.errors import RaylaunchError
 from cluster.forkserver import FORK_SERVER, import_actor_torch, pid_namespace, rank_main, remove_abandoned
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
-from cluster.protocol import EventKind, FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
+from cluster.protocol import FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
 from cluster.rankhost import WarmHost, rss_mb
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 from cluster.tail import Tail
@@ -38,13 +38,6 @@ __all__ = ["NodeActor", "NodeInfo", "RendezvousError"]
 
 # The variables that name the collective backends' socket interface on a node.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-# How often a held poll reads the ranks' files and sees whether a rank ended.
-POLL_TICK_S = 0.25
-# What ranks report all along, which a held poll gathers: anything else (joined, a checkpoint part, a stop notice)
-# answers at once.
-ROUTINE_EVENTS = frozenset({EventKind.METRICS, EventKind.RESOURCES, EventKind.PACE})
 
 
 class RendezvousError(RaylaunchError, RuntimeError):
@@ -83,7 +76,6 @@ class NodeActor:
         self._flight: dict[int, str] = {}  # world rank -> its NCCL Flight Recorder dump
         self._released = False  # this actor's hold on the process's rank fork server
         self._notes: list[str] = []  # said with the next poll, in its first rank's log
-        self._stepped = False  # the ranks of this attempt logged a step (a held poll answers at the first)
         # A warm rank host claimed now, or a server of this actor's own started now, so it has imported torch
         # and Accelerate before the first ranks start; this actor's own torch (the store, start_processes) too.
         FORK_SERVER.acquire(warm)
@@ -196,7 +188,6 @@ class NodeActor:
         self._flight = {p.context.world_rank: env["TORCH_FR_DUMP_TEMP_FILE"] + str(p.context.world_rank)
                         for p, env in zip(payloads, envs) if "TORCH_FR_DUMP_TEMP_FILE" in env}
         self._tails = []
-        self._stepped = False
         for i, rank in enumerate(self._ranks):
             self._tails.append((rank, "stdout", Tail(self._pctx.stdouts[i])))
             self._tails.append((rank, "stderr", Tail(self._pctx.stderrs[i])))
@@ -220,30 +211,14 @@ class NodeActor:
                     dumps[rank] = f.read()
         return stacks, dumps
 
-    # Each call costs the actor about 3 ms of a core in Ray's own task machinery (measured: its main thread spent
-    # 0.0135 cores on 4 polls a second, of which reading the ranks' lines was under a tenth), and the driver about
-    # 2 ms: so a poll is held here, reading the ranks' files every ``POLL_TICK_S``, and answers once something
-    # needs the driver, or after ``hold_s`` (the node's heartbeat to the driver). Ray's task events for each call
-    # (three, sent to the GCS) are off; a call's failure still reaches the driver as its error.
+    # Polled 4 times a second: Ray's task events for each call (three, sent to the GCS) cost the GCS, this actor
+    # and the driver more CPU than the poll itself; a call's failure still reaches the driver as its error.
     @ray.method(enable_task_events=False)
-    def poll(self, hold_s: float = 0.0) -> NodePoll:
-        """What happened since the last poll; with ``hold_s``, gathered for up to that long: it answers at once when
-        a rank ends (or fails) or says something other than its metrics (it joined, saved a checkpoint part, got
-        a stop notice), and otherwise after ``hold_s`` with the metrics and log lines of that time."""
+    def poll(self) -> NodePoll:
         out = NodePoll(state=self._state)
-        deadline = time.monotonic() + hold_s
-        while True:
-            urgent = self._gather(out)
-            if urgent or time.monotonic() + POLL_TICK_S > deadline:
-                return out
-            time.sleep(POLL_TICK_S)
-
-    def _gather(self, out: NodePoll) -> bool:
-        """Add what happened since the last look to ``out``; whether it needs the driver now."""
         if self._pctx is None:
-            return True
+            return out
         result = self._pctx.wait(0)
-        seen = len(out.events)
         if result is not None:
             out.state = self._state = NodeState.FAILED if result.is_failed() else NodeState.SUCCEEDED
             out.returns = {self._ranks[i]: v for i, v in result.return_values.items()}
@@ -253,20 +228,14 @@ class NodeActor:
         self._drain(out, final=result is not None)
         if result is not None:
             self._pctx = None
-            return True
-        now = time.time()
-        for rank, path in self._beats.items():
-            try:
-                out.beat_age_s[rank] = now - os.stat(path).st_mtime
-            except FileNotFoundError:
-                pass
-        fresh = out.events[seen:]
-        if any(e.get("kind") not in ROUTINE_EVENTS for e in fresh):
-            return True
-        if not self._stepped and any(e.get("kind") == EventKind.METRICS for e in fresh):
-            self._stepped = True  # the attempt's first step: its progress line, at once
-            return True
-        return False
+        else:
+            now = time.time()
+            for rank, path in self._beats.items():
+                try:
+                    out.beat_age_s[rank] = now - os.stat(path).st_mtime
+                except FileNotFoundError:
+                    pass
+        return out
 
     def _sibling_failures(self, reported: set[int]) -> list[RankFailure]:
         """torch reports the first local failure and kills the rest; a sibling that had
