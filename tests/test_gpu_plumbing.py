@@ -35,7 +35,7 @@ def test_auto_counts_the_gpus_and_each_rank_gets_its_own_device(gpu_nodes, tmp_p
 
     group = NodeGroup.create(placement, timeout_s=60, can_grow=False)
     try:
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             def payload(ctx, events_path, attempt=attempt):
                 return WorkerPayload(context=ctx, attempt=attempt, train_fn="fns:gpu_probe", config={},
                                      events_path=events_path, staging_uri=str(tmp_path / "staging"),
@@ -52,9 +52,9 @@ def test_auto_counts_the_gpus_and_each_rank_gets_its_own_device(gpu_nodes, tmp_p
             if not failures:
                 break
             # Four gloo ranks meshing on a starved 2-core machine once lost a connection (about one run
-            # in ten under load): not what this test is about; any other failure is.
+            # in ten under load; twice in a row once, at load 6): not what this test is about; any other failure is.
             said = "\n".join(f"rank {f.rank}: {f.message}" for f in failures)
-            assert attempt == 1 and all("Gloo connectFullMesh failed" in f.message for f in failures), said
+            assert attempt < 3 and all("Gloo connectFullMesh failed" in f.message for f in failures), said
             group.stop()
         assert sorted(returns) == [0, 1, 2, 3], f"ranks that returned: {sorted(returns)}"
     finally:
