@@ -362,20 +362,18 @@ class _Write:
             self._on_done(files)
         except BaseException as exc:  # handed to the training thread by wait()
             self.error = exc
-            self._remove_part()
+            if self.upload_uri is None:  # (before an upload the folder is this rank's own: ``finally`` removes it)
+                self._remove_own_files()
         finally:
             if self.snap is not None:
                 self.snap.release()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
 
-    def _remove_part(self) -> None:
-        """Remove this rank's part, which no commit will ever count: its own files only where ``target`` is the
-        staging folder every rank writes into (a shared path), so one rank's failure never shows up in another's
-        save as a folder gone from under it; the whole folder where it is this rank's own (before an upload)."""
-        if self.upload_uri is not None:
-            shutil.rmtree(self.target, ignore_errors=True)
-            return
+    def _remove_own_files(self) -> None:
+        """Remove this rank's part of a shared staging folder, which no commit will ever count: its own files, not
+        the folder every rank writes into, so one rank's failure never shows up in another's save as a folder
+        gone from under it."""
         for path in self._own:
             with contextlib.suppress(OSError):
                 os.remove(path)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import rankhost
+from cluster.hostproc import pid_namespace
 from cluster.protocol import WorkerPayload
 from cluster.rankhost import Claim, WarmHost
 
@@ -195,14 +196,6 @@ class ForkServer:
                 if config.get("tempdir") == self._folder:
                     config["tempdir"] = None
                 self._folder = None
-
-
-def pid_namespace() -> str:
-    """This process's PID namespace, in hex (the inode of ``/proc/self/ns/pid``)."""
-    try:
-        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
-    except OSError:  # not Linux
-        return "0"
 
 
 def remove_abandoned(prefix: str) -> None:

@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["KEY_VARS", "PROJECT_VAR", "alive_pid", "busy", "children", "host_key", "job_specific", "project_dirs",
+__all__ = ["KEY_VARS", "PROJECT_VAR", "alive_pid", "busy", "children", "host_key", "job_specific", "pid_namespace", "project_dirs",
            "locked", "mtime", "rss_mb", "shared_path", "stat_fields"]
 
 
@@ -39,6 +39,14 @@ _RAY_DIR = os.sep + "ray" + os.sep  # Ray puts folders of its own package on its
 
 
 PROJECT_VAR = "RAYLAUNCH_PROJECT_DIR"  # the project folder on the nodes' path, where `raylaunch run` starts them
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace, in hex (the inode of ``/proc/self/ns/pid``)."""
+    try:
+        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:  # not Linux
+        return "0"
 
 
 def project_dirs() -> list[str]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.hostproc import (KEY_VARS, PROJECT_VAR, alive_pid, busy, host_key, job_specific, locked, mtime,
-                              project_dirs, rss_mb, shared_path, stat_fields)
+                              pid_namespace, project_dirs, rss_mb, shared_path, stat_fields)
 
 __all__ = ["Claim", "MAX_HOSTS", "PROJECT_VAR", "WarmHost", "alive", "claim", "host_key", "ready", "rss_mb",
            "starting", "unclaim"]
@@ -79,11 +79,7 @@ def _base() -> Path:
     """The hosts' folders of this user and PID namespace: a host's pid means nothing in another namespace, where
     a claim could take an unrelated process for a live host (nodes in PID namespaces of their own that share a
     temporary folder, as the tests' namespace hosts do)."""
-    try:
-        ns = f"-{os.stat('/proc/self/ns/pid').st_ino:x}"
-    except OSError:  # not Linux
-        ns = ""
-    base = Path(tempfile.gettempdir()) / f"raylaunch-hosts-{os.getuid()}{ns}"
+    base = Path(tempfile.gettempdir()) / f"raylaunch-hosts-{os.getuid()}-{pid_namespace()}"
     base.mkdir(mode=0o700, exist_ok=True)
     return base
 
