@@ -20,8 +20,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["KEY_VARS", "PROJECT_VAR", "alive_pid", "busy", "children", "host_key", "job_specific", "pid_namespace", "project_dirs",
-           "locked", "mtime", "rss_mb", "shared_path", "stat_fields"]
+__all__ = ["KEY_VARS", "PROJECT_VAR", "alive_pid", "busy", "children", "host_key", "job_specific", "locked", "mtime",
+           "pid_namespace", "project_dirs", "rss_mb", "shared_path", "stat_fields"]
 
 
 _KEY_CHECK_S = 10.0  # how often a host checks its packages are still the ones it imported
