@@ -15,7 +15,9 @@ packages change. The host's own environment holds none of a job's variables or s
 job's whole environment, its working folder and its search path when it starts (``cluster.forkserver``), and
 imports the job's modules itself. A job whose own folders (working directory, ``py_modules``) hold a module
 the host has imported (a project with its own ``yaml.py``, or its own ``cluster`` package) does not use a host:
-its ranks would see the host's module instead of its own. Nor does a job with ``env.pip``: its Python is the
+its ranks would see the host's module instead of its own; unless that module's source is the host's to the byte
+(a job run from raylaunch's own checkout, whose working directory holds the very ``cluster`` package the host
+imported). Nor does a job with ``env.pip``: its Python is the
 job's own.
 
 The host is multiprocessing's fork server (``multiprocessing.forkserver.main``) on a socket of its own, so ranks
@@ -261,6 +263,36 @@ def _wait_for(condition, timeout_s: float) -> bool:
     return condition()
 
 
+def _source_digest(path: Path) -> str | None:
+    """A module's source: the file, or every ``.py`` file of a package's folder with its place in it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        if path.is_file():
+            h.update(path.read_bytes())
+            return h.hexdigest()
+        files = sorted(p for p in path.rglob("*.py") if "__pycache__" not in p.parts)
+        for p in files:
+            h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes() + b"\0")
+    except OSError:
+        return None
+    return h.hexdigest() if files else None
+
+
+def _same_source(entry: str, name: str, host_file: str) -> bool:
+    """Whether the job's module ``name`` in the folder ``entry`` is the source the host imported from
+    ``host_file``, to the byte (a compiled or namespace module never is)."""
+    host = Path(host_file)
+    if not host_file or host.suffix != ".py":
+        return False
+    if host.name == "__init__.py":
+        theirs, ours = _source_digest(host.parent), _source_digest(Path(entry, name))
+    else:
+        theirs, ours = _source_digest(host), _source_digest(Path(entry, f"{name}.py"))
+    return theirs is not None and theirs == ours
+
+
 def ready(found: Claim, timeout_s: float = 600.0) -> str | None:
     """Wait for a claimed host to finish its imports: None once it serves, else why it cannot be used.
 
@@ -277,8 +309,11 @@ def ready(found: Claim, timeout_s: float = 600.0) -> str | None:
                      if e.name.endswith(".py") or (e.is_dir() and e.name.isidentifier())]
         except OSError:
             continue
-        # a module the host imported from this very folder is the job's own too (the runner's checkout)
-        shadowed.update(n for n in names if n in loaded and not loaded[n].startswith(entry.rstrip(os.sep) + os.sep))
+        # a module the host imported from this very folder is the job's own too (the runner's checkout), and so
+        # is one whose source here is the host's to the byte (a job run from a copy of raylaunch's checkout,
+        # whose working directory holds raylaunch's own ``cluster`` package)
+        shadowed.update(n for n in names if n in loaded and not loaded[n].startswith(entry.rstrip(os.sep) + os.sep)
+                        and not _same_source(entry, n, loaded[n]))
     shadowed = sorted(shadowed)
     if shadowed:
         return (f"the job's own folders hold modules the warm rank host imported ({', '.join(shadowed[:5])}): "

@@ -68,6 +68,8 @@ def _alive(pid: int) -> bool:
 def test_jobs_one_after_another_and_at_once_share_the_warm_hosts_and_see_only_their_own_environment(
         ray_cluster, tmp_path):
     a = _project(tmp_path / "a", "a", secret=True)
+    # run from a copy of raylaunch's checkout: its working directory holds the very `cluster` package the host imported
+    shutil.copytree(ROOT / "cluster", a / "cluster", ignore=shutil.ignore_patterns("__pycache__"))
     b = _project(tmp_path / "b", "b", secret=False)
     storage = tmp_path / "runs"
     first, hosts_a, _ = _finish(_launch(a, ray_cluster.address, storage), storage, "job-a")
@@ -152,6 +154,8 @@ def test_a_host_that_never_answers_a_start_fails_that_attempt_only_and_is_replac
     assert not _alive(stopped), "the host that hung was ended"
     nodes = json.loads((tmp_path / "runs" / "hung" / "result.json").read_text())["nodes"]
     assert stopped not in {n["rank_host_pid"] for n in nodes}
+
+
 def test_hosts_in_another_pid_namespace_are_never_seen(tmp_path):
     """A host's folder names its pid, which means another process in another PID namespace: a process there
     (a node in a namespace of its own, sharing the temporary folder) looks for hosts in a folder of its own."""
@@ -169,3 +173,28 @@ def test_hosts_in_another_pid_namespace_are_never_seen(tmp_path):
     theirs = Path(there.stdout.strip())
     theirs.rmdir()  # made by _base, empty
     assert str(theirs) != here and theirs.parent == Path(here).parent
+
+
+def test_a_job_whose_folder_holds_a_module_the_host_imported_uses_the_host_only_if_its_source_is_the_same(
+        tmp_path, monkeypatch):
+    """A job's own module of a name the warm host has imported would be shadowed by the host's in a forked rank:
+    such a job forks from its actor's own server, unless its module is the host's to the byte (raylaunch's own
+    `cluster` package in a job run from raylaunch's checkout)."""
+    from cluster.rankhost import PROJECT_VAR, Claim, ready
+
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "ready").write_text(json.dumps({"cluster": str(ROOT / "cluster" / "__init__.py"), "torch": ""}))
+    job = tmp_path / "job"
+    shutil.copytree(ROOT / "cluster", job / "cluster", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv(PROJECT_VAR, str(job))
+    monkeypatch.setattr(sys, "path", [str(job), *sys.path])
+    claim = Claim(address=str(host / "sock"), pid=os.getpid(), folder=str(host), note="")
+    assert ready(claim) is None
+    with open(job / "cluster" / "worker.py", "a") as f:
+        f.write("# the job's own change\n")
+    assert ready(claim) == ("the job's own folders hold modules the warm rank host imported (cluster): "
+                            "its ranks import their own instead")
+    (job / "cluster" / "worker.py").unlink()  # a file fewer is another source too
+    shutil.copy(ROOT / "cluster" / "worker.py", job / "cluster" / "extra.py")
+    assert ready(claim) is not None
