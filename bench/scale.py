@@ -131,7 +131,8 @@ class SimNodes:
     def start(self, node_rank: int, ranks: list[int], staging_uri: str) -> None:
         self.nodes[node_rank] = SimNode(node_rank, ranks, staging_uri, self.total)
 
-    def poll(self, node_rank: int):
+    def poll(self, node_rank: int, hold_s: float = 0.0):
+        """A node's news, at once (one actor hosts every simulated node: holding one poll would hold them all)."""
         from cluster.protocol import NodePoll
 
         node = self.nodes.get(node_rank)

@@ -249,6 +249,9 @@ def _plain_elastic_log() -> None:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # The node actor starts ranks from a thread of Ray's (its calls run in concurrency groups), where torch cannot
+    # set its signal handlers and says so at every start: the ranks end with the actor anyway (``_die_with_parent``).
+    handler.addFilter(lambda record: "running on a child thread" not in record.getMessage())
     log.addHandler(handler)
     log.propagate = False
 

@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.layout import events_file, flight_recorder_prefix
-from cluster.node import NodeActor, NodeInfo, RendezvousError
+from cluster.node import CONCURRENCY_GROUPS, NodeActor, NodeInfo, RendezvousError
 from cluster.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement
 from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.rankhost import WarmHost
@@ -37,6 +37,11 @@ class NodeLostError(RuntimeError):
 
 # The Ray namespace of the named node actors.
 ACTOR_NAMESPACE = "raylaunch"
+
+
+# How long a node's rank server (a warm host, or the actor's own) may take to import torch, Accelerate and the rest
+# before the first start of ranks: a node past it is lost for that attempt, as one whose start hangs.
+PREPARE_S = 600.0
 
 
 class EnvSetupError(PlacementError):
@@ -181,7 +186,7 @@ class NodeGroup:
     ) -> "NodeGroup":
         """Reserve the nodes (``cluster.placement.reserve``) and start the actors, or raise ``PlacementError``."""
         pg = reserve(placement, timeout_s=timeout_s, can_grow=can_grow, on_wait=on_wait, timeout_name=timeout_name)
-        remote_cls = ray.remote(NodeActor)
+        remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeActor)
         # Named, so `raylaunch stacks` can reach them from another process on the cluster.
         token = secrets.token_hex(4)
         names = [f"raylaunch-{token}-node{i}" for i in range(placement.num_nodes)]
@@ -249,9 +254,10 @@ class NodeGroup:
             if isinstance(exc.cause, RendezvousError):
                 raise RendezvousError(str(exc.cause)) from None
             raise
-        # The servers the ranks fork from finish their imports first (unbounded here: a warm host still importing
-        # has its own bound), so the starts below take a fork's time and a bound tells a hung one.
-        self._each([a.prepare.remote() for a in self.actors], None)
+        # The servers the ranks fork from finish their imports first, so the starts below take a fork's time and
+        # the rendezvous bound tells a hung one; imports on a starved node can take minutes, not ``PREPARE_S``.
+        self._each([a.prepare.remote() for a in self.actors], PREPARE_S,
+                   lambda host: f"the {host} its ranks fork from did not finish its imports within {PREPARE_S:g} s")
         threads = max(1, int(p.cpus_per_worker))
         starts = []
         for node_rank, actor in enumerate(self.actors):
@@ -268,29 +274,30 @@ class NodeGroup:
                 for c in ctxs
             ]
             starts.append(actor.start.remote(payloads, envs, attempt))
-        self._each(starts, rendezvous_timeout_s)
+        self._each(starts, rendezvous_timeout_s,
+                   lambda host: f"its ranks did not start within timeouts.rendezvous_s ({rendezvous_timeout_s:g} s): "
+                                f"the {host} they fork from did not answer")
         self._answered = [False] * len(self.actors)
         self._states = [NodeState.RUNNING] * len(self.actors)
         return self.contexts
 
-    def _each(self, refs: list, bound_s: float | None) -> None:
+    def _each(self, refs: list, bound_s: float, late: Callable[[str], str]) -> None:
         """Wait for one call a node; a node whose call failed with an OSError, or has not returned within
-        ``bound_s``, fails the attempt as a lost node does (``NodeLostError``), and the next reserves afresh (new
-        actors, new worker processes; a warm rank host that hung is not claimed again: ``cluster.rankhost``)."""
+        ``bound_s`` (``late(what its ranks fork from)`` says why), fails the attempt as a lost node does
+        (``NodeLostError``), and the next reserves afresh (new actors, new worker processes; a warm rank host that
+        hung is not claimed again: ``cluster.rankhost``)."""
         failed: list[tuple[int, str]] = []
-        deadline = None if bound_s is None else time.monotonic() + bound_s
+        deadline = time.monotonic() + bound_s
         for node_rank, ref in enumerate(refs):
             try:
-                ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
                 try:
                     ray.kill(self.actors[node_rank])  # its call never returns: nothing to ask it, nor wait for
                 except Exception:  # gone already
                     pass
                 host = self.infos[node_rank].rank_host_pid
-                failed.append((node_rank, f"its ranks did not start within timeouts.rendezvous_s ({bound_s:g} s): "
-                                          "the " + (f"warm rank host {host}" if host else "actor's fork server")
-                                          + " they fork from did not answer"))
+                failed.append((node_rank, late(f"warm rank host {host}" if host else "actor's fork server")))
             except ray.exceptions.RayTaskError as exc:
                 if not isinstance(exc.cause, OSError):
                     raise  # raylaunch's own failure: said as such
@@ -316,8 +323,10 @@ class NodeGroup:
                 out.append(default)
         return out
 
-    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0) -> list[NodePoll]:
-        """Every node's news, waiting at most ``wait_s`` for the nodes to answer.
+    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0, hold_s: float = 0.0) -> list[NodePoll]:
+        """Every node's news, waiting at most ``wait_s`` for the nodes to answer; with ``hold_s``, each node's
+        actor holds the poll up to that long until it has news (``NodeActor.poll``), and this returns once the
+        first node answers (the others come back empty, their polls still in flight).
 
         A node whose actor died comes back as state "lost"; so does one that has
         left a poll unanswered for ``lost_after_s`` (its host or its network link
@@ -331,11 +340,16 @@ class NodeGroup:
         for i, a in enumerate(self.actors):
             if i not in self._lost and i not in self._inflight:
                 try:
-                    self._inflight[i] = (a.poll.remote(), time.monotonic())
+                    self._inflight[i] = (a.poll.remote(hold_s), time.monotonic())
                 except Exception:  # the actor is already known dead
                     self._lost.add(i)
         refs = [ref for ref, _ in self._inflight.values()]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0]) if refs else set()
+        ready: set = set()
+        if refs and hold_s > 0:  # the first answer, then whatever else has come
+            ray.wait(refs, num_returns=1, timeout=hold_s + wait_s)
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        elif refs:
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0])
         answers = _get_each([ref for ref, _ in self._inflight.values() if ref in ready])
         now = time.monotonic()
         out = []

@@ -38,6 +38,11 @@ from jobs.strategy import AccelerateConfig, read_accelerate_config
 
 __all__ = ["Driver", "RunResult", "group_failures"]
 
+# How long a node's actor holds the driver's poll while its ranks report only metrics and log lines: it answers
+# at once when a rank ends or says anything else (``cluster.node.NodeActor.poll``), so this is the lag of metrics
+# rows and log lines, and each node is called about once a second instead of four times (bench/results.md: the
+# CPU beside the ranks).
+POLL_HOLD_S = 1.0
 # How long the other ranks get to report their own failure once one rank failed.
 FAILURE_GRACE_S = 2.0
 # How often the TensorBoard files are brought up to date while an attempt runs.
@@ -325,7 +330,7 @@ class Driver:
         lost: list[int] = []
         while True:
             round_start = time.monotonic()
-            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s)
+            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s, hold_s=POLL_HOLD_S)
             for node_rank, p in enumerate(polls):
                 route.forward(node_rank, p)
                 returns.update(p.returns)

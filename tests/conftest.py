@@ -217,3 +217,27 @@ def group_module_fixtures(items) -> None:
         defs = info.name2fixturedefs.values() if info is not None else ()
         if any(d and d[-1].scope == "module" for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+@pytest.fixture(autouse=True)
+def stacks_before_timeout(request):
+    """A test about to reach its timeout prints every stack of ``our_processes`` first (pytest-timeout's own dump
+    shows only the test process, which waits on an actor): a hang in CI then says where the cluster hung."""
+    import threading
+
+    marker = request.node.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if timeout <= 0:
+        yield
+        return
+
+    def dump() -> None:
+        sys.stderr.write(f"\n--- {request.node.nodeid}: {timeout * 0.9:.0f} s of {timeout:.0f} s gone; stacks "
+                         f"of the cluster's processes ---\n{our_stacks()}\n")
+        sys.stderr.flush()
+
+    timer = threading.Timer(timeout * 0.9, dump)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
