@@ -109,6 +109,7 @@ def steady(config: dict) -> dict:
     restored = session.restore(accelerator)
     total = config["steps"]
     saves = []  # seconds each periodic session.save held training
+    saved_at = []  # when each began (time.time())
     while progress.step < total:
         for xb, yb in dl:
             if accelerator.process_index == config.get("slow_rank"):
@@ -123,6 +124,7 @@ def steady(config: dict) -> dict:
             due = session.checkpoint_due(accelerator)  # checkpoint.every, when the spec sets it
             if progress.step % config["every"] == 0 or due:
                 began = time.perf_counter()
+                saved_at.append(time.time())
                 session.save(accelerator, progress.step)
                 saves.append(time.perf_counter() - began)
             if progress.step == config.get("fail_at") and attempt == 1 and accelerator.process_index == 1:
@@ -133,7 +135,7 @@ def steady(config: dict) -> dict:
             time.sleep(config.get("step_s", 0.05))
             if progress.step >= total:
                 break
-    return {"restored_step": restored, "steps": progress.step, "save_s": saves}
+    return {"restored_step": restored, "steps": progress.step, "save_s": saves, "saved_at": saved_at}
 
 
 def litter_then_fail(config: dict) -> dict:

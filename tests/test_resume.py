@@ -22,11 +22,12 @@ storage: {storage}
 
 
 def test_interrupted_mid_epoch_and_resumed_equals_uninterrupted(ray_cluster, tmp_path):
-    whole = Driver(load_spec_text(SPEC.format(name="whole", throttle=0.0, storage=tmp_path)), can_grow=False).run()
-    assert whole.status == "succeeded", whole.error
-
-    driver = Driver(load_spec_text(SPEC.format(name="cut", throttle=0.05, storage=tmp_path)), can_grow=False)
+    # the uninterrupted run and the one cut short run at once (each holds one CPU of each of the two nodes)
     box = {}
+    whole_run = threading.Thread(target=lambda: box.setdefault("whole", Driver(
+        load_spec_text(SPEC.format(name="whole", throttle=0.0, storage=tmp_path)), can_grow=False).run()))
+    whole_run.start()
+    driver = Driver(load_spec_text(SPEC.format(name="cut", throttle=0.05, storage=tmp_path)), can_grow=False)
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
     latest = tmp_path / "cut" / "checkpoints" / "latest.json"
@@ -37,7 +38,9 @@ def test_interrupted_mid_epoch_and_resumed_equals_uninterrupted(ray_cluster, tmp
     pids = driver.group.pids()
     os.kill(pids[1], signal.SIGKILL)
     thread.join(180)
-    cut = box["result"]
+    whole_run.join(180)
+    whole, cut = box["whole"], box["result"]
+    assert whole.status == "succeeded", whole.error
     assert cut.status == "succeeded" and cut.restarts == 1, cut.error
     r0 = cut.rank_results["0"]
     assert r0["restored_step"] == 50 and r0["steps"] == 90
