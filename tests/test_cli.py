@@ -63,9 +63,18 @@ def test_train_fn_module_or_function_that_does_not_exist(tmp_path):
 def test_submit_refuses_a_bad_train_fn_before_sending_anything(tmp_path):
     """Checked on the laptop: exit 2 and the fix, never a connection (nobody listens at the address;
     the same spec with a good train_fn tries to send, and says that no dashboard answers there)."""
-    address = f"http://127.0.0.1:{free_ports(1)[0]}"
+    import socket
+
+    # a port held, bound but not listening, for the test's length: connections to it are refused (a port that was
+    # merely free a moment ago was once taken meanwhile by a token-authenticated cluster of another test's)
+    held = socket.socket()
+    held.bind(("127.0.0.1", free_ports(1)[0]))
+    address = f"http://127.0.0.1:{held.getsockname()[1]}"
     write(tmp_path, "name: t\ntrain_fn: train_fn.digits:train\n")  # in the project folder it uploads
-    sent = raylaunch("submit", "job.yaml", "--address", address, cwd=tmp_path)
+    try:
+        sent = raylaunch("submit", "job.yaml", "--address", address, cwd=tmp_path)
+    finally:
+        held.close()
     assert sent.returncode == 1 and "no Ray dashboard answers at" in sent.stderr, sent.stderr
     for train_fn, said in (("train_fn.digitz:train", "no module named 'train_fn.digitz'"),
                            ("train_fn.digits:trian", "has no function 'trian'; it defines:")):
