@@ -41,7 +41,8 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 # The actor's concurrency group for the calls that only look (``NodeActor.pids``, ``stacks``); every other call runs
-# in the default group, one at a time, on the actor's main thread (torch's process starts need it for signals).
+# in the default group, one at a time. With groups, Ray runs every call in a thread of its own, none on the main
+# thread: torch's process starts then leave the actor's signal handlers to Ray (``forkserver._plain_elastic_log``).
 INSPECT = "inspect"
 CONCURRENCY_GROUPS = {INSPECT: 1}
 # How often a held poll reads the ranks' files and sees whether a rank ended.
