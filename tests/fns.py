@@ -571,3 +571,10 @@ def dcp_captured(rank: int, world: int, port: int, base: str) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(f"{base}/held"))
     assert all(torch.equal(state["model"][k].to_local(), v) for k, v in saved.items())
     dist.destroy_process_group()
+    # End as the product's ranks do (forkserver children: ``os._exit``), not through the interpreter's finalization,
+    # where a gloo thread still joinable aborts the process now and then ("terminate called without an active
+    # exception", SIGABRT after this function returned: CI, 2026-12-03; pytorch/pytorch#179291).
+    import sys
+
+    sys.stderr.flush()
+    os._exit(0)
