@@ -35,7 +35,9 @@ def probe(config: dict) -> dict:
 
 
 def fail_on_all_ranks(config: dict) -> None:
-    Accelerator(**get_session().accelerator_kwargs())
+    # Every rank past the rendezvous before any raises: gloo's init can return on rank 0 while rank 1 still
+    # connects, and rank 0's exit then fails rank 1's init instead ("Connection closed by peer").
+    Accelerator(**get_session().accelerator_kwargs()).wait_for_everyone()
     raise ValueError(f"bad batch shape {config.get('shape', '(3, 4)')}")
 
 
