@@ -14,7 +14,7 @@ from jobs.spec import load_spec_text
 SPEC = """
 name: {name}
 train_fn: train_fn.digits:train
-config: {{epochs: 2, batch_size: 16, checkpoint_every: 25, throttle_s: {throttle}, dropout: 0.1}}
+config: {{epochs: 2, train_samples: 800, batch_size: 16, checkpoint_every: 15, throttle_s: {throttle}, dropout: 0.1}}
 scaling: {{num_nodes: 2, workers_per_node: 1}}
 failure: {{max_restarts: 1}}
 storage: {storage}
@@ -27,13 +27,14 @@ def test_interrupted_mid_epoch_and_resumed_equals_uninterrupted(ray_cluster, tmp
     whole_run = threading.Thread(target=lambda: box.setdefault("whole", Driver(
         load_spec_text(SPEC.format(name="whole", throttle=0.0, storage=tmp_path)), can_grow=False).run()))
     whole_run.start()
-    driver = Driver(load_spec_text(SPEC.format(name="cut", throttle=0.05, storage=tmp_path)), can_grow=False)
+    driver = Driver(load_spec_text(SPEC.format(name="cut", throttle=0.08, storage=tmp_path)), can_grow=False)
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
     latest = tmp_path / "cut" / "checkpoints" / "latest.json"
     deadline = time.monotonic() + 120
-    # step 50 is 5 optimizer steps into the second epoch (45 steps an epoch)
-    while time.monotonic() < deadline and not (latest.exists() and json.loads(latest.read_text())["step"] >= 50):
+    # step 30 is 5 optimizer steps into the second epoch (800 images: 400 a rank, 25 steps an epoch); the next
+    # commit is 15 throttled steps (1.2 s) away when the rank is killed
+    while time.monotonic() < deadline and not (latest.exists() and json.loads(latest.read_text())["step"] >= 30):
         time.sleep(0.05)
     pids = driver.group.pids()
     os.kill(pids[1], signal.SIGKILL)
@@ -43,7 +44,7 @@ def test_interrupted_mid_epoch_and_resumed_equals_uninterrupted(ray_cluster, tmp
     assert whole.status == "succeeded", whole.error
     assert cut.status == "succeeded" and cut.restarts == 1, cut.error
     r0 = cut.rank_results["0"]
-    assert r0["restored_step"] == 50 and r0["steps"] == 90
+    assert r0["restored_step"] == 30 and r0["steps"] == 50
     # zero tolerance: every weight identical
     assert r0["weights"] == whole.rank_results["0"]["weights"]
     assert r0["eval_accuracy"] == whole.rank_results["0"]["eval_accuracy"]
