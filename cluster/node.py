@@ -30,7 +30,7 @@ from cluster.errors import RaylaunchError
 from cluster.forkserver import FORK_SERVER, import_actor_torch, pid_namespace, rank_main, remove_abandoned
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
 from cluster.protocol import EventKind, FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
-from cluster.rankhost import WarmHost, rss_mb
+from cluster.rankhost import PROJECT_VAR, WarmHost, rss_mb
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 from cluster.tail import Tail
 
@@ -89,6 +89,12 @@ class NodeActor:
         self._released = False  # this actor's hold on the process's rank fork server
         self._notes: list[str] = []  # said with the next poll, in its first rank's log
         self._stepped = False  # the ranks of this attempt logged a step (a held poll answers at the first)
+        # `raylaunch run` without an address: ranks start in the actor's folder (multiprocessing hands a child its
+        # parent's), which is its raylet's; a node that `connect` added during its connection may have started in
+        # the runner's folder. Every node's ranks start in the project's, as the head's do.
+        project = os.environ.get(PROJECT_VAR)
+        if project and os.path.isdir(project):
+            os.chdir(project)
         # A warm rank host claimed now, or a server of this actor's own started now, so it has imported torch
         # and Accelerate before the first ranks start; this actor's own torch (the store, start_processes) too.
         FORK_SERVER.acquire(warm)

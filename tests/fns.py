@@ -137,7 +137,8 @@ def steady(config: dict) -> dict:
             time.sleep(config.get("step_s", 0.05))
             if progress.step >= total:
                 break
-    return {"restored_step": restored, "steps": progress.step, "save_s": saves, "saved_at": saved_at}
+    return {"restored_step": restored, "steps": progress.step, "save_s": saves, "saved_at": saved_at,
+            "cwd": os.getcwd()}
 
 
 def litter_then_fail(config: dict) -> dict:

@@ -156,8 +156,9 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
                            f"config: {{steps: 80, every: 10, step_s: 0.05, pid_dir: {tmp_path / 'pids'}}}\n"
                            f"storage: {tmp_path / 'runs'}\n")
     latest = tmp_path / "runs" / "lost-driver" / "checkpoints" / "latest.json"
+    # run from a project folder of its own (not raylaunch's checkout): its ranks must start there on both nodes
     proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", spec, "--local-nodes", "2"],
-                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not latest.exists() and time.monotonic() < deadline:
@@ -176,13 +177,15 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
         if proc.poll() is None:
             proc.kill()
     step = json.loads(latest.read_text())["step"]
-    again = raylaunch("run", spec, "--local-nodes", "2", timeout=240)
+    again = raylaunch("run", spec, "--local-nodes", "2", cwd=tmp_path, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     # the rerun is attempt 2 of the same run, and went on from the checkpoint to the last step
     assert f"attempt 2: resuming from {latest.parent}/checkpoint-{step:08d} (step {step})" in again.stdout
     result = json.loads((tmp_path / "runs" / "lost-driver" / "result.json").read_text())
     assert result["status"] == "succeeded" and result["attempts"] == 2 and result["restarts"] == 0
     assert result["rank_results"]["0"]["restored_step"] == step and result["rank_results"]["0"]["steps"] == 80
+    # both nodes' ranks ran in the folder the command ran in (the second node started while the driver connected)
+    assert [result["rank_results"][r]["cwd"] for r in ("0", "1")] == [str(tmp_path)] * 2
     rows = [json.loads(line) for line in (tmp_path / "runs" / "lost-driver" / "metrics.jsonl").read_text().splitlines()]
     for rank in (0, 1):
         second = [r["step"] for r in rows if r["attempt"] == 2 and r["rank"] == rank and "rank_loss" in r]
