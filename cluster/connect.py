@@ -136,7 +136,7 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         try:
             # The other nodes start while this process connects, from a thread, and have all registered before the
             # reservation (``wait_for_nodes`` below). A 2-node cluster on 2 cores, command to a task on each node,
-            # alternating: 9.3 s (8.7-10.6) adding them first on this thread, 7.9 s (7.9-9.2) from the other.
+            # alternating, 5 each: 9.3 s (8.6-10.6) adding them first on this thread, 8.1 s (7.9-9.2) from the other.
             with _sigterm_handlers_from_the_main_thread_only():
                 added = _add_nodes_beside(cluster, local_nodes - 1, cpus_per_node, release)
                 # PYTHONPATH: the runner's own packages first (a project's own cluster/ or jobs/ folder cannot
