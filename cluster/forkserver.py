@@ -24,15 +24,15 @@ from typing import Any
 
 from cluster import rankhost
 from cluster.hostproc import pid_namespace
-from cluster.protocol import WorkerPayload
 from cluster.rankhost import Claim, WarmHost
 
-__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "import_actor_torch", "pid_namespace", "rank_main", "remove_abandoned"]
+__all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "drop_safe_path", "pid_namespace",
+           "remove_abandoned"]
 
 
 # What the rank fork server imports once, before any rank starts (not CUDA: importing torch
 # does not initialise it, so forked ranks can still pick their GPU).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.worker", "cluster.runtime"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.ranks", "cluster.worker", "cluster.runtime"]
 # A warm rank host imports transformers too: paid once per node, not once per job.
 HOST_PRELOAD = [*FORKSERVER_PRELOAD, "transformers"]
 
@@ -151,8 +151,8 @@ class ForkServer:
 
         multiprocessing has each child it starts run its parent's ``__main__`` again (as ``__mp_main__``), for a
         target defined there. A Ray worker's is Ray's ``default_worker.py``: every rank would import Ray and run
-        that module's body (0.3 s of a core a rank) for nothing, as ``rank_main`` and a rank's payload live in
-        importable modules."""
+        that module's body (0.3 s of a core a rank) for nothing, as ``cluster.ranks.rank_process`` and a rank's
+        payload live in importable modules."""
         original = spawn.get_preparation_data
 
         def without_main(name: str) -> dict[str, Any]:
@@ -228,64 +228,11 @@ def _start_forkserver() -> None:
             os.environ.pop(_SAFE_PATH_MARK, None)
 
 
-def import_actor_torch() -> None:
-    """What a node actor needs of torch itself (the rendezvous store, start_processes), with torch's failure log
-    made plain: run in a thread from the actor's first moment, whichever server its ranks fork from."""
-    import torch.distributed  # noqa: F401  (TCPStore)
-    import torch.distributed.elastic.multiprocessing  # noqa: F401
-
-    _plain_elastic_log()
-
-
-def _plain_elastic_log() -> None:
-    """Send torch's records of rank failures and closed processes to this actor's stderr with a plain
-    formatter: the ``torch`` logger's own imports ``torch._dynamo`` (sympy and more) on first use,
-    seconds spent inside a poll or a stop that the driver waits on. The driver reports every failure
-    itself, with the rank's traceback."""
-    import logging
-
-    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not log.propagate:  # done already (the fork server starts again after a full release)
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    # The node actor starts ranks from a thread of Ray's (its calls run in concurrency groups), where torch cannot
-    # set its signal handlers and says so at every start: the ranks end with the actor anyway (``_die_with_parent``).
-    handler.addFilter(lambda record: "running on a child thread" not in record.getMessage())
-    log.addHandler(handler)
-    log.propagate = False
-
-
-def _die_with_parent() -> None:
-    """If the node actor dies (killed, node lost), its ranks must not live on. The actor holds the other end
-    of the pipe multiprocessing gave this process (its parent's sentinel), whichever server forked it: the
-    pipe reads as closed the moment the actor is gone. Waiting on it costs no CPU."""
-    from multiprocessing.connection import wait
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
-
-
-def rank_main(payload: WorkerPayload) -> Any:
-    """A forked rank's entry point: the user's environment as they set it, tied to its actor, then the worker."""
-    from cluster.worker import run_worker
-
-    if payload.environ is not None:  # forked by a warm rank host: the job's environment, not the host's
-        # torch's launcher sets TORCHELASTIC_ERROR_FILE for this rank after the payload was made: kept
-        launcher = {k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")}
-        os.environ.clear()
-        os.environ.update({**payload.environ, **launcher})
-    if os.environ.pop(_SAFE_PATH_MARK, None):  # ours, not the user's: their subprocesses get the usual path
+def drop_safe_path() -> None:
+    """In a rank: the ``PYTHONSAFEPATH`` its server was started with is ours, not the user's (their subprocesses
+    get the usual search path)."""
+    if os.environ.pop(_SAFE_PATH_MARK, None):
         os.environ.pop("PYTHONSAFEPATH", None)
-    _die_with_parent()
-    return run_worker(payload)
 
 
 FORK_SERVER = ForkServer()

@@ -2,11 +2,11 @@
 
 One instance lives in each placement-group bundle. Its methods never block
 for long, so the driver can poll it, stop it, or ask it anything while the
-ranks train. Local processes are started with torch's own launcher machinery
-(``torch.distributed.elastic.multiprocessing.start_processes``: spawn, per-rank
-environment, log redirection, error files, return values, kill on close).
-We do not use ``elastic_launch``: its static rendezvous binds the store on
-node 0 itself, which would bring back the bind-close-publish port race.
+ranks train. Its processes (the ranks, node 0's store) are forked from the
+node's rank server and watched by ``cluster.ranks``: the actor itself never
+imports torch. We do not use torch's ``elastic_launch``: its static rendezvous
+binds the store on node 0 itself, which would bring back the bind-close-publish
+port race.
 """
 
 from __future__ import annotations
@@ -16,21 +16,19 @@ import errno
 import json
 import os
 import shutil
-import signal
 import socket
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
 from cluster.errors import RaylaunchError
-from cluster.forkserver import FORK_SERVER, import_actor_torch, pid_namespace, rank_main, remove_abandoned
+from cluster.forkserver import FORK_SERVER, pid_namespace, remove_abandoned
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
-from cluster.protocol import EventKind, FailureCause, NodePoll, NodeState, RankFailure, WorkerPayload
+from cluster.protocol import EventKind, NodePoll, NodeState, WorkerPayload
 from cluster.rankhost import PROJECT_VAR, WarmHost, rss_mb
+from cluster.ranks import LocalRanks, StoreProcess
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 from cluster.tail import Tail
 
@@ -42,7 +40,7 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 # The actor's concurrency group for the calls that only look (``NodeActor.pids``, ``stacks``); every other call runs
 # in the default group, one at a time. With groups, Ray runs every call in a thread of its own, none on the main
-# thread: torch's process starts then leave the actor's signal handlers to Ray (``forkserver._plain_elastic_log``).
+# thread.
 INSPECT = "inspect"
 CONCURRENCY_GROUPS = {INSPECT: 1}
 # How often a held poll reads the ranks' files and sees whether a rank ended.
@@ -78,8 +76,10 @@ class NodeActor:
     def __init__(self, node_rank: int, warm: WarmHost | None = None) -> None:
         self.node_rank = node_rank
         self._tmp = tempfile.mkdtemp(prefix=f"node{node_rank}-", dir=_process_scratch())
-        self._store = None
-        self._pctx = None
+        self._listener: socket.socket | None = None  # node 0: the store's socket, bound, until its process serves it
+        self._store_timeout_s = 0.0
+        self._store: StoreProcess | None = None
+        self._pctx: LocalRanks | None = None
         self._ranks: list[int] = []
         self._tails: list[tuple[int, str, Tail]] = []
         self._state = NodeState.IDLE
@@ -96,9 +96,8 @@ class NodeActor:
         if project and os.path.isdir(project):
             os.chdir(project)
         # A warm rank host claimed now, or a server of this actor's own started now, so it has imported torch
-        # and Accelerate before the first ranks start; this actor's own torch (the store, start_processes) too.
+        # and Accelerate before the first ranks start (the actor never imports torch: ``cluster.ranks``).
         FORK_SERVER.acquire(warm)
-        threading.Thread(target=import_actor_torch, daemon=True, name="raylaunch-torch-import").start()
 
     def describe(self) -> NodeInfo:
         import psutil
@@ -124,17 +123,15 @@ class NodeActor:
         return f"{FORK_SERVER.note}, {size:.0f} MB resident" if size and "reused" in FORK_SERVER.note else FORK_SERVER.note
 
     def host_store(self, ip: str, timeout_s: float, ports: tuple[int, int] | None = None) -> int:
-        """Bind and hold the rendezvous TCPStore on a free port; return the port.
+        """Bind and hold the rendezvous store's socket on a free port; return the port. The store (torch's
+        ``TCPStore``) serves it from ``prepare`` on, in a process forked from the rank server; ranks that connect
+        earlier wait in its backlog.
 
         ``ports`` (low, high): the first port in the range that binds. Binding is the
-        test, so two jobs starting together cannot both pick a port; the bound store
+        test, so two jobs starting together cannot both pick a port; the bound socket
         then holds it. None: a port the system picks.
         """
-        from datetime import timedelta
-
-        from torch.distributed import DistNetworkError, TCPStore
-
-        self._store = None  # a new store for every attempt: no stale rank can join
+        self._close_store()  # a new store for every attempt: no stale rank can join
         candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
         for port in candidates:
             # Bound here, on the node's own address (the one the ranks use), and handed to the
@@ -149,20 +146,35 @@ class NodeActor:
                 if port == 0 or exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            try:
-                self._store = TCPStore(ip, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-            except DistNetworkError:
-                sock.close()
-                raise
-            sock.detach()  # the store owns the descriptor now, and closes it with itself
-            return self._store.port
+            self._listener, self._store_timeout_s = sock, timeout_s
+            return sock.getsockname()[1]
         low, high = ports
         raise RendezvousError(
             f"no free port for the rendezvous store on node 0 ({ip}): all {high - low + 1} ports of "
             f"rendezvous.ports {low}-{high} are in use. Widen the range (--set rendezvous.ports=LOW-HIGH) "
             "or end what holds them."
         )
+
+    def _serve_store(self) -> None:
+        """Node 0, once the rank server has imported torch: the store serves the bound socket."""
+        if self._listener is None:
+            return
+        listener, self._listener = self._listener, None
+        with FORK_SERVER.starting():
+            self._store = StoreProcess(listener, self._store_timeout_s)
+        try:
+            self._store.wait_ready(60.0)
+        except OSError as exc:
+            self._close_store()
+            raise RendezvousError(f"node 0 could not serve the rendezvous store: {exc}") from None
+
+    def _close_store(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def prepare(self) -> None:
         """Before ``start``: wait until the server the ranks fork from has imported everything (a warm host still
@@ -172,36 +184,21 @@ class NodeActor:
         if FORK_SERVER.note != note:  # the host could not be used after all: say why, with the ranks' output
             self._notes.append(f"raylaunch: node {self.node_rank}: {FORK_SERVER.note}")
         FORK_SERVER.preloaded()
+        self._serve_store()
 
     def start(self, payloads: list[WorkerPayload], envs: list[dict[str, str]], attempt: int) -> None:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
-
         if self._pctx is not None:
             raise RuntimeError("this node's ranks are still running; stop them first")
         self.prepare()  # done already, unless a caller skipped it
         log_dir = os.path.join(self._tmp, attempt_dir(attempt))
         os.makedirs(log_dir, exist_ok=True)
-        full_envs = {}
-        for i, env in enumerate(envs):
-            full_envs[i] = {**env, "TORCHELASTIC_RUN_ID": "raylaunch", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+        # torch's launcher's variables, which code may read (the restart count of this run)
+        envs = [{**env, "TORCHELASTIC_RUN_ID": "raylaunch", "TORCHELASTIC_RESTART_COUNT": str(attempt)} for env in envs]
         if FORK_SERVER.host_pid is not None:  # the host's environment is not the job's: each rank gets the job's
-            payloads = [dataclasses.replace(p, environ={**os.environ, **full_envs[i]}) for i, p in enumerate(payloads)]
+            payloads = [dataclasses.replace(p, environ={**os.environ, **env}) for p, env in zip(payloads, envs)]
         self._ranks = [p.context.world_rank for p in payloads]
-        # torch makes a file for each rank's exception in the temporary folder and never removes it: here, in
-        # this actor's scratch folder, it goes with the folder.
-        saved_tempdir, tempfile.tempdir = tempfile.tempdir, self._tmp
-        try:
-            with FORK_SERVER.starting():
-                self._pctx = start_processes(
-                    name="raylaunch",
-                    entrypoint=rank_main,
-                    args={i: (p,) for i, p in enumerate(payloads)},
-                    envs=full_envs,
-                    logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
-                    start_method="forkserver",
-                )
-        finally:
-            tempfile.tempdir = saved_tempdir
+        with FORK_SERVER.starting():
+            self._pctx = LocalRanks(log_dir, payloads, envs, self._ranks)
         self._beats = {p.context.world_rank: heartbeat_file(p.events_path) for p in payloads}
         self._dumps = {p.context.world_rank: stack_dump_file(p.events_path) for p in payloads}
         self._flight = {p.context.world_rank: env["TORCH_FR_DUMP_TEMP_FILE"] + str(p.context.world_rank)
@@ -209,8 +206,8 @@ class NodeActor:
         self._tails = []
         self._stepped = False
         for i, rank in enumerate(self._ranks):
-            self._tails.append((rank, "stdout", Tail(self._pctx.stdouts[i])))
-            self._tails.append((rank, "stderr", Tail(self._pctx.stderrs[i])))
+            self._tails.append((rank, "stdout", Tail(self._pctx.files[i].stdout)))
+            self._tails.append((rank, "stderr", Tail(self._pctx.files[i].stderr)))
             self._tails.append((rank, "event", Tail(payloads[i].events_path, max_line=None)))
         self._state = NodeState.RUNNING
 
@@ -219,10 +216,8 @@ class NodeActor:
     @ray.method(concurrency_group=INSPECT)
     def pids(self) -> dict[int, int]:
         """World rank -> process id of the ranks running now."""
-        pctx, ranks = self._pctx, self._ranks  # one look: a stop in the other thread may clear them meanwhile
-        if pctx is None:
-            return {}
-        return {ranks[i]: pid for i, pid in pctx.pids().items()}
+        pctx = self._pctx  # one look: a stop in the other thread may clear it meanwhile
+        return {} if pctx is None else pctx.pids()
 
     @ray.method(concurrency_group=INSPECT)
     def stacks(self, timeout_s: float = SAMPLE_TIMEOUT_S) -> tuple[list[RankStack], dict[int, bytes]]:
@@ -258,14 +253,12 @@ class NodeActor:
         """Add what happened since the last look to ``out``; whether it needs the driver now."""
         if self._pctx is None:
             return True
-        result = self._pctx.wait(0)
+        result = self._pctx.poll()
         seen = len(out.events)
         if result is not None:
-            out.state = self._state = NodeState.FAILED if result.is_failed() else NodeState.SUCCEEDED
-            out.returns = {self._ranks[i]: v for i, v in result.return_values.items()}
-            out.failures = [_failure(self._ranks[i], f) for i, f in result.failures.items()]
-            if out.failures:
-                out.failures += self._sibling_failures(set(result.failures))
+            out.state = self._state = NodeState.FAILED if result.failures else NodeState.SUCCEEDED
+            out.returns = result.returns
+            out.failures = list(result.failures.values())
         self._drain(out, final=result is not None)
         if result is not None:
             self._pctx = None
@@ -283,18 +276,6 @@ class NodeActor:
             self._stepped = True  # the attempt's first step: its progress line, at once
             return True
         return False
-
-    def _sibling_failures(self, reported: set[int]) -> list[RankFailure]:
-        """torch reports the first local failure and kills the rest; a sibling that had
-        already raised left its error file, so the driver can group identical errors."""
-        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-        out = []
-        for i, path in self._pctx.error_files.items():
-            if i not in reported and path and os.path.isfile(path):
-                f = ProcessFailure(local_rank=i, pid=0, exitcode=1, error_file=path)
-                out.append(_failure(self._ranks[i], f))
-        return out
 
     def _drain(self, out: NodePoll, final: bool) -> None:
         if self._notes and self._ranks:
@@ -317,16 +298,15 @@ class NodeActor:
         answer SIGTERM, and SIGTERM means "preempted" to a cooperative function)."""
         out = NodePoll(state=self._state)
         if self._pctx is not None:
-            self._pctx.close(death_sig=signal.SIGKILL, timeout=5)
+            self._pctx.close()
             self._pctx = None
             out.state = self._state = NodeState.STOPPED
             self._drain(out, final=True)
-        self._store = None
+        self._close_store()
         return out
 
     def shutdown(self) -> None:
         self.stop()
-        self._store = None
         shutil.rmtree(self._tmp, ignore_errors=True)
         if not self._released:
             self._released = True
@@ -355,16 +335,3 @@ def _process_scratch() -> str:
     folder = os.path.join(tempfile.gettempdir(), f"{prefix}{os.getpid():x}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     return folder
-
-
-def _failure(rank: int, f: Any) -> RankFailure:
-    """A torch ``ProcessFailure`` as the driver reports it: the exception line and traceback."""
-    if f.exitcode is not None and f.exitcode < 0:
-        return RankFailure.killed(rank, f.exitcode, f.signal_name())
-    data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
-    message = data.get("message")
-    if isinstance(message, dict):  # written by the @record handler around our entry point
-        traceback = message.get("extraInfo", {}).get("py_callstack", "")
-        return RankFailure.raised(rank, f.exitcode, str(message.get("message", "")), str(traceback))
-    return RankFailure(rank, f.exitcode, f"exited with code {f.exitcode} (no Python exception)", "",
-                       cause=FailureCause.EXITED)

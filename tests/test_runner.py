@@ -130,7 +130,7 @@ def test_two_stores_starting_at_once_never_take_the_same_port():
 
 def test_the_rank_fork_server_and_its_folder_go_with_the_last_node_actor():
     """A node actor Ray ends never reaches multiprocessing's exit hooks: without this, every node
-    and job left a /tmp/pymp-* folder. Two actors in one process share the server. The folder of
+    and job left a /tmp/pymp-* folder. The actor itself never imports torch (2.4 s of a core per node and job). Two actors in one process share the server. The folder of
     an actor killed outright goes when the next one starts; a running process's folder and another
     PID namespace's stay."""
     probe = """
@@ -143,10 +143,13 @@ while forkserver._forkserver._forkserver_pid is None and time.monotonic() < dead
     time.sleep(0.2)
 folder = process.current_process()._config["tempdir"]
 server = forkserver._forkserver._forkserver_pid
+first.host_store("127.0.0.1", 5)
+first.prepare()  # node 0's store serves, from a process the server forked
 first.shutdown()
 kept = os.path.isdir(folder) and forkserver._forkserver._forkserver_pid == server
 second.shutdown()
-print(folder, server is not None, kept, os.path.exists(folder), forkserver._forkserver._forkserver_pid)
+print(folder, server is not None, kept, os.path.exists(folder), forkserver._forkserver._forkserver_pid,
+      "torch" in sys.modules)
 """
     # A short TMPDIR of its own (a socket's path has at most 107 bytes; pytest's tmp_path is long).
     tmp = Path(tempfile.mkdtemp(prefix="rl-"))
@@ -161,8 +164,9 @@ print(folder, server is not None, kept, os.path.exists(folder), forkserver._fork
         proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**cli_env(), "TMPDIR": str(tmp)},
                               capture_output=True, text=True, timeout=200)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        folder, started, kept, exists, pid = proc.stdout.split()
+        folder, started, kept, exists, pid, torch_in_actor = proc.stdout.split()
         assert folder.startswith(str(tmp)) and started == "True", proc.stderr[-3000:]
+        assert torch_in_actor == "False"  # its store and its ranks run torch; the actor never imports it
         assert kept == "True"  # the second actor still uses it
         assert (exists, pid) == ("False", "None")  # gone with the last one
         assert not list(tmp.glob("pymp-*"))
@@ -312,25 +316,30 @@ def test_topology_does_not_change_the_result(digits_run, tmp_path):
 
 
 def test_the_rendezvous_store_listens_on_the_node_address_only():
-    """Not on every interface (TCPStore's own default): only the address the ranks use."""
+    """Not on every interface (TCPStore's own default): only the address the ranks use. The store is served by a
+    process of its own (the actor does not import torch), and a new attempt's store replaces the old one."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
+    def listening(port: int) -> list[str]:
+        return [c.laddr.ip for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
     node = NodeActor(0)
     try:
         port = node.host_store("127.0.0.1", 5)
-        listening = [c.laddr for c in psutil.Process().net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
-        assert [a.ip for a in listening] == ["127.0.0.1"]
+        assert listening(port) == ["127.0.0.1"]  # bound and held from the start: the port is the job's
+        node.prepare()  # the rank server imported torch: the store serves
+        assert listening(port) == ["127.0.0.1"]
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         client.set("k", "v")  # ranks still reach it
         assert client.get("k") == b"v"
         again = node.host_store("127.0.0.1", 5)  # a new attempt: a new store; the old one is closed
+        assert not listening(port)
     finally:
         node.shutdown()
-    assert not [c for c in psutil.Process().net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port in (port, again)]
+    assert not listening(port) and not listening(again)
 
 
 def test_a_node_actor_that_dies_before_its_ranks_start_is_a_lost_node_not_the_drivers_failure(ray_cluster, tmp_path):
