@@ -67,6 +67,23 @@ def embedded_node(**args: object) -> dict[str, object]:
 
 
 @contextlib.contextmanager
+def _head_without_api_server() -> Iterator[None]:
+    """An embedded head without Ray's API server (``dashboard.py``): Ray starts it even with the dashboard left out
+    (for its usage statistics) and waits until it answers, about 1.5 s of a cold start on this project's 2-core
+    machine, and a Python process that then idles beside the ranks. Nothing of an embedded run uses it: no job is
+    submitted to it, no dashboard is reachable."""
+    import ray._private.node
+
+    node = ray._private.node.Node
+    real = node.start_api_server
+    node.start_api_server = lambda self, **kwargs: None
+    try:
+        yield
+    finally:
+        node.start_api_server = real
+
+
+@contextlib.contextmanager
 def _sigterm_handlers_from_the_main_thread_only() -> Iterator[None]:
     """A Ray node sets the process's SIGTERM handler as it starts, which only the main thread may do: for the nodes
     ``connect`` adds from a thread, that step is left out. The handler that stays is the head's, set from the main
@@ -131,7 +148,8 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
 
         runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
-        cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=cpus_per_node))
+        with _head_without_api_server():
+            cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=cpus_per_node))
         release = threading.Event()
         try:
             # The other nodes start while this process connects, from a thread, and have all registered before the

@@ -3,9 +3,9 @@ rank server (``cluster.forkserver``) and watched by its node actor without the a
 
 Each rank's standard output and error go to files (every write, Python's and C++'s), its exception to an error
 file in torch's own format (``TORCHELASTIC_ERROR_FILE``: a function under torch's ``@record`` writes the same
-file), its return value to a file as JSON; the actor reads their exit codes without waiting. When a rank fails,
+file), its return value to a file as JSON; the actor reads their exit codes without waiting. When a rank raises,
 its siblings that are ending on their own get a moment to end (the same exception on every rank is reported as
-one), then the rest are killed: the attempt has failed. The store is torch's ``TCPStore``, served by a process of
+one), then the rest are killed: the attempt has failed (after a rank killed by a signal, at once). The store is torch's ``TCPStore``, served by a process of
 its own on the listening socket the actor bound.
 
 The actor used to do this with torch's ``start_processes`` and a ``TCPStore`` of its own, which cost it 2.4 s of
@@ -33,7 +33,7 @@ from cluster.protocol import FailureCause, RankFailure, WorkerPayload
 __all__ = ["Ended", "LocalRanks", "RankFiles", "StoreProcess"]
 
 
-# After a rank fails, how long its siblings may take to end on their own before they are killed: one that raised
+# After a rank raised, how long its siblings may take to end on their own before they are killed: one that raised
 # the same exception writes its error file and exits within milliseconds.
 SIBLING_GRACE_S = 0.3
 
@@ -89,8 +89,12 @@ class LocalRanks:
         codes = [p.exitcode for p in self._procs]
         if any(c is None for c in codes) and not any(c not in (None, 0) for c in codes):
             return None
-        if any(c not in (None, 0) for c in codes):  # a failure: siblings ending on their own get a moment
-            live = [p.sentinel for p in self._procs if p.exitcode is None]
+        if any(c not in (None, 0) for c in codes):
+            # A rank raised: siblings that raised too are ending on their own, and get a moment (the same
+            # exception on every rank is reported once). A rank killed by a signal leaves the rest waiting in a
+            # collective: they are killed at once, which a recovery waits for.
+            raised = any(c is not None and c > 0 for c in codes)
+            live = [p.sentinel for p in self._procs if p.exitcode is None] if raised else []
             deadline = time.monotonic() + SIBLING_GRACE_S
             while live and time.monotonic() < deadline:
                 wait(live, timeout=deadline - time.monotonic())

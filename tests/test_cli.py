@@ -165,6 +165,10 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
             time.sleep(0.2)
         assert latest.exists(), "no checkpoint was committed"
         tree = psutil.Process(proc.pid).children(recursive=True)
+        api_servers = []  # the embedded head runs no Ray API server (dashboard.py) beside the ranks
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                api_servers += [p.pid] if any(a.endswith("dashboard/dashboard.py") for a in p.cmdline()) else []
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -176,6 +180,7 @@ def test_a_killed_driver_resumes_when_the_spec_runs_again(tmp_path):
                 pass
         if proc.poll() is None:
             proc.kill()
+    assert tree and not api_servers
     step = json.loads(latest.read_text())["step"]
     again = raylaunch("run", spec, "--local-nodes", "2", cwd=tmp_path, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
