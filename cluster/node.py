@@ -124,8 +124,7 @@ class NodeActor:
 
     def host_store(self, ip: str, timeout_s: float, ports: tuple[int, int] | None = None) -> int:
         """Bind and hold the rendezvous store's socket on a free port; return the port. The store (torch's
-        ``TCPStore``) serves it from ``prepare`` on, in a process forked from the rank server; ranks that connect
-        earlier wait in its backlog.
+        ``TCPStore``) serves it from ``start`` on, in a process forked from the rank server before the ranks.
 
         ``ports`` (low, high): the first port in the range that binds. Binding is the
         test, so two jobs starting together cannot both pick a port; the bound socket
@@ -156,7 +155,7 @@ class NodeActor:
         )
 
     def _serve_store(self) -> None:
-        """Node 0, once the rank server has imported torch: the store serves the bound socket."""
+        """Node 0, at the start of its ranks: the store serves the bound socket."""
         if self._listener is None:
             return
         listener, self._listener = self._listener, None
@@ -184,7 +183,6 @@ class NodeActor:
         if FORK_SERVER.note != note:  # the host could not be used after all: say why, with the ranks' output
             self._notes.append(f"raylaunch: node {self.node_rank}: {FORK_SERVER.note}")
         FORK_SERVER.preloaded()
-        self._serve_store()
 
     def start(self, payloads: list[WorkerPayload], envs: list[dict[str, str]], attempt: int) -> None:
         if self._pctx is not None:
@@ -197,6 +195,9 @@ class NodeActor:
         if FORK_SERVER.host_pid is not None:  # the host's environment is not the job's: each rank gets the job's
             payloads = [dataclasses.replace(p, environ={**os.environ, **env}) for p, env in zip(payloads, envs)]
         self._ranks = [p.context.world_rank for p in payloads]
+        # Node 0's store first, forked as the ranks are: a rank server that never answers hangs this start, which
+        # the driver bounds (timeouts.rendezvous_s), and the host is replaced (``rankhost.starting``).
+        self._serve_store()
         with FORK_SERVER.starting():
             self._pctx = LocalRanks(log_dir, payloads, envs, self._ranks)
         self._beats = {p.context.world_rank: heartbeat_file(p.events_path) for p in payloads}

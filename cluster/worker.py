@@ -50,6 +50,11 @@ def run_worker(payload: WorkerPayload) -> Any:
         backend=payload.backend,
         timeout=timedelta(seconds=payload.collective_timeout_s),
     )
+    if payload.backend == "gloo":
+        # gloo's init returns on a rank once its own connections are made, while another rank's may still be
+        # connecting: a rank that then ended at once (a function with no collective of its own, or one that
+        # raised) failed the other's init with "Connection closed by peer". Every rank is connected past this.
+        dist.barrier()
     session.emit(Joined())
     signal.signal(signal.SIGTERM, session.handle_sigterm)
     result = fn(dict(payload.config)) if script is None else _run_script(session, script, payload.context.world_rank)

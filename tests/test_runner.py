@@ -144,7 +144,8 @@ while forkserver._forkserver._forkserver_pid is None and time.monotonic() < dead
 folder = process.current_process()._config["tempdir"]
 server = forkserver._forkserver._forkserver_pid
 first.host_store("127.0.0.1", 5)
-first.prepare()  # node 0's store serves, from a process the server forked
+first.prepare()
+first._serve_store()  # what ``start`` does first: node 0's store serves, from a process the server forked
 first.shutdown()
 kept = os.path.isdir(folder) and forkserver._forkserver._forkserver_pid == server
 second.shutdown()
@@ -330,7 +331,8 @@ def test_the_rendezvous_store_listens_on_the_node_address_only():
     try:
         port = node.host_store("127.0.0.1", 5)
         assert listening(port) == ["127.0.0.1"]  # bound and held from the start: the port is the job's
-        node.prepare()  # the rank server imported torch: the store serves
+        node.prepare()
+        node._serve_store()  # what ``start`` does first: the store serves, from a process the rank server forked
         assert listening(port) == ["127.0.0.1"]
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         client.set("k", "v")  # ranks still reach it
