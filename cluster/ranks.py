@@ -87,9 +87,10 @@ class LocalRanks:
         """None while the ranks run; once every rank returned, or one failed (the rest are then ended), what
         became of them."""
         codes = [p.exitcode for p in self._procs]
-        if any(c is None for c in codes) and not any(c not in (None, 0) for c in codes):
+        failed = any(c not in (None, 0) for c in codes)
+        if None in codes and not failed:
             return None
-        if any(c not in (None, 0) for c in codes):
+        if failed:
             # A rank raised: siblings that raised too are ending on their own, and get a moment (the same
             # exception on every rank is reported once). A rank killed by a signal leaves the rest waiting in a
             # collective: they are killed at once, which a recovery waits for.
@@ -116,11 +117,7 @@ class LocalRanks:
         """Kill every rank still running (SIGKILL: a rank blocked in a collective would not answer SIGTERM, and
         SIGTERM means "preempted" to a cooperative function) and reap them."""
         for p in self._procs:
-            if p.exitcode is None:
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            p.kill()  # nothing once it has ended
         deadline = time.monotonic() + timeout_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -205,19 +202,24 @@ def _write_atomically(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _die_with_parent() -> None:
-    """If the node actor dies (killed, node lost), its processes must not live on. The actor holds the other end
-    of the pipe multiprocessing gave this process (its parent's sentinel), whichever server forked it: the pipe
-    reads as closed the moment the actor is gone. Waiting on it costs no CPU."""
+def _wait_for_parent() -> None:
+    """Until the node actor is gone (killed, node lost): it holds the other end of the pipe multiprocessing gave
+    this process (its parent's sentinel), whichever server forked it, which reads as closed the moment the actor
+    is gone. Waiting on it costs no CPU."""
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return
+    if parent is not None:
+        wait([parent.sentinel])
+
+
+def _die_with_parent() -> None:
+    """If the node actor dies, its ranks must not live on."""
 
     def watch() -> None:
-        wait([parent.sentinel])
+        _wait_for_parent()
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
+    if multiprocessing.parent_process() is not None:
+        threading.Thread(target=watch, daemon=True, name="raylaunch-parent-watch").start()
 
 
 # --- node 0's rendezvous store ---------------------------------------------------------------------------------
@@ -249,11 +251,7 @@ class StoreProcess:
             raise OSError(error)
 
     def close(self) -> None:
-        if self._proc.exitcode is None:
-            try:
-                os.kill(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._proc.kill()  # nothing once it has ended
         self._proc.join(5)
         self._ready_r.close()
 
@@ -273,8 +271,6 @@ def _serve_store(listener: socket.socket, timeout_s: float, ready: Any) -> None:
     listener.detach()  # the store owns the descriptor now
     ready.send("")
     ready.close()
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        wait([parent.sentinel])  # served by the store's own threads until the actor is gone (or kills it)
+    _wait_for_parent()  # served by the store's own threads until the actor is gone (or kills it)
     del store
     os._exit(0)

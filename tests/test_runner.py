@@ -130,9 +130,9 @@ def test_two_stores_starting_at_once_never_take_the_same_port():
 
 def test_the_rank_fork_server_and_its_folder_go_with_the_last_node_actor():
     """A node actor Ray ends never reaches multiprocessing's exit hooks: without this, every node
-    and job left a /tmp/pymp-* folder. The actor itself never imports torch (2.4 s of a core per node and job). Two actors in one process share the server. The folder of
+    and job left a /tmp/pymp-* folder. Two actors in one process share the server. The folder of
     an actor killed outright goes when the next one starts; a running process's folder and another
-    PID namespace's stay."""
+    PID namespace's stay. The actor itself never imports torch (2.4 s of a core per node and job)."""
     probe = """
 import os, sys, time
 from multiprocessing import forkserver, process
