@@ -283,7 +283,8 @@ def elastic(config: dict) -> dict:
     """The digits example's recipe on a small regression, for resizes: a seedable sampler,
     ``set_epoch`` every epoch, the batches already seen skipped, the step counted in optimizer
     steps. Logs the sample ids each rank used in each optimizer step (``ids``) and returns the
-    final loss on the whole data set."""
+    final loss on the whole data set. With ``gate`` and ``gate_step``, a world of one rank waits
+    after that step until the file ``gate`` exists (up to 120 s)."""
     import math
     import time
     from pathlib import Path
@@ -331,6 +332,11 @@ def elastic(config: dict) -> dict:
             if progress.step % config["every"] == 0:
                 session.save(accelerator, progress.step)
             time.sleep(config.get("step_s", 0.05))
+            if accelerator.num_processes == 1 and progress.step == config.get("gate_step"):
+                # a test holds the one-node phase here until it opens the gate (the node is back)
+                gate, until = Path(config["gate"]), time.monotonic() + 120
+                while not gate.exists() and time.monotonic() < until:
+                    time.sleep(0.05)
             if progress.step >= total:
                 break
     with torch.no_grad():

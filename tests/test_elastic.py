@@ -25,16 +25,20 @@ from jobs.spec import load_spec_text
 SAMPLES, BATCH, EPOCHS = 128, 8, 4
 GLOBAL_BATCH = 2 * BATCH  # 2 nodes x 1 worker x accumulation 1
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
+# On one node the function waits after this step until the test saw the driver notice the node that
+# came back: the grow needs a checkpoint committed after that (every 3 steps) before the run ends.
+GATE_STEP = 16
 
 ELASTIC = """
 name: {name}
 train_fn: fns:elastic
-config: {{samples: %d, batch_size: %d, epochs: %d, every: 3, step_s: {step_s}, pid_dir: {pid_dir}}}
+config: {{samples: %d, batch_size: %d, epochs: %d, every: 3, step_s: {step_s}, pid_dir: {pid_dir},
+          gate: {pid_dir}/gate, gate_step: %d}}
 scaling: {{num_nodes: 2, workers_per_node: 1, min_nodes: 1}}
 failure: {{max_restarts: 1}}
 timeouts: {{heartbeat_s: 20, placement_s: 60, resize_s: 3}}
 storage: {storage}
-""" % (SAMPLES, BATCH, EPOCHS)
+""" % (SAMPLES, BATCH, EPOCHS, GATE_STEP)
 
 
 class Shown(io.StringIO):
@@ -158,6 +162,8 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_keeping_batch_and_data_orde
         wait_for(lambda: max(r["step"] for r in rows(tmp_path, "elastic") if r.get("world_size") == 1)
                  >= step_at_one + 2, 60, "two more steps on one node")
         ray_cluster.add_node(num_cpus=2)  # the node returns
+        wait_for(lambda: "nodes came back" in run.out.getvalue(), 60, "the driver to see the node back")
+        (tmp_path / "pids" / "gate").touch()
     finally:
         run.join()
     result = run.result()
@@ -243,6 +249,8 @@ def test_losing_the_rendezvous_node_trains_on_and_grows_onto_a_node_other_work_f
         assert autoscaler_request() == [run.driver.group.placement.bundle] * 2
         ray.kill(other)  # the other work ends: the head can take a bundle
         other = None
+        wait_for(lambda: "nodes came back" in run.out.getvalue(), 60, "the driver to see the head free")
+        (tmp_path / "pids" / "gate").touch()
     finally:
         if other is not None:
             ray.kill(other)
