@@ -16,7 +16,19 @@ from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
 __all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect", "embedded_node",
-           "job_workdir", "stop_processes_under"]
+           "job_workdir", "node_environment", "stop_processes_under"]
+
+
+_node_environment: dict[str, str] = {}  # while ``connect`` holds an embedded cluster: ``node_environment``
+
+
+def node_environment() -> dict[str, str]:
+    """What the node actors of the embedded cluster ``connect`` started set on themselves as they start (the search
+    path with the project, the project's folder); empty on any other cluster. An argument
+    of the actor rather than Ray's ``env_vars`` runtime environment: with one, an actor cannot use the worker
+    processes its node started ahead (a worker of its own starts, 1-2 s of a cold start on 2 cores, while the
+    others idle)."""
+    return dict(_node_environment)
 
 
 class AuthTokenMissing(RaylaunchError, RuntimeError):
@@ -84,6 +96,21 @@ def _head_without_api_server() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _minimal_agents() -> Iterator[None]:
+    """The embedded nodes' dashboard agents load only their minimal modules, as with Ray installed without its
+    dashboard: no metrics export, job or reporter server, which nothing of an embedded run reaches (2.2 s of a
+    core at each node's start on this project's 2-core machine, competing with the start itself). Ray decides by
+    whether the dashboard's optional packages import, in the process that starts the node."""
+    utils = ray._private.utils
+    real = utils.get_dashboard_dependency_error
+    utils.get_dashboard_dependency_error = lambda: ImportError("left out: an embedded raylaunch cluster")
+    try:
+        yield
+    finally:
+        utils.get_dashboard_dependency_error = real
+
+
+@contextlib.contextmanager
 def _sigterm_handlers_from_the_main_thread_only() -> Iterator[None]:
     """A Ray node sets the process's SIGTERM handler as it starts, which only the main thread may do: for the nodes
     ``connect`` adds from a thread, that step is left out. The handler that stays is the head's, set from the main
@@ -148,35 +175,33 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
 
         runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
-        with _head_without_api_server():
+        node_env = {"PYTHONPATH": pythonpath, PROJECT_VAR: cwd}
+        with _minimal_agents(), _head_without_api_server():
             cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=cpus_per_node))
         release = threading.Event()
         try:
             # The other nodes start while this process connects, from a thread, and have all registered before the
             # reservation (``wait_for_nodes`` below). A 2-node cluster on 2 cores, command to a task on each node,
             # alternating, 5 each: 9.3 s (8.6-10.6) adding them first on this thread, 8.1 s (7.9-9.2) from the other.
-            with _sigterm_handlers_from_the_main_thread_only():
+            with _minimal_agents(), _sigterm_handlers_from_the_main_thread_only():
                 added = _add_nodes_beside(cluster, local_nodes - 1, cpus_per_node, release)
-                # PYTHONPATH: the runner's own packages first (a project's own cluster/ or jobs/ folder cannot
-                # stand in for them on the nodes), then the project, whose modules the ranks import.
-                # ray.init puts the driver's current folder first on every worker's sys.path,
-                # ahead of PYTHONPATH: connect from the runner's folder so the order above holds.
-                # (A node added meanwhile may start its processes there: the node actors go to the project's
-                # folder, ``PROJECT_VAR``, where their ranks start.)
+                # ray.init puts the driver's current folder first on every worker's sys.path: connect from the
+                # runner's folder, so a worker imports the runner's own packages (a project's own cluster/ or
+                # jobs/ folder cannot stand in for them). The node actors then put PYTHONPATH (the runner's
+                # folder, the project's, whose modules the ranks import) next, and go to the project's folder,
+                # where their ranks start (``node_environment``; a node added meanwhile may have started its
+                # processes in the runner's folder).
                 os.chdir(runner)
                 try:
-                    ray.init(
-                        address=cluster.address,
-                        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, PROJECT_VAR: cwd}},
-                        log_to_driver=False,
-                        configure_logging=False,
-                    )
+                    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
                 finally:
                     os.chdir(cwd)
                     added()
             cluster.wait_for_nodes(timeout=120)
+            _node_environment.update(node_env)
             yield False
         finally:
+            _node_environment.clear()
             ray.shutdown()
             cluster.shutdown()
             release.set()

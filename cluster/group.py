@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.connect import node_environment
 from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.layout import events_file, flight_recorder_prefix
 from cluster.node import CONCURRENCY_GROUPS, NodeActor, NodeInfo, RendezvousError
@@ -197,7 +198,7 @@ class NodeGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 name=names[i], namespace=ACTOR_NAMESPACE,
                 runtime_env=(env or JobEnv()).actor_runtime_env(),
-            ).remote(i, (env or JobEnv()).warm)
+            ).remote(i, (env or JobEnv()).warm, node_environment())
             for i in range(placement.num_nodes)
         ]
         # A runtime environment with packages can take minutes to install on a node.

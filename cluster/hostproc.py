@@ -190,7 +190,10 @@ def _serve(args: dict) -> None:
     os.chmod(folder / "sock.new", 0o600)
     listener.listen(128)
     os.replace(folder / "sock.new", folder / "sock")  # clients wait for this name: it listens once it exists
-    threading.Thread(target=_watch_or_end, args=(folder, args["anchor"], args["key"]),
+    # The key's variables as the host started: imports set some of their own (torch._dynamo sets
+    # TORCHINDUCTOR_CACHE_DIR), which are not a change of what the host was started for.
+    environ = dict(os.environ)
+    threading.Thread(target=_watch_or_end, args=(folder, args["anchor"], args["key"], environ),
                      daemon=True, name="raylaunch-host-watch").start()
     sys.path[:] = args["sys_path"]
     for name in args["preload"]:
@@ -198,7 +201,7 @@ def _serve(args: dict) -> None:
             __import__(name)
         except ImportError:
             pass
-    if host_key(job_dirs=[]) != args["key"]:  # its search path is the shared one already
+    if host_key(job_dirs=[], environ=environ) != args["key"]:  # its search path is the shared one already
         print("raylaunch: this host's imports do not match the key it was started for; it ends", flush=True)
         _end(folder)
     torch = sys.modules.get("torch")
@@ -206,12 +209,16 @@ def _serve(args: dict) -> None:
         print("raylaunch: an import initialised CUDA in this host; it ends", flush=True)
         _end(folder)
     tmp = folder / "ready.new"
-    tops = {name: getattr(sys.modules.get(name), "__file__", None) or "" for name in
-            {m.split(".")[0] for m in list(sys.modules)}}
+    tops = {name: _where(sys.modules.get(name)) for name in {m.split(".")[0] for m in list(sys.modules)}}
     tmp.write_text(json.dumps(tops))
     os.replace(tmp, folder / "ready")
     alive_r, _alive_w = os.pipe()  # never at EOF: the host ends itself (``_end``), never through this pipe
     forkserver.main(listener.detach(), alive_r, [])
+
+
+def _where(module: object) -> str:
+    """Where a module was imported from: its file, or a namespace package's first folder ("" for a built-in)."""
+    return getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), "")
 
 
 def _end(folder: Path, only_if_idle: bool = False) -> None:
@@ -230,10 +237,10 @@ def _idle_s(folder: Path) -> float:
         return 600.0
 
 
-def _watch_or_end(folder: Path, anchor: str, key: str) -> None:
+def _watch_or_end(folder: Path, anchor: str, key: str, environ: dict[str, str]) -> None:
     """``_watch``; a host whose watch failed would never end: it ends at once, and says why in its log."""
     try:
-        _watch(folder, anchor, key)
+        _watch(folder, anchor, key, environ)
     except BaseException:
         import traceback
 
@@ -241,7 +248,7 @@ def _watch_or_end(folder: Path, anchor: str, key: str) -> None:
         _end(folder)
 
 
-def _watch(folder: Path, anchor: str, key: str) -> None:
+def _watch(folder: Path, anchor: str, key: str, environ: dict[str, str]) -> None:
     """End the host with its node's raylet (its ranks too), when idle too long, or once its packages changed."""
     raylet_pid, raylet_started = int(anchor.split(".")[0]), anchor.split(".")[1]
     try:
@@ -263,7 +270,7 @@ def _watch(folder: Path, anchor: str, key: str) -> None:
             _end(folder)
         if not stale and time.monotonic() - checked > _KEY_CHECK_S and (folder / "ready").exists():
             checked = time.monotonic()
-            stale = host_key(job_dirs=[]) != key
+            stale = host_key(job_dirs=[], environ=environ) != key
             if stale:
                 print("raylaunch: the packages this host imported changed on disk; it ends once idle", flush=True)
         if busy(folder, os.getpid()):

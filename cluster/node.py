@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,13 @@ class NodeInfo:
 class NodeActor:
     """Runs as a Ray actor, one per node (see ``cluster.group``)."""
 
-    def __init__(self, node_rank: int, warm: WarmHost | None = None) -> None:
+    def __init__(self, node_rank: int, warm: WarmHost | None = None, environ: dict[str, str] | None = None) -> None:
+        """``environ``: variables this actor sets on itself first (``cluster.connect.node_environment``); the
+        folders of its ``PYTHONPATH`` go on its search path, which its ranks get."""
+        if environ:
+            os.environ.update(environ)
+            sys.path[1:1] = [p for p in dict.fromkeys(environ.get("PYTHONPATH", "").split(os.pathsep))
+                             if p and p not in sys.path]
         self.node_rank = node_rank
         self._tmp = tempfile.mkdtemp(prefix=f"node{node_rank}-", dir=_process_scratch())
         self._listener: socket.socket | None = None  # node 0: the store's socket, bound, until its process serves it
