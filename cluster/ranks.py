@@ -83,6 +83,10 @@ class LocalRanks:
         """World rank -> process id."""
         return {self.world_ranks[i]: p.pid for i, p in enumerate(self._procs)}
 
+    def sentinels(self) -> list[int]:
+        """What ``multiprocessing.connection.wait`` wakes on when a rank still running ends."""
+        return [p.sentinel for p in self._procs if p.exitcode is None]
+
     def poll(self) -> Ended | None:
         """None while the ranks run; once every rank returned, or one failed (the rest are then ended), what
         became of them."""
