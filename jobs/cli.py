@@ -8,10 +8,13 @@ import os
 import shlex
 import signal
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cluster.errors import RaylaunchError
 from jobs.spec import JobSpec, SpecError, json_schema, load_spec, spec_from_dict
+
+if TYPE_CHECKING:
+    from jobs.driver import Driver
 
 __all__ = ["main"]
 
@@ -104,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # A launch command's --num_machines is the embedded cluster's size unless --local-nodes says otherwise.
     local_nodes = args.local_nodes or (s.num_nodes if getattr(args, "launch", None) is not None else 1)
     with connect(address, local_nodes=local_nodes, cpus_per_node=per_node, upload=upload) as can_grow:
-        signal.signal(signal.SIGTERM, _stop_on_sigterm)  # after ray.init, which installs its own
+        signal.signal(signal.SIGTERM, _stop_on_sigterm(driver))  # after ray.init, which installs its own
         driver.can_grow = can_grow
         try:
             result = driver.run()
@@ -123,9 +126,15 @@ class _Stopped(KeyboardInterrupt):
     """SIGTERM, raised where the driver is, so it stops cleanly."""
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise _Stopped("stopped (SIGTERM)")
+def _stop_on_sigterm(driver: "Driver") -> Callable[[int, Any], None]:
+    """The SIGTERM handler: the run is recorded as stopped by SIGTERM even when the exception reaches the driver
+    as a plain KeyboardInterrupt (Ray raises its own when a signal handler's exception interrupts ``ray.get``)."""
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        driver.stop_reason = "stopped (SIGTERM)"
+        raise _Stopped(driver.stop_reason)
+
+    return handler
 
 
 def _address(args: argparse.Namespace) -> str:

@@ -73,6 +73,9 @@ class Driver:
         self.spec = spec
         self.can_grow = can_grow
         self.fresh = fresh
+        # Why the run is being stopped, set by whoever stops it from outside (the CLI's SIGTERM handler) before the
+        # KeyboardInterrupt it raises reaches ``run``; None: Ctrl-C.
+        self.stop_reason: str | None = None
         self.poll_interval_s = poll_interval_s
         # When the command began (the CLI gives its process's start); the books count from there, else from run().
         self.started_at = started_at
@@ -152,7 +155,7 @@ class Driver:
         except (PlacementError, RendezvousError, StorageError, CheckpointError) as exc:
             r.status, r.error = RunStatus.FAILED, str(exc)
         except KeyboardInterrupt as exc:
-            r.status, r.error = RunStatus.STOPPED, str(exc) or "interrupted (Ctrl-C)"
+            r.status, r.error = RunStatus.STOPPED, self.stop_reason or str(exc) or "interrupted (Ctrl-C)"
             self._say(f"raylaunch: {r.error}: stopping every rank")
             if self.group is not None and self.group.contexts:
                 # A run is usually stopped because it looks stuck: say where it was.
