@@ -30,11 +30,11 @@ __all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "d
            "remove_abandoned"]
 
 
-# What the rank fork server imports once, before any rank starts (not CUDA: importing torch
-# does not initialise it, so forked ranks can still pick their GPU). Not torch._dynamo, which every torch
-# optimizer's constructor imports (1.9 s of a core in each rank): with it in a warm host, DDP ranks forked from the
-# host hung at their function's return now and then (holding the GIL: "no heartbeat for 60 s"), 5 of 347 tests.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "accelerate", "cluster.ranks", "cluster.worker", "cluster.runtime"]
+# What the rank fork server imports once, before any rank starts (not CUDA: importing torch does not initialise it,
+# so forked ranks can still pick their GPU). torch._dynamo too: every torch optimizer's constructor imports it, 1.9 s
+# of a core in each rank otherwise.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "accelerate", "cluster.ranks", "cluster.worker",
+                      "cluster.runtime"]
 # A warm rank host imports transformers too: paid once per node, not once per job.
 HOST_PRELOAD = [*FORKSERVER_PRELOAD, "transformers"]
 

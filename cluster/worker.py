@@ -56,6 +56,12 @@ def run_worker(payload: WorkerPayload) -> Any:
         # raised) failed the other's init with "Connection closed by peer". Every rank is connected past this.
         dist.barrier()
     session.emit(Joined())
+    # Held until the function has returned. Accelerate's end_training() destroys the group while the function's
+    # DDP model still holds it: the model's Reducer, freed as the function returns, then held the last reference
+    # and destroyed the group holding the GIL, while joining gloo threads that may need the GIL to free a finished
+    # collective's tensors (a deadlock: "no heartbeat for 60 s" at the function's return). Dropped below, the
+    # group is destroyed by its Python handle, which lets go of the GIL first.
+    world_group = dist.group.WORLD
     signal.signal(signal.SIGTERM, session.handle_sigterm)
     result = fn(dict(payload.config)) if script is None else _run_script(session, script, payload.context.world_rank)
     # The run is not over before its last checkpoint is: wait for its upload (and
@@ -67,6 +73,7 @@ def run_worker(payload: WorkerPayload) -> Any:
         session.emit(Preempted())
     if dist.is_initialized():
         dist.destroy_process_group()
+    del world_group
     return _storable_return(result, payload.context.world_rank)
 
 

@@ -172,6 +172,21 @@ def hang_in_collective(config: dict) -> None:
     accelerator.reduce(torch.tensor([1.0]), "sum")
 
 
+def ends_training_with_a_gather_in_flight(config: dict) -> dict:
+    """Calls ``end_training()`` (which destroys the group) with its DDP model alive and an all_gather of its own
+    still running on gloo's threads, then returns: the model's Reducer is freed as the function returns."""
+    import torch.distributed as dist
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    size = config.get("elements", 4_000_000)
+    outputs = [torch.zeros(size) for _ in range(accelerator.num_processes)]
+    dist.all_gather(outputs, torch.ones(size), async_op=True)  # not waited for
+    del outputs  # gloo's thread now holds the last reference to these tensors' Python objects
+    accelerator.end_training()
+    return {"type": type(model).__name__}
+
+
 class _SlowOnRank1:
     """A dataset whose rank-1 copy blocks in ``__getitem__`` once ``block_at`` items were read."""
 

@@ -255,6 +255,15 @@ def test_exception_in_train_fn_fails_with_grouped_traceback(ray_cluster, tmp_pat
     assert saved["status"] == "failed" and "ValueError: bad batch shape" in saved["error"]
 
 
+def test_a_function_that_ends_training_with_its_model_alive_returns(ray_cluster, tmp_path):
+    # Accelerate's end_training() destroys the group the DDP model holds; with a collective still on gloo's threads,
+    # freeing the model at the function's return deadlocked the rank (torch destroyed the group holding the GIL).
+    result = run_spec(f"name: ends\ntrain_fn: fns:ends_training_with_a_gather_in_flight\nscaling: {{num_nodes: 2}}\n"
+                      f"timeouts: {{heartbeat_s: 30}}\nstorage: {tmp_path}\n")
+    assert result.status == "succeeded", result.error
+    assert result.rank_results == {"0": {"type": "DistributedDataParallel"}, "1": {"type": "DistributedDataParallel"}}
+
+
 def test_same_result_under_accelerate_launch(digits_run, tmp_path):
     """The same function, world size 2 under `accelerate launch`, ends with the same weights."""
     result, _ = digits_run
