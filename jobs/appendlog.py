@@ -6,6 +6,8 @@ rewritten whole now and then (``_ObjectLog``). ``jobs.storage.RunDir`` owns the 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -29,6 +31,9 @@ OBJECT_REWRITE_BYTES_PER_S = 1 << 20
 SEGMENT_BYTES = 4 << 20
 SEGMENT_S = 600.0
 HELD_BYTES = 64 << 20
+# Rows a full disk refused are held and written with the next append once there is space: at most this many
+# bytes of each file (past it, the oldest rows go and the next write says how many lines were lost).
+BACKLOG_BYTES = 16 << 20
 
 
 def segment_path(path: str, index: int) -> str:
@@ -66,9 +71,15 @@ class AppendLogs:
         self._streams: dict[str, Any] = {}
         self._objects: dict[str, _ObjectLog] = {}
         self._held = 0  # bytes the _ObjectLogs hold in memory
-        self._torn: set[str] = set()  # files whose last append failed part-way (a full disk): may end mid-line
+        self._sizes: dict[str, int] = {}  # a POSIX file's size after the last append that went through
+        self._backlog: dict[str, bytes] = {}  # rows a full disk refused, written with the next append
+        self._dropped: dict[str, int] = {}  # lines of the backlog dropped past BACKLOG_BYTES
+        self._torn: set[str] = set()  # files a failed append may have left ending mid-line (not cut back)
 
     def append(self, rel: str, text: str) -> None:
+        """Append ``text`` (whole lines) to ``rel``. On a POSIX path a write the disk refuses raises ``OSError``,
+        and its lines are held (up to ``BACKLOG_BYTES`` a file) and written before the next append's: a few
+        seconds of a full disk lose no row."""
         path = f"{self.root}/{rel}"
         if not self.local:
             log = self._objects.get(rel)
@@ -81,24 +92,59 @@ class AppendLogs:
                     log.roll()
                 self._held = 0
             return
+        data = self._backlog.pop(rel, b"") + text.encode()
         stream = self._streams.get(rel)
-        if stream is None:
-            stream = self._streams[rel] = self.fs.open_append_stream(path)
-        # After a failed append the file may end in half a line: the next rows start on a line of their own, so
-        # only the torn one is lost (readers skip it), not the first row written once there is space again.
-        data = ("\n" + text if rel in self._torn else text).encode()
         try:
-            stream.write(data)
+            if stream is None:
+                stream = self._streams[rel] = self.fs.open_append_stream(path)
+                self._sizes[rel] = os.path.getsize(path)
+            # A file a failed append left mid-line (it could not be cut back) goes on from a line of its own:
+            # only that torn line is unreadable (readers skip it), and the held rows follow it whole.
+            stream.write(b"\n" + data if rel in self._torn else data)
             stream.flush()
         except OSError:
-            self._torn.add(rel)
-            self._streams.pop(rel, None)  # reopened at the next append
+            self._refused(rel, path, stream, data)
+            raise
+        self._sizes[rel] += len(data) + (rel in self._torn)
+        self._torn.discard(rel)
+        if rel in self._dropped:
+            self._say_dropped(rel)
+
+    def _refused(self, rel: str, path: str, stream: Any, data: bytes) -> None:
+        """The disk refused ``data``: cut the file back to its last whole append and hold ``data``."""
+        self._streams.pop(rel, None)  # reopened at the next append
+        if stream is not None:
             try:
                 stream.close()
             except OSError:
                 pass
-            raise
-        self._torn.discard(rel)
+        if rel in self._sizes and rel not in self._torn:
+            try:
+                os.truncate(path, self._sizes.pop(rel))  # frees what part of the write got in: no half row
+            except OSError:
+                self._torn.add(rel)
+        elif rel in self._sizes:
+            self._sizes.pop(rel)
+        if len(data) > BACKLOG_BYTES:  # the oldest rows go, whole lines
+            newline = data.find(b"\n", len(data) - BACKLOG_BYTES - 1)
+            cut = len(data) if newline < 0 else newline + 1
+            self._dropped[rel] = self._dropped.get(rel, 0) + data[:cut].count(b"\n")
+            data = data[cut:]
+        if data:
+            self._backlog[rel] = data
+
+    def _say_dropped(self, rel: str) -> None:
+        print(f"raylaunch: {self._dropped.pop(rel)} line(s) of {self.root}/{rel} were lost while the disk was "
+              f"full (more than {BACKLOG_BYTES >> 20} MiB waited for space)", file=sys.stderr)
+
+    def write_backlog(self) -> None:
+        """Try again what a full disk refused (``OSError`` while it still does; nothing is lost by a failure)."""
+        for rel in list(self._backlog):
+            self.append(rel, "")
+
+    def held_bytes(self) -> int:
+        """Bytes of rows waiting for the disk to take them."""
+        return sum(len(b) for b in self._backlog.values())
 
     def flush(self) -> None:
         """Write out what object-store logs hold in memory (POSIX appends are written at once)."""
@@ -106,7 +152,14 @@ class AppendLogs:
             log.flush()
 
     def close(self) -> None:
+        """Write out everything held; raises ``OSError`` if the storage still refuses some of it."""
         self.flush()
+        try:
+            self.write_backlog()
+        finally:
+            self._close_streams()
+
+    def _close_streams(self) -> None:
         for s in self._streams.values():
             s.close()
         self._streams.clear()

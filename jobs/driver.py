@@ -191,9 +191,13 @@ class Driver:
             rec.board.close()  # says, never raises, when its files cannot be written
             try:
                 rec.write_result()
-                self.run_dir.close()
             except OSError as exc:
                 self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
+            try:
+                self.run_dir.close()
+            except OSError as exc:
+                self._say(f"raylaunch: metrics, events or logs held while {self.run_dir.uri} refused writes are "
+                          f"lost: {exc}")
         return r
 
     def _attempts(self, placement: Placement) -> None:

@@ -194,19 +194,43 @@ def _fill(disk: Path, leave: int = 0) -> Path:
     return filler
 
 
-def test_metrics_around_a_full_disk_keep_every_row_that_could_be_written(tiny_disk):
+def test_metrics_a_full_disk_refused_are_written_once_there_is_space(tiny_disk, capsys):
     """Found by `make chaos` (seed 3): an append cut short by a full disk left half a row, and the first row
-    written once there was space again was glued to it: both lost. Now only the row the disk refused is."""
+    written once there was space again was glued to it: both lost. Then CI (a rank killed, then the disk full
+    during the recovery): the refused row itself was lost, one rank's samples of a step missing from the run's
+    record. Now the refused rows wait for space, and no half row is left behind."""
     run = RunDir(str(tiny_disk), "r")
     run.prepare({"name": "r"})
     run.append_metrics([{"step": 1, "loss": 1.0}])
     filler = _fill(tiny_disk, leave=4096)
     with pytest.raises(OSError):
-        run.append_metrics([{"step": 2, "text": "x" * 20_000}])  # part of it fits: a torn line
+        run.append_metrics([{"step": 2, "text": "x" * 20_000}])  # part of it fits: cut back, held
+    with pytest.raises(OSError):
+        run.append_metrics([{"step": 3, "loss": 0.75}])  # still full: held behind step 2
     filler.unlink()
-    run.append_metrics([{"step": 3, "loss": 0.5}])
+    run.append_metrics([{"step": 4, "loss": 0.5}])
     run.close()
-    assert [r["step"] for r in RunDir(str(tiny_disk), "r").read_metrics()] == [1, 3]
+    assert [r["step"] for r in RunDir(str(tiny_disk), "r").read_metrics()] == [1, 2, 3, 4]
+    assert "cannot be read" not in capsys.readouterr().err
+
+
+def test_rows_held_for_a_full_disk_are_bounded_and_the_loss_is_said(tiny_disk, monkeypatch, capsys):
+    """A disk full for hours must not grow the driver's memory without end: past the bound the oldest held
+    rows go, whole, and the run's output says how many."""
+    monkeypatch.setattr("jobs.appendlog.BACKLOG_BYTES", 1000)
+    run = RunDir(str(tiny_disk), "r")
+    run.prepare({"name": "r"})
+    filler = _fill(tiny_disk)
+    for step in range(1, 101):  # 100 rows of about 40 bytes: about 25 of them fit the bound
+        with pytest.raises(OSError):
+            run.append_metrics([{"step": step, "loss": 0.123456}])
+    filler.unlink()
+    run.append_metrics([{"step": 101, "loss": 0.1}])
+    run.close()
+    steps = [r["step"] for r in RunDir(str(tiny_disk), "r").read_metrics()]
+    assert steps == list(range(steps[0], 102)) and 10 < len(steps) < 40, steps
+    said = capsys.readouterr().err
+    assert f"raylaunch: {steps[0] - 1} line(s) of" in said and "were lost while the disk was full" in said, said
 
 
 def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, capsys):
