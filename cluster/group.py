@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.connect import node_environment
 from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.layout import events_file, flight_recorder_prefix
-from cluster.node import CONCURRENCY_GROUPS, NodeActor, NodeInfo, RendezvousError
+from cluster.node import NodeActor, NodeInfo, RendezvousError
 from cluster.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement
 from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.rankhost import WarmHost
@@ -187,7 +187,7 @@ class NodeGroup:
     ) -> "NodeGroup":
         """Reserve the nodes (``cluster.placement.reserve``) and start the actors, or raise ``PlacementError``."""
         pg = reserve(placement, timeout_s=timeout_s, can_grow=can_grow, on_wait=on_wait, timeout_name=timeout_name)
-        remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeActor)
+        remote_cls = ray.remote(NodeActor)
         # Named, so `raylaunch stacks` can reach them from another process on the cluster.
         token = secrets.token_hex(4)
         names = [f"raylaunch-{token}-node{i}" for i in range(placement.num_nodes)]

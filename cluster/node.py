@@ -34,17 +34,17 @@ from cluster.ranks import LocalRanks, StoreProcess
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 from cluster.tail import Tail
 
-__all__ = ["CONCURRENCY_GROUPS", "NodeActor", "NodeInfo", "RendezvousError"]
+__all__ = ["NodeActor", "NodeInfo", "RendezvousError"]
 
 # The variables that name the collective backends' socket interface on a node.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-# The actor's concurrency group for the calls that only look (``NodeActor.pids``, ``stacks``); every other call runs
-# in the default group, one at a time. With groups, Ray runs every call in a thread of its own, none on the main
-# thread.
-INSPECT = "inspect"
-CONCURRENCY_GROUPS = {INSPECT: 1}
+# The actor has no concurrency groups: every call runs on its main thread, one at a time. Ray's task loop wakes
+# that thread every 10 ms to check for signals (its own GIL and timer round trip: 0.0087 cores, measured) except
+# while a call runs there, so a poll held on it keeps the node actor at about 0.006 cores in steady training
+# instead of 0.014 (bench/results.md, the CPU beside the ranks). A call that only looks (``pids``, ``stacks``)
+# waits behind a held poll at most its hold (``jobs.driver.POLL_HOLD_S``, 1 s).
 # How often a held poll reads the ranks' files (a rank that ends wakes it at once). A poll held for 1 s reads them
 # three times and answers after the full second (it answered after 0.75 s with four reads at 0.25 s).
 POLL_TICK_S = 0.5
@@ -221,15 +221,10 @@ class NodeActor:
             self._tails.append((rank, "event", Tail(payloads[i].events_path, max_line=None)))
         self._state = NodeState.RUNNING
 
-    # ``pids`` and ``stacks`` run in a thread of their own (``INSPECT``), beside the driver's calls: a poll held
-    # up to a second must not hold `raylaunch stacks` or an injector's look at the ranks behind it. They only read.
-    @ray.method(concurrency_group=INSPECT)
     def pids(self) -> dict[int, int]:
         """World rank -> process id of the ranks running now."""
-        pctx = self._pctx  # one look: a stop in the other thread may clear it meanwhile
-        return {} if pctx is None else pctx.pids()
+        return {} if self._pctx is None else self._pctx.pids()
 
-    @ray.method(concurrency_group=INSPECT)
     def stacks(self, timeout_s: float = SAMPLE_TIMEOUT_S) -> tuple[list[RankStack], dict[int, bytes]]:
         """Every local rank's stacks, read at once within about ``timeout_s``, without
         stopping them; and the NCCL Flight Recorder dumps the ranks wrote (GPU nodes)."""
