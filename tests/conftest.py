@@ -205,6 +205,29 @@ def pytest_configure(config) -> None:
                                 "xdist groups (--dist loadgroup): install the test extra, which keeps pytest below 9.2")
 
 
+def _hosts_folders() -> set[Path]:
+    import tempfile
+
+    return set(Path(tempfile.gettempdir()).glob(f"raylaunch-hosts-{os.getuid()}-*"))
+
+
+def pytest_sessionstart(session) -> None:
+    session.config._hosts_folders_before = _hosts_folders()
+
+
+def pytest_sessionfinish(session) -> None:
+    """The warm hosts' folder of each PID namespace the tests made (``cluster.rankhost``) goes once empty: the
+    namespace is gone, so nothing will use it again. Only on the controller (xdist's workers finish one by one, and
+    a folder left empty by one may be about to get a host of the other's)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for folder in _hosts_folders() - getattr(session.config, "_hosts_folders_before", set()):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: a host still runs there
+            pass
+
+
 def group_module_fixtures(items) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) each worker is its own session with its own
     ``ray_cluster``, and the tests are handed out one by one. A test that uses a module-scoped fixture (a module's
