@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 from cluster.protocol import Progress, RunStatus
 from jobs.board import Board
 from jobs.environment import Secrets
-from jobs.events import AttemptStarted, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting, decode
+from jobs.events import (AttemptEnded, AttemptStarted, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting,
+                         decode)
 from jobs.ledger import Ledger, ledger
 from jobs.policy import WorldSize, resize_note
 from jobs.storage import RECORD_KEYS, RunDir
@@ -82,6 +83,9 @@ class Recorder:
         self.result = RunResult(status=RunStatus.FAILED, run_dir=run_dir.uri)
         self.board: Board | None = None
         self._last_print = 0.0
+        # What rank 0 reported since the last progress line (held back by the one-a-second limit): its newest step
+        # and each metric's newest value, shown with the next line or when the attempt ends.
+        self._unshown: tuple[Any, dict, dict, float | None] | None = None
         self._store_errors: set[str] = set()
 
     # --- messages -----------------------------------------------------------------
@@ -125,6 +129,8 @@ class Recorder:
 
     def event(self, e: RunEvent) -> None:
         """Store ``e`` (if it is kept) and hand it to the view."""
+        if isinstance(e, AttemptEnded):
+            self._show_unshown()
         if e.stored:
             self.events.append(e)
             self._store(self.run_dir.append_events, [e.to_dict()])
@@ -231,17 +237,31 @@ class Recorder:
             r.last_step = max(r.last_step or 0, int(record["step"]))
         values = {k: v for k, v in record.items() if k not in RECORD_KEYS}
         r.last_metrics.update(values)
-        now = time.monotonic()
-        if now - self._last_print < 1.0 and not any("eval" in k for k in values):
-            return
-        self._last_print = now
         # The ranks' pace verdict (jobs/pace.py) rides along while it holds: straggler=1 starved=1
         extra = {**(pace or {}), **({"world_size": record["world_size"]} if "world_size" in record else {})}
-        shown = Progress.of(record.get("step"), {**values, **extra})
+        if self._unshown is not None:  # a line held back: its newer metrics show with this one (a loss with the eval)
+            values = {**self._unshown[1], **values}
+            self._unshown = None
+        now = time.monotonic()
+        if now - self._last_print < 1.0 and not any("eval" in k for k in values):
+            if record.get("step") is not None:
+                self._unshown = (record["step"], values, extra, record.get("time"))
+            return
+        self._last_print = now
+        self._show(record.get("step"), {**values, **extra}, record.get("time"))
+
+    def _show(self, step: Any, values: dict, at: float | None) -> None:
+        shown = Progress.of(step, values)
         if self.on_event is None or shown.step is None:  # a step of None is a plain line to a view too
             self.say(shown.line())
         else:
-            self.on_event(ProgressShown(time=record.get("time") or time.time(), step=shown.step,
+            self.on_event(ProgressShown(time=at or time.time(), step=shown.step,
                                         values={self.secrets.mask(k): self.secrets.mask(v)
                                                 for k, v in shown.values.items()}))
 
+    def _show_unshown(self) -> None:
+        """The newest progress the one-a-second limit held back, so the attempt's last line is its last step."""
+        if self._unshown is not None:
+            step, values, extra, at = self._unshown
+            self._unshown = None
+            self._show(step, {**values, **extra}, at)

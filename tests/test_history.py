@@ -382,3 +382,21 @@ def test_a_tracker_the_user_configures_keeps_working_beside_the_runners(ray_clus
     ours = [r for r in rows(tmp_path / "runs", "own-tracker") if r["rank"] == 0 and "loss" in r]
     assert [r["step"] for r in ours] == list(range(1, 13))
     assert [e.value for e in board.Scalars("loss")] == pytest.approx([r["loss"] for r in ours])
+
+
+def test_the_last_progress_line_shows_the_newest_metrics_and_the_last_step(tmp_path):
+    """Found running `make demo`: the step's loss came within a second of the line before, so its line (forced
+    by the evaluation of the same step) showed the loss of a second earlier: 0.018 against the 0.044 that
+    metrics.jsonl and `raylaunch runs` show. And a run whose last rows came within that second ended its
+    output on an earlier step."""
+    from jobs.record import Recorder
+
+    shown: list[RunEvent] = []
+    rec = Recorder(RunDir(str(tmp_path), "r"), on_event=shown.append)
+    rec.progress({"step": 1, "rank": 0, "loss": 0.9})
+    rec.progress({"step": 2, "rank": 0, "loss": 0.5})  # within the second: held back
+    rec.progress({"step": 2, "rank": 0, "eval_accuracy": 0.75})  # an evaluation is always shown
+    rec.progress({"step": 3, "rank": 0, "loss": 0.25})  # held back again
+    rec.event(AttemptEnded(time=0, attempt=1, outcome="succeeded"))
+    lines = [(e.step, e.values) for e in shown if isinstance(e, ProgressShown)]
+    assert lines == [(1, {"loss": "0.9"}), (2, {"loss": "0.5", "eval_accuracy": "0.75"}), (3, {"loss": "0.25"})]
