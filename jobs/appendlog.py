@@ -118,13 +118,12 @@ class AppendLogs:
                 stream.close()
             except OSError:
                 pass
-        if rel in self._sizes and rel not in self._torn:
+        size = self._sizes.pop(rel, None)  # unknown once the stream is gone: read again at the reopen
+        if size is not None and rel not in self._torn:
             try:
-                os.truncate(path, self._sizes.pop(rel))  # frees what part of the write got in: no half row
+                os.truncate(path, size)  # frees what part of the write got in: no half row
             except OSError:
                 self._torn.add(rel)
-        elif rel in self._sizes:
-            self._sizes.pop(rel)
         if len(data) > BACKLOG_BYTES:  # the oldest rows go, whole lines
             newline = data.find(b"\n", len(data) - BACKLOG_BYTES - 1)
             cut = len(data) if newline < 0 else newline + 1
@@ -137,14 +136,10 @@ class AppendLogs:
         print(f"raylaunch: {self._dropped.pop(rel)} line(s) of {self.root}/{rel} were lost while the disk was "
               f"full (more than {BACKLOG_BYTES >> 20} MiB waited for space)", file=sys.stderr)
 
-    def write_backlog(self) -> None:
+    def _write_backlog(self) -> None:
         """Try again what a full disk refused (``OSError`` while it still does; nothing is lost by a failure)."""
         for rel in list(self._backlog):
             self.append(rel, "")
-
-    def held_bytes(self) -> int:
-        """Bytes of rows waiting for the disk to take them."""
-        return sum(len(b) for b in self._backlog.values())
 
     def flush(self) -> None:
         """Write out what object-store logs hold in memory (POSIX appends are written at once)."""
@@ -155,7 +150,7 @@ class AppendLogs:
         """Write out everything held; raises ``OSError`` if the storage still refuses some of it."""
         self.flush()
         try:
-            self.write_backlog()
+            self._write_backlog()
         finally:
             self._close_streams()
 

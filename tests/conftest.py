@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -206,8 +207,6 @@ def pytest_configure(config) -> None:
 
 
 def _hosts_folders() -> set[Path]:
-    import tempfile
-
     return set(Path(tempfile.gettempdir()).glob(f"raylaunch-hosts-{os.getuid()}-*"))
 
 
