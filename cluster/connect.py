@@ -15,8 +15,12 @@ from cluster.rankhost import PROJECT_VAR
 from cluster.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.upload; it stays importable from here.
-__all__ = ["EMBEDDED_NODE", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect", "embedded_node",
-           "job_workdir", "node_environment", "stop_processes_under"]
+__all__ = ["EMBEDDED_NODE", "GPUS_VAR", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect",
+           "divide_gpus", "embedded_node", "holds_embedded_cluster", "job_workdir", "machine_gpus", "node_environment", "stop_processes_under"]
+
+# How many of this machine's GPUs an embedded cluster declares, instead of what ``machine_gpus`` finds: 0 keeps a
+# `raylaunch run` without --address on the CPUs of a machine with GPUs; tests set it to model a machine with GPUs.
+GPUS_VAR = "RAYLAUNCH_LOCAL_GPUS"
 
 
 _node_environment: dict[str, str] = {}  # while ``connect`` holds an embedded cluster: ``node_environment``
@@ -130,8 +134,8 @@ def _sigterm_handlers_from_the_main_thread_only() -> Iterator[None]:
         utils.set_sigterm_handler = real
 
 
-def _add_nodes_beside(cluster: Any, n: int, cpus: float, release: threading.Event) -> Callable[[], None]:
-    """Start adding ``n`` nodes to ``cluster`` from a thread of their own; the call returned waits until they are
+def _add_nodes_beside(cluster: Any, nodes: list[dict[str, object]], release: threading.Event) -> Callable[[], None]:
+    """Start adding ``nodes`` (each one's arguments) to ``cluster`` from a thread of their own; the call returned waits until they are
     started (not yet registered) and raises what adding them raised. The thread then lives until ``release``: Ray
     starts a node's processes to die with the thread that started them (``PR_SET_PDEATHSIG``), so a thread that
     ended would take its nodes with it."""
@@ -140,8 +144,8 @@ def _add_nodes_beside(cluster: Any, n: int, cpus: float, release: threading.Even
 
     def add() -> None:
         try:
-            for _ in range(n):
-                cluster.add_node(wait=False, **embedded_node(num_cpus=cpus))
+            for args in nodes:
+                cluster.add_node(wait=False, **args)
         except BaseException as exc:  # raised on the connecting thread
             failed.append(exc)
         finally:
@@ -158,14 +162,94 @@ def _add_nodes_beside(cluster: Any, n: int, cpus: float, release: threading.Even
     return wait
 
 
+def machine_gpus(*, override: bool = True) -> list[str]:
+    """The GPUs this machine gives a cluster started here, as ``CUDA_VISIBLE_DEVICES`` names them.
+
+    ``CUDA_VISIBLE_DEVICES`` where it is set (as Ray's own ``ray start`` respects it); otherwise every GPU
+    ``nvidia-smi -L`` lists (the driver's tool: no torch on this side, and none where no NVIDIA driver is).
+    ``RAYLAUNCH_LOCAL_GPUS=<n>`` overrides the count (the first n of those ids, or 0..n-1) unless ``override`` is
+    false (what the machine really has).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        found = [] if visible.strip() in ("", "NoDevFiles") else [v.strip() for v in visible.split(",") if v.strip()]
+    else:
+        import shutil
+        import subprocess
+
+        smi = shutil.which("nvidia-smi")
+        found = []
+        if smi:
+            try:
+                out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+            except (OSError, subprocess.SubprocessError):
+                out = ""
+            found = [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+    given = os.environ.get(GPUS_VAR, "").strip() if override else ""
+    if given:
+        try:
+            n = int(given)
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            raise RaylaunchError(f"{GPUS_VAR}={given!r}: give a whole number of GPUs (0 keeps an embedded "
+                                 "cluster on the CPUs)") from None
+        found = found[:n] if len(found) >= n else [str(i) for i in range(n)]
+    return found
+
+
+def divide_gpus(gpus: list[str], nodes: int) -> list[list[str]]:
+    """``gpus`` divided over ``nodes`` local nodes, as evenly as they go, the first nodes taking any remainder; with
+    fewer GPUs than nodes, the first nodes get one each and the rest none.
+
+    >>> divide_gpus(["0", "1", "2"], 2), divide_gpus(["0"], 2), divide_gpus([], 2)
+    ([['0', '1'], ['2']], [['0'], []], [[], []])
+    """
+    base, extra = divmod(len(gpus), nodes)
+    out, at = [], 0
+    for i in range(nodes):
+        take = base + (1 if i < extra else 0)
+        out.append(gpus[at:at + take])
+        at += take
+    return out
+
+
+def describe_division(gpus: list[str], slices: list[list[str]]) -> str:
+    """One line: which of this machine's GPUs each local node declares."""
+    where = "CUDA_VISIBLE_DEVICES" if "CUDA_VISIBLE_DEVICES" in os.environ else "nvidia-smi"
+    if os.environ.get(GPUS_VAR, "").strip():
+        where = GPUS_VAR
+    nodes = "; ".join(f"node {i}: " + (f"GPU {','.join(s)}" if s else "no GPU") for i, s in enumerate(slices))
+    uneven = len({len(s) for s in slices}) > 1
+    return (f"raylaunch: this machine's {len(gpus)} GPU(s) ({where}) over {len(slices)} local node(s): {nodes}"
+            + (" (uneven: scaling.workers_per_node: auto takes what every node has)" if uneven else ""))
+
+
+def _node_gpus(gpu_slice: list[str], has_gpus: bool) -> dict[str, object]:
+    """A local node's GPU arguments: its share, and the devices its raylet (and so its workers) may see."""
+    if not has_gpus:
+        return {"num_gpus": 0}
+    return {"num_gpus": len(gpu_slice), "env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(gpu_slice)}}
+
+
+_embedded: list[bool] = []  # while ``connect`` holds an embedded cluster: [True]
+
+
+def holds_embedded_cluster() -> bool:
+    """Whether ``connect`` holds an embedded cluster (started on this machine) now."""
+    return bool(_embedded)
+
+
 @contextlib.contextmanager
 def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0,
-            upload: UploadPlan | None = None) -> Iterator[bool]:
+            upload: UploadPlan | None = None, gpus: list[str] | None = None,
+            say: Callable[[str], None] = print) -> Iterator[bool]:
     """Connect for the length of the block; yields whether the cluster may grow.
 
     ``address=None`` starts an embedded cluster of ``local_nodes`` real Ray
     nodes (``ray.cluster_utils.Cluster``: one raylet each) and tears it down
-    afterwards; it cannot grow, so placement that does not fit fails at once.
+    afterwards; it cannot grow, so placement that does not fit fails at once. Its nodes declare this machine's
+    GPUs (``gpus``, by default ``machine_gpus()``), divided over them (``divide_gpus``; said through ``say``).
     With an address, the working directory is uploaded as ``upload`` plans it
     (planned here from the current folder when not given), after its size check.
     """
@@ -176,15 +260,21 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         runner = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
         node_env = {"PYTHONPATH": pythonpath, PROJECT_VAR: cwd}
+        gpus = machine_gpus() if gpus is None else gpus
+        slices = divide_gpus(gpus, local_nodes)
+        if gpus:
+            say(describe_division(gpus, slices))
         with _minimal_agents(), _head_without_api_server():
-            cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=cpus_per_node))
+            cluster = Cluster(initialize_head=True, head_node_args=embedded_node(
+                num_cpus=cpus_per_node, **_node_gpus(slices[0], bool(gpus))))
         release = threading.Event()
         try:
             # The other nodes start while this process connects, from a thread, and have all registered before the
             # reservation (``wait_for_nodes`` below). A 2-node cluster on 2 cores, command to a task on each node,
             # alternating, 5 each: 9.3 s (8.6-10.6) adding them first on this thread, 8.1 s (7.9-9.2) from the other.
             with _minimal_agents(), _sigterm_handlers_from_the_main_thread_only():
-                added = _add_nodes_beside(cluster, local_nodes - 1, cpus_per_node, release)
+                added = _add_nodes_beside(cluster, [embedded_node(num_cpus=cpus_per_node, **_node_gpus(s, bool(gpus)))
+                                                    for s in slices[1:]], release)
                 # ray.init puts the driver's current folder first on every worker's sys.path: connect from the
                 # runner's folder, so a worker imports the runner's own packages (a project's own cluster/ or
                 # jobs/ folder cannot stand in for them). The node actors then put PYTHONPATH (the runner's
@@ -199,9 +289,11 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
                     added()
             cluster.wait_for_nodes(timeout=120)
             _node_environment.update(node_env)
+            _embedded[:] = [True]
             yield False
         finally:
             _node_environment.clear()
+            _embedded.clear()
             ray.shutdown()
             cluster.shutdown()
             release.set()

@@ -12,7 +12,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 from cluster.errors import RaylaunchError
 
-__all__ = ["Placement", "PlacementError", "fitting_nodes", "reserve", "resolve_placement"]
+__all__ = ["Placement", "PlacementError", "cpu_beside_gpus", "fitting_nodes", "reserve", "resolve_placement"]
 
 
 class PlacementError(RaylaunchError, RuntimeError):
@@ -97,6 +97,24 @@ def resolve_placement(
                 "Set scaling.workers_per_node to a number, or add nodes."
             )
     return Placement(num_nodes, int(workers_per_node), bool(use_gpu), cpus_per_worker)
+
+
+def cpu_beside_gpus(placement: Placement, asked: bool | str, here: int, embedded: bool) -> str | None:
+    """The line a job that trains on CPUs gets while GPUs sit idle, saying why; None when it trains on GPUs or none
+    are there. ``asked``: the spec's ``scaling.use_gpu``; ``here``: GPUs of the machine the driver runs on;
+    ``embedded``: the cluster was started here (``raylaunch run`` without ``--address``)."""
+    if placement.use_gpu:
+        return None
+    on_nodes = sum(n.get("Resources", {}).get("GPU", 0) for n in _alive_nodes())
+    if on_nodes:
+        return (f"raylaunch: training on CPUs although the cluster's nodes have {on_nodes:g} GPU(s): "
+                f"scaling.use_gpu is {str(asked).lower()}; set scaling.use_gpu: auto to train on them")
+    if here:
+        why = ("its nodes were started without them (RAYLAUNCH_LOCAL_GPUS=0)" if embedded else
+               "the cluster's nodes declare none (start them with `ray start --num-gpus=N`, or give the node type "
+               "its GPUs in cluster.yaml's resources)")
+        return f"raylaunch: training on CPUs although this machine has {here} GPU(s): {why}"
+    return None
 
 
 def _unplaceable(placement: Placement, nodes: list[dict]) -> str:

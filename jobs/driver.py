@@ -17,10 +17,10 @@ from typing import Any, Callable, TextIO
 
 import psutil
 
-from cluster.connect import job_workdir
+from cluster.connect import holds_embedded_cluster, job_workdir, machine_gpus
 from cluster.context import WorkerContext
 from cluster.group import NodeGroup, NodeLostError, RendezvousError
-from cluster.placement import Placement, PlacementError, fitting_nodes, resolve_placement
+from cluster.placement import Placement, PlacementError, cpu_beside_gpus, fitting_nodes, resolve_placement
 from cluster.protocol import NodeState, RankFailure, RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
 from jobs.environment import Secrets, check_requirements
@@ -99,6 +99,12 @@ class Driver:
     def _say(self, text: str) -> None:
         self.recorder.say(text)
 
+    def _say_idle_gpus(self, placement: Placement) -> None:
+        """A run on CPUs where GPUs are (on the cluster's nodes, or on this machine) says so once, and why."""
+        here = len(machine_gpus(override=False))
+        if note := cpu_beside_gpus(placement, self.spec.scaling.use_gpu, here, holds_embedded_cluster()):
+            self._say(note)
+
     # --- the whole run ------------------------------------------------------------
 
     def preflight(self) -> None:
@@ -147,6 +153,8 @@ class Driver:
                 f"raylaunch: {self.spec.name}: {placement.num_nodes} nodes x {placement.workers_per_node} "
                 f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
             )
+            if not placement.use_gpu:
+                self._say_idle_gpus(placement)
             self._say(f"raylaunch: run directory {self.run_dir.uri}")
             if refused := self.accelerate.device_problem(placement.use_gpu):  # DeepSpeed on CPU nodes
                 r.status, r.error = RunStatus.FAILED, refused
