@@ -100,8 +100,9 @@ def train(config: dict) -> dict:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     paced = session.under_runner  # the runner measures data_wait and sync_wait; others do not
     if paced:
+        twin = twin.to(accelerator.device)  # at world size 1 too (it stayed on the CPU there: every GPU run failed)
         if accelerator.num_processes > 1:
-            twin = torch.nn.parallel.DistributedDataParallel(twin.to(accelerator.device))
+            twin = torch.nn.parallel.DistributedDataParallel(twin)
         twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-4)
         untimed = type(loader).__iter__.__wrapped__  # Accelerate's own iterator, without the clock
 
@@ -112,7 +113,9 @@ def train(config: dict) -> dict:
     def compute_loss(net, xb, yb):
         if config.get("model") == "digits_bert":
             return net(input_ids=xb, labels=yb).loss
-        return torch.nn.functional.mse_loss(net(xb), yb)
+        # .float(): under FSDP2 in bf16/fp16 Accelerate returns the model's outputs in that precision (DDP and FSDP1
+        # return float32), and the GPU's mse_loss backward refuses a bf16 input against float32 targets.
+        return torch.nn.functional.mse_loss(net(xb).float(), yb)
 
     logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
     with_pace, without_pace = [], []

@@ -81,12 +81,20 @@ def main() -> int:
     subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", *resources, f"--temp-dir={tmp}",
                     "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
     rows: dict[tuple, list[dict]] = {}
+    failed: dict[tuple, str] = {}
     try:
         for rep in range(REPS):
             for model in MODELS:
                 for precision in PRECISIONS:
                     for strategy in ("ddp", "fsdp"):
-                        r = one_run(port, tmp / "runs", env, model, strategy, precision)
+                        try:
+                            r = one_run(port, tmp / "runs", env, model, strategy, precision)
+                        except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+                            # the other combinations go on; the table says which failed and how
+                            failed[(model, precision, strategy)] = str(exc).strip().splitlines()[-1][:300]
+                            print(f"rep {rep + 1}/{REPS} {model:11s} {precision:4s} {strategy:4s} FAILED: {exc}",
+                                  flush=True)
+                            continue
                         rows.setdefault((model, precision, strategy), []).append(r)
                         print(f"rep {rep + 1}/{REPS} {model:11s} {precision:4s} {strategy:4s} steady "
                               f"{r['steady_ms']:7.1f} ms, held per rank {r['held_mb']}, peak {r['peak_mb']}",
@@ -94,16 +102,20 @@ def main() -> int:
     finally:
         stop_processes_under(str(tmp))
         shutil.rmtree(tmp, ignore_errors=True)
-    world = next(iter(rows.values()))[0]["world_size"]
+    world = next(iter(rows.values()))[0]["world_size"] if rows else "?"
     unit = "peak GPU memory allocated" if GPU else "peak resident memory"
     lines = [f"FSDP against DDP under raylaunch, world size {world} ({'GPUs, NCCL, workers_per_node: auto' if GPU else 'CPU, gloo'}), "
              f"{REPS} alternating run(s) each, 60 steps; steady step of rank 0 (median), per rank: parameters + "
              f"optimizer state held, and the {unit} the runner recorded.", "",
              "| model | precision | strategy | steady step | ratio to DDP | held per rank | " + unit + " per rank |",
              "|---|---|---|---|---|---|---|"]
+    for (model, precision, strategy), error in failed.items():
+        if (model, precision, strategy) not in rows:
+            lines.append(f"| {model} | {precision} | {strategy} | FAILED | - | {error} | - |")
     for (model, precision, strategy), rs in rows.items():
         steady = statistics.median(r["steady_ms"] for r in rs)
-        ddp = statistics.median(r["steady_ms"] for r in rows[(model, precision, "ddp")])
+        ddp_rows = rows.get((model, precision, "ddp"))
+        ddp = statistics.median(r["steady_ms"] for r in ddp_rows) if ddp_rows else float("nan")
         held = ", ".join(f"{v:.1f}" for v in rs[0]["held_mb"])
         peak = ", ".join("-" if v is None else f"{v:.0f}" for v in rs[0]["peak_mb"])
         lines.append(f"| {model} | {precision} | {strategy}{'' if strategy == 'ddp' or rs[0]['sharded'] else ' (NOT sharded)'} "
@@ -116,7 +128,7 @@ def main() -> int:
     else:
         (ROOT / "bench" / "results-strategies.md").write_text(text)
     print(text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from typing import Any, Iterable, Mapping
 from cluster.layout import rank_part_file
 from cluster.strategy import Resolved, _env_for, resolve
 
-__all__ = ["ShardInfo", "init_optimizers_for_load", "install", "seed_missing_rng", "shard_info"]
+__all__ = ["ShardInfo", "fsdp2_precision_note", "init_optimizers_for_load", "install", "seed_missing_rng",
+           "shard_info"]
 
 def seed_missing_rng(files: Iterable[str], rank: int, step: int) -> int | None:
     """A defined RNG state for a rank that the checkpoint has none for (it was saved by fewer ranks).
@@ -106,8 +107,29 @@ def install(accelerate: Mapping[str, Any], *, use_gpu: bool, rank: int = 0, worl
                       "(FSDP would look for a GPU to compute on); it takes effect on GPU nodes", file=sys.stderr,
                       flush=True)
             _fsdp_on_cpu()
+        if rank == 0 and (note := fsdp2_precision_note(r)):
+            print(note, file=sys.stderr, flush=True)
         _report_shards(rank, world)
     return r
+
+
+def fsdp2_precision_note(r: Resolved) -> str | None:
+    """What FSDP2 in bf16 or fp16 changes for a training function, in one line; None otherwise.
+
+    Accelerate's FSDP2 path (``fully_shard`` with a ``MixedPrecisionPolicy``) computes in the low precision and
+    returns the model's outputs in it; DDP and FSDP1 wrap the forward in autocast and return float32 outputs. A loss
+    against float32 targets computed outside the model (``mse_loss(model(x), y)``) then fails on a GPU in backward
+    ("Found dtype Float but expected BFloat16"; CPU kernels let it pass). ``accelerate launch --use_fsdp
+    --fsdp_version 2`` gives the same Accelerator (tests/test_strategy_parity.py); its ``--use_fsdp`` alone gives
+    version 1, the spec's ``accelerate.fsdp`` version 2."""
+    if r.distributed_type != "FSDP" or r.mixed_precision not in ("bf16", "fp16"):
+        return None
+    if str(r.fsdp_config.get("fsdp_version", 2)) != "2":
+        return None
+    return (f"raylaunch: FSDP2 in {r.mixed_precision} (accelerate.fsdp.version 2, the spec's default; `accelerate "
+            f"launch --use_fsdp` defaults to 1): the model's outputs are {r.mixed_precision}, not float32 as under DDP "
+            "or FSDP1, so a loss against float32 targets computed outside the model fails in backward on GPUs; cast "
+            "the outputs (`model(x).float()`) or set accelerate.fsdp.version: 1")
 
 
 def _fsdp_on_cpu() -> None:
