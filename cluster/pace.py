@@ -15,9 +15,16 @@ Measured inside each rank process with no change to the training function:
 The two fractions over each window of a few seconds are reported as a ``pace`` event,
 which the driver stores beside the rank's metrics and judges (``jobs/pace.py``).
 
-Costs per batch: two clock reads and a few additions; per backward: one clock read per
-parameter. DDP's communication itself is untouched (no communication hook: torch's Python
-``allreduce_hook`` alone made a 2.1M-parameter MLP's step 5-20% slower on CPU).
+Costs per batch: two clock reads and a few additions; per backward: one mark when the last gradient is computed
+and one when ``backward`` returns. Which parameter's gradient comes last is learned over the first backwards (the
+hooks of the others are then removed). DDP's communication itself is untouched (no communication hook: torch's
+Python ``allreduce_hook`` alone made a 2.1M-parameter MLP's step 5-20% slower on CPU).
+
+On a GPU the CPU clock cannot see the wait: ``backward`` returns once kernels are queued, and the reduction runs
+later on the stream. There the two marks are CUDA events recorded on the current stream (``CudaTimer``): the time
+between them is the stream's wait for the reduction, read a window later, when the events have completed, without
+ever synchronizing the host. A ``Timer`` is the seam: ``tests/test_pace.py`` gives the meter one with GPU-like
+delayed readings.
 """
 
 from __future__ import annotations
@@ -28,12 +35,55 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-__all__ = ["PaceMeter", "install"]
+__all__ = ["CpuTimer", "CudaTimer", "PaceMeter", "Timer", "install"]
 
 # How often a rank reports its pace (seconds).
 REPORT_EVERY_S = 3.0
 # The fewest batches a report covers (a window with fewer goes on).
 MIN_BATCHES = 5
+
+
+class Timer:
+    """Marks on a timeline and the seconds between two of them, once both are read: the CPU's clock, or a GPU's
+    stream. ``elapsed`` returns None while a mark is not yet reached (a GPU still working), and never waits."""
+
+    def mark(self) -> Any:
+        raise NotImplementedError
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        raise NotImplementedError
+
+
+class CpuTimer(Timer):
+    """``time.perf_counter``: every mark is reached when it is made."""
+
+    mark = staticmethod(time.perf_counter)
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaTimer(Timer):
+    """CUDA events recorded on the current stream (of the device current when marked); events come from a pool and
+    go back to it once read, so a step allocates none."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._free: list[Any] = []
+
+    def mark(self) -> Any:
+        event = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        if not end.query():  # the stream has not reached it: read it a window later
+            return None
+        seconds = start.elapsed_time(end) / 1000.0
+        self._free += (start, end)
+        return seconds
 
 
 class PaceMeter:
@@ -53,10 +103,15 @@ class PaceMeter:
     True
     """
 
-    def __init__(self) -> None:
+    # Unread (last gradient, backward returned) mark pairs kept at most: past it the oldest are dropped unread.
+    MAX_PENDING = 256
+
+    def __init__(self, timer: Timer | None = None) -> None:
         self._lock = threading.Lock()
+        self.timer: Timer = timer or CpuTimer()
         self._last: float | None = None  # when the previous batch was handed to the function
-        self._grad_at: float | None = None  # when this backward's latest gradient was computed
+        self._grad_at: Any = None  # the timer's mark when this backward's latest gradient was computed
+        self._pending: list[tuple[Any, Any]] = []  # marks whose time the timer could not read yet
         # When the first batch was asked for (Unix time), until a window reports it: training began there.
         self._first: float | None = None
         self._first_said = False
@@ -81,17 +136,34 @@ class PaceMeter:
             self._last = ended
 
     def gradient_ready(self, param: Any = None) -> None:
-        """A parameter's gradient is computed (a hook on every parameter): the latest time wins."""
-        self._grad_at = time.perf_counter()
+        """A parameter's gradient is computed (a hook on the parameters computed last): the latest mark wins."""
+        self._grad_at = self.timer.mark()
 
     def backward_started(self) -> None:
         self._grad_at = None
 
-    def backward_ended(self, at: float) -> None:
-        """``accelerator.backward`` returned at ``at``: since the last gradient, it waited for the
-        gradients' reduction across ranks (DDP's all-reduce, FSDP's reduce-scatter)."""
-        if self._grad_at is not None:
-            self.synced(at - self._grad_at)
+    def backward_ended(self, at: Any = None) -> None:
+        """``accelerator.backward`` returned (``at``: the timer's mark then, made here when not given): since the last
+        gradient, it waited for the gradients' reduction across ranks (DDP's all-reduce, FSDP's reduce-scatter)."""
+        if self._grad_at is None:
+            return
+        end = self.timer.mark() if at is None else at
+        with self._lock:
+            self._pending.append((self._grad_at, end))
+            if len(self._pending) > self.MAX_PENDING:
+                del self._pending[0]
+        self._grad_at = None
+        self._read()
+
+    def _read(self) -> None:
+        """Add the waits the timer can read now, in order; the first it cannot read, and those after it, wait."""
+        with self._lock:
+            while self._pending:
+                seconds = self.timer.elapsed(*self._pending[0])
+                if seconds is None:
+                    break
+                self._pending.pop(0)
+                self.sync_s += max(seconds, 0.0)
 
     def synced(self, seconds: float) -> None:
         """A backward waited ``seconds`` for the other ranks."""
@@ -101,6 +173,7 @@ class PaceMeter:
     def window(self, min_batches: int = 1) -> dict[str, float] | None:
         """The fractions since the last window (and the mean time between batches); None, and the
         window goes on, while fewer than ``min_batches`` came."""
+        self._read()
         with self._lock:
             span, data, sync, n = self.span_s, self.data_s, self.sync_s, self.batches
             if n < max(min_batches, 1) or span <= 0:
@@ -176,22 +249,54 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
     return __iter__
 
 
+class _LastGradients:
+    """The gradient hooks of one prepared model: over its first ``LEARN`` backwards every parameter's hook marks the
+    time and notes which parameter came last; then only the parameters that came last keep a hook."""
+
+    LEARN = 3
+
+    def __init__(self, meter: PaceMeter, params: list[Any]) -> None:
+        self.meter = meter
+        self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook) for p in params}
+        self._last: int | None = None  # the latest parameter hooked in this backward (while learning)
+        self._lasts: set[int] = set()
+        self._learned = 0
+
+    def _hook(self, param: Any) -> None:
+        if self._learned < self.LEARN:
+            self._last = id(param)
+        self.meter.gradient_ready()
+
+    def backward_done(self) -> None:
+        if self._learned >= self.LEARN or self._last is None:
+            return
+        self._lasts.add(self._last)
+        self._last = None
+        self._learned += 1
+        if self._learned == self.LEARN:
+            for key, handle in list(self._handles.items()):
+                if key not in self._lasts:
+                    handle.remove()
+                    del self._handles[key]
+
+
 def _time_backward(meter: PaceMeter) -> None:
     from accelerate import Accelerator
 
     prepare_model, backward = Accelerator.prepare_model, Accelerator.backward
     if getattr(backward, "_raylaunch_timed", False):
         return
-    clock = time.perf_counter
+    models: list[_LastGradients] = []
 
     @functools.wraps(prepare_model)
     def timed_prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         prepared = prepare_model(self, model, *args, **kwargs)
         if self.num_processes > 1:  # alone, a rank waits for nobody
             try:
-                for p in prepared.parameters():
-                    if p.requires_grad:
-                        p.register_post_accumulate_grad_hook(meter.gradient_ready)
+                params = [p for p in prepared.parameters() if p.requires_grad]
+                if params and params[0].device.type == "cuda" and isinstance(meter.timer, CpuTimer):
+                    meter.timer = CudaTimer()  # the stream's time, read without synchronizing the host
+                models.append(_LastGradients(meter, params))
             except (AttributeError, RuntimeError) as exc:  # never the function's failure: unmeasured instead
                 print(f"raylaunch: sync_wait is not measured for this model: {exc}", file=sys.stderr, flush=True)
         return prepared
@@ -200,7 +305,9 @@ def _time_backward(meter: PaceMeter) -> None:
     def timed_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         meter.backward_started()
         out = backward(self, *args, **kwargs)
-        meter.backward_ended(clock())
+        meter.backward_ended()
+        for m in models:
+            m.backward_done()
         return out
 
     for f in (timed_prepare_model, timed_backward):

@@ -117,3 +117,76 @@ def test_the_progress_line_names_ranks_only_while_the_verdict_holds():
     first, second = out.getvalue().splitlines()
     assert first.startswith("raylaunch: step 5/10 (50%) loss=0.5 straggler=1 |")
     assert second.startswith("raylaunch: step 6/10 (60%) loss=0.4 |")
+
+
+class StreamTimer:
+    """A GPU's stream as the meter sees it, on CPU: a mark is a time on the stream, readable only once the stream
+    got there (``advance``); the CPU clock meanwhile sees nothing (``backward`` returned at once)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0  # where the host enqueues (stream time of the next mark)
+        self.reached = 0.0  # how far the stream has run
+        self.reads = 0
+
+    def mark(self) -> float:
+        return self.now
+
+    def elapsed(self, start: float, end: float) -> float | None:
+        self.reads += 1
+        return end - start if end <= self.reached else None
+
+
+def gpu_rank(step_s: float, compute_s: float, steps: int, lag: int) -> dict:
+    """One rank's window: each step's last gradient at ``compute_s`` on its stream, its reduction done at ``step_s``
+    (the slowest rank's pace); the stream runs ``lag`` steps behind the host, as a GPU does."""
+    from cluster.pace import PaceMeter
+
+    timer = StreamTimer()
+    meter = PaceMeter(timer)
+    for step in range(steps):
+        base = step * step_s
+        meter.fetched(base, base + 0.0001)  # the host runs ahead: batches are handed over at once
+        meter.backward_started()
+        timer.now = base + compute_s
+        meter.gradient_ready()
+        timer.now = base + step_s
+        meter.backward_ended()
+        timer.reached = max(0.0, (step - lag + 1) * step_s)
+        assert meter._pending, "a wait the stream has not reached is read a window later, never waited for"
+    timer.reached = steps * step_s  # a window later: the stream caught up
+    meter.fetched(steps * step_s, steps * step_s + 0.0001)
+    return meter.window()
+
+
+def test_on_a_gpu_the_wait_is_the_streams_and_the_verdict_names_the_slow_gpu():
+    """Four ranks at 50 ms a step; rank 2's GPU computes for 48 ms, the others' for 15 ms: they wait on their streams
+    for rank 2, and the host's clock (backward returns at once) would see no wait anywhere."""
+    windows = {r: gpu_rank(0.05, 0.048 if r == 2 else 0.015, steps=20, lag=2) for r in range(4)}
+    for r, w in windows.items():
+        assert w["batches"] == 21
+        expected = (0.05 - (0.048 if r == 2 else 0.015)) * 20 / w["span_s"]
+        assert abs(w["sync_wait"] - expected) < 0.01, (r, w)
+    verdict = judge({r: {k: w[k] for k in ("data_wait", "sync_wait")} for r, w in windows.items()})
+    assert verdict.stragglers == (2,), verdict
+
+
+def test_only_the_parameters_computed_last_keep_a_gradient_hook():
+    import torch
+
+    from cluster.pace import PaceMeter, _LastGradients
+
+    meter = PaceMeter()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 2))
+    hooks = _LastGradients(meter, list(model.parameters()))
+    for step in range(5):
+        meter.backward_started()
+        model(torch.randn(3, 4)).sum().backward()
+        meter.backward_ended()
+        hooks.backward_done()
+        assert meter._grad_at is None and not meter._pending  # one wait a backward, read at once on the CPU clock
+        if step < _LastGradients.LEARN - 1:
+            assert len(hooks._handles) == 6
+    kept = [name for name, p in model.named_parameters() if id(p) in hooks._handles]
+    assert kept and set(kept) <= {"0.weight", "0.bias"}, kept  # the first layer's gradients come last
+    assert meter.sync_s > 0  # every backward's wait was still measured, through the hooks that stayed
