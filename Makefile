@@ -70,13 +70,10 @@ CHAOS_S ?= 600
 chaos: install
 	CHAOS_S=$(CHAOS_S) CHAOS_SEED=$(CHAOS_SEED) $(BIN)/python bench/chaos.py
 
-# On a machine with 1 to 8 GPUs, in under five minutes: the bench's GPU mode (raylaunch against torchrun and
-# Ray Train with NCCL, workers_per_node: auto), then FSDP against DDP in fp32, bf16 and fp16 with each rank's
-# peak GPU memory. Writes bench/results-gpu.md. Then tests/test_gpu.py (2+ GPUs: a hung NCCL collective leaves
-# every rank's stack and its Flight Recorder dump) and the GPU plumbing tests. (Not run yet: no GPU was available.)
-gpu-check: install
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
-	$(BIN)/python -c "import torch, sys; n = torch.cuda.device_count(); print(f'gpu-check: {n} GPU(s)'); sys.exit(0 if n else 'gpu-check: torch sees no CUDA GPU (a CPU build of torch, or no driver)')"
-	BENCH_GPU=1 BENCH_REPS=1 $(BIN)/python bench/run.py
-	$(BIN)/python bench/strategies.py --gpu
-	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_gpu_plumbing.py
+# On a machine with 1 to 8 GPUs, in under ten minutes, with or without a package index: a probe with 3 GiB of GPU state
+# (every save's hold against save_state, a bitwise resume), the bench's GPU mode (raylaunch against torchrun and Ray
+# Train with NCCL), FSDP against DDP in fp32, bf16 and fp16; with 2+ GPUs the NCCL hang test and --local-nodes 2.
+# Installs nothing when what it needs imports already; WHEELS=<dir> (bench/gpu/prepare_wheels.sh, built where pip
+# works) installs from that folder with --no-index. Writes bench/gpu/results/ (check.log and the results files).
+gpu-check:
+	WHEELS=$(WHEELS) bench/gpu/check.sh bench/gpu/results
