@@ -98,3 +98,92 @@ def test_the_checker_finds_a_broken_file_and_a_broken_heading(tmp_path, monkeypa
                                    "[no](c.md) [no](b.md#nope) `[code](x.md)`\n\n```\n[fenced](y.md)\n```\n")
     (tmp_path / "b.md").write_text("# B\n")
     assert broken(tmp_path / "a.md") == ["c.md: no file c.md", "b.md#nope: b.md has no heading #nope"]
+
+
+# --- command examples: every `raylaunch ...` (and `accelerate launch ...`) line of a fenced block parses -----------
+
+_FENCED = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1", re.M | re.S)
+# raylaunch's own options that, written after a script, would reach the script instead (everything after it does)
+_OURS_AFTER_SCRIPT = ("--follow", "--address", "--dry-run", "--local-nodes", "--storage", "--fresh", "--quiet")
+
+
+def _commands(tool: str) -> list[tuple[str, str]]:
+    """(where, command) for each line of a fenced block that starts with ``tool``: a line in two columns gives two,
+    continuation lines are joined, ``[--x]`` (optional) reads as ``--x``, ``[X ...]`` is left out, and shell
+    redirections and comments end it. Pictures (arrows) are not commands."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        for block in _FENCED.finditer(text):
+            first = text[:block.start(2)].count("\n") + 1
+            lines = block.group(2).splitlines()
+            i = 0
+            while i < len(lines):
+                line, at = lines[i].strip().removeprefix("$ "), first + i
+                while line.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    line = line[:-1] + " " + lines[i].strip()
+                i += 1
+                if not line.startswith(tool + " ") or "──>" in line:
+                    continue
+                for part in re.split(r"\s{2,}(?=" + re.escape(tool) + " )", line):
+                    part = re.sub(r"\[(-[^\]\s]+)\]", r"\1", part)
+                    part = re.sub(r"\[[^\]]*\.\.\.\]", "", part)
+                    part = re.split(r"\s[>|]\s|\s&&\s|\s#\s", part)[0]
+                    out.append((f"{page.relative_to(ROOT)}:{at}", part))
+    return out
+
+
+def test_every_raylaunch_command_in_the_docs_parses_as_the_text_means():
+    import shlex
+
+    from jobs.cli import _parser
+    from jobs.launch import is_script_command, parse
+
+    commands = _commands("raylaunch")
+    assert len(commands) > 30
+    wrong = []
+    for where, line in commands:
+        argv = shlex.split(line)[1:]
+        try:
+            if argv[0] == "launch" or (argv[0] in ("submit", "validate") and is_script_command(argv[1:])):
+                cmd = parse(argv[0], argv[1:])
+                given = [a for a in cmd.raw["args"] if a.split("=")[0] in _OURS_AFTER_SCRIPT]
+                if given:
+                    wrong.append(f"{where}: {line}\n  {', '.join(given)} comes after the script, so the script "
+                                 "gets it; put raylaunch's options before the script")
+            else:
+                _parser().parse_args(argv)
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - argparse exits; the spec layer raises
+            wrong.append(f"{where}: {line}\n  does not parse: {exc}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_submit_that_follows_follows():
+    from jobs.launch import parse
+
+    for where, line in _commands("raylaunch"):
+        if line.startswith("raylaunch submit") and "--follow" in line and ".py" in line:
+            import shlex
+
+            cmd = parse("submit", shlex.split(line)[2:])
+            assert cmd.options.follow is True, where
+
+
+def test_every_accelerate_launch_command_in_the_docs_parses_with_accelerates_parser():
+    import shlex
+
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    commands = _commands("accelerate launch") + [(w, c.split("  ")[0]) for w, c in _commands("ACCELERATE_USE_CPU=true")]
+    wrong = []
+    for where, line in commands:
+        argv = shlex.split(line)
+        argv = argv[argv.index("launch") + 1:]
+        try:
+            args = parser.parse_args(argv)
+            assert args.training_script, "no script"
+        except (SystemExit, AssertionError) as exc:
+            wrong.append(f"{where}: {line}: {exc}")
+    assert not wrong, "\n".join(wrong)
