@@ -43,6 +43,61 @@ __all__ = ["CheckpointError", "CheckpointSaveError", "ScriptSave", "StagedCheckp
 OnSaved = Callable[..., None]
 
 
+# The most host memory a rank prepares ahead of its first save: this share of what its node has available when its
+# first optimizer step ran, divided among the node's ranks.
+PREPARE_SHARE = 0.5
+
+
+def _on_first_optimizer_step(call: Callable[[Any], None]) -> Any:
+    """``call(optimizer)`` once, after the first step of any optimizer in this process (torch's global step hook).
+    The hook cannot remove itself (torch iterates over the hooks as it calls them): it does nothing after the first
+    call, and the handle returned is removed by the caller, outside a step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    fired: list[bool] = []
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not fired:
+            fired.append(True)
+            call(optimizer)
+
+    return register_optimizer_step_post_hook(hook)
+
+
+def _state_sizes(optimizer: Any) -> tuple[list[int], bool]:
+    """The bytes of each tensor of the optimizer's parameters and state, which a save copies; whether any is on a GPU.
+    Sharded (``DTensor``) ones are left out: FSDP's sharded state goes through DCP, into memory of its own."""
+    import torch
+
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    sizes, cuda = [], False
+    for t in tensors:
+        if type(t).__name__ == "DTensor" or t.numel() == 0:
+            continue
+        sizes.append(t.numel() * t.element_size())
+        cuda = cuda or t.is_cuda
+    return sizes, cuda
+
+
+def _available_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - no psutil: what the kernel calls free
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _prepare_pinned(sizes: list[int]) -> None:
+    """Pinned host blocks of ``sizes``, allocated and freed: torch's caching host allocator keeps them, and the first
+    save's copies off the GPU take them instead of asking the driver for new pinned memory."""
+    import torch
+
+    blocks = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+    del blocks
+
+
 class StagedCheckpoints:
     """Under the runner: save into the attempt's staging folder, restore the committed checkpoint it was given."""
 
@@ -58,11 +113,50 @@ class StagedCheckpoints:
         self._writer = CheckpointWriter()  # the process that writes the tensors of a save in the background
         self._segments = SegmentPool()  # the last save's shared memory, copied into again by the next
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
+        self.prepared: threading.Thread | None = None  # the first save's host memory, being made
+        self._first_step = _on_first_optimizer_step(self._prepare_first_save) if background else None
+
+    def _prepare_first_save(self, optimizer: Any) -> None:
+        """At the first optimizer step, when the state's size is known (parameters and optimizer state), on the
+        training thread: start the writer process (it ends with the thread that started it), and in a thread of its
+        own prepare the host memory the first save copies into: memfd segments with every page faulted in on CPUs,
+        pinned blocks in torch's caching host allocator on GPUs. Without it the first save held training 1.6 s for
+        3 GiB of GPU state where later ones held 0.06 s. Skipped, said once, past ``PREPARE_SHARE`` of the memory
+        available to each of the node's ranks."""
+        if self._steps:
+            return
+        sizes, cuda = _state_sizes(optimizer)
+        total = sum(sizes)
+        bound = _available_bytes() * PREPARE_SHARE / max(1, self._context.local_world_size)
+        if not total or total > bound:
+            if total:
+                print(f"raylaunch: rank {self._context.world_rank}: the first save's {total / 2**20:.1f} MiB of host memory "
+                      f"is not prepared ahead (over {bound / 2**20:.1f} MiB, {PREPARE_SHARE:.0%} of what this node "
+                      "has available, per rank): it is taken when the first save asks", file=sys.stderr, flush=True)
+            return
+        if not cuda and not self._writer.ensure():
+            return
+
+        def prepare() -> None:
+            try:
+                if cuda:
+                    _prepare_pinned(sizes)
+                else:
+                    self._segments.prepare(sizes)
+            except Exception as exc:  # noqa: BLE001 - never the function's failure: the first save makes its own
+                print(f"raylaunch: the first save's host memory was not prepared ahead: {exc}", file=sys.stderr,
+                      flush=True)
+
+        self.prepared = threading.Thread(target=prepare, daemon=True, name="raylaunch-first-save")
+        self.prepared.start()
 
     def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
         """This rank's part of the checkpoint of ``step``, into staging; ``script``: a script's ``save_state``."""
         requested = time.time()
         began = time.perf_counter()
+        if self._first_step is not None:  # the first step's hook has fired, or never will be needed now
+            self._first_step.remove()
+            self._first_step = None
         if step in self._steps:  # saved twice at one step (a script's step_100, then best): after the first's commit
             self.wait_for_upload()
             self._wait_for_commit(step)

@@ -53,11 +53,29 @@ class SegmentPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[tuple[int, Any]]] = {}  # nbytes -> [(fd, its mapped storage)]
+        self.taken = 0  # segments a capture found here (prepared or kept)
+        self.made = 0  # segments a capture had to make itself
 
     def take(self, nbytes: int) -> tuple[int, Any] | None:
         with self._lock:
             kept = self._free.get(nbytes)
-            return kept.pop() if kept else None
+            if kept:
+                self.taken += 1
+                return kept.pop()
+            self.made += 1
+            return None
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Make segments of ``sizes`` (bytes) and fault in every page now, for the first snapshot to copy into (a
+        thread of its own calls this once the state's size is known: the first save then costs what every later one
+        does). The first snapshot's release keeps its own segments and closes these, as any kept before."""
+        import torch
+
+        for nbytes in sizes:
+            fd, storage = _new_segment(nbytes)
+            torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)).zero_()
+            with self._lock:
+                self._free.setdefault(nbytes, []).append((fd, storage))
 
     def keep(self, segments: list[tuple[int, int, Any]]) -> None:
         """``segments`` ((fd, nbytes, storage)) are free for the next snapshot; any kept before are closed."""
@@ -129,6 +147,19 @@ class Snapshot:
             _close(fd for fd, _, _ in segments.values())
 
 
+def _new_segment(nbytes: int) -> tuple[int, Any]:
+    """A memfd segment of ``nbytes`` and the storage mapping it (its pages not yet touched)."""
+    import torch
+
+    fd = os.memfd_create("raylaunch-checkpoint", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _shared_empty(t: Any, snap: Snapshot) -> Any:
     """An uninitialised CPU tensor like ``t`` whose storage is a memfd segment of its own (kept in ``snap``): one of
     the pool's of the same size when it has one."""
@@ -137,16 +168,7 @@ def _shared_empty(t: Any, snap: Snapshot) -> Any:
     layout = torch.empty_like(t, device="meta")  # the strides a copy of ``t`` gets
     nbytes = t.numel() * t.element_size()
     kept = snap.pool.take(nbytes) if snap.pool is not None else None
-    if kept is not None:
-        fd, storage = kept
-    else:
-        fd = os.memfd_create("raylaunch-checkpoint", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, nbytes)
-            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
+    fd, storage = kept if kept is not None else _new_segment(nbytes)
     out = torch.empty(0, dtype=t.dtype).set_(storage, 0, layout.size(), layout.stride())
     snap.segments[id(out)] = (fd, nbytes, storage)
     return out
