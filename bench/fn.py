@@ -132,8 +132,10 @@ def train(config: dict) -> dict:
         opt.step()
         opt.zero_grad()
         if log:
-            accelerator.log({"loss": loss.item()}, step=step)
-            session.log({"rank_loss": loss.item()}, step=step)
+            # The tensor, not loss.item(): .item() waits for the GPU under any launcher; a tensor is read off the
+            # device by the session's own thread, so the blocks measure what logging itself adds
+            accelerator.log({"loss": loss.detach()}, step=step)
+            session.log({"rank_loss": loss.detach()}, step=step)
         took = time.perf_counter() - began
         (logged if log else quiet).append((step, took))
         (with_pace if timed else without_pace).append((step, took))

@@ -76,6 +76,41 @@ class RunnerTracker(GeneralTracker):
         self._session.log(values, step)
 
 
+def _holds_device_values(values: Any) -> bool:
+    """Whether a log call's values hold a tensor on a device other than the CPU (reading it waits for the device)."""
+    return isinstance(values, dict) and any(
+        getattr(getattr(v, "device", None), "type", "cpu") != "cpu" and callable(getattr(v, "item", None))
+        for v in values.values())
+
+
+class _DeviceRows:
+    """Rows whose values are read off the device by a thread of their own, in the order they were logged; one the
+    thread cannot write (a value that fails to read) is written as far as it can be, by the same caps as any."""
+
+    def __init__(self, write: Any) -> None:
+        import queue
+
+        self._write = write
+        self._rows: Any = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="raylaunch-device-metrics").start()
+
+    def put(self, values: dict, step: int | None, at: float) -> None:
+        self._rows.put((values, step, at))
+
+    def flush(self) -> None:
+        self._rows.join()
+
+    def _run(self) -> None:
+        while True:
+            values, step, at = self._rows.get()
+            try:
+                self._write(values, step, at)
+            except Exception as exc:  # noqa: BLE001 - a metric never fails the rank
+                print(f"raylaunch: metrics of step {step} not written: {exc}", file=sys.stderr, flush=True)
+            finally:
+                self._rows.task_done()
+
+
 class Session:
     """This process's link to the runner (or to a local folder outside it)."""
 
@@ -104,6 +139,7 @@ class Session:
                                                background=payload.checkpoint_async, log=self.log)
                              if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
+        self._device_rows: _DeviceRows | None = None  # from the first row with a value on a GPU: the thread reading
         self.strategy: Resolved | None = None  # set by the worker (cluster.sharding.install)
 
     @property
@@ -155,8 +191,25 @@ class Session:
         return out
 
     def log(self, values: dict, step: int | None = None) -> None:
-        """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank."""
-        self.emit(Metrics(step=step, values=self._clean(values, "metrics")))
+        """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank.
+
+        A value still on a GPU (a tensor such as ``loss``, not ``loss.item()``) is read by a thread of the rank's
+        own, which waits for the GPU in its stead: the training thread never synchronizes with the device to log. From
+        the first such call on, every row of the rank goes through that thread, in order; the worker waits for the
+        rows in it when the function returns (``flush_metrics``)."""
+        at = time.time()
+        if self._device_rows is None and not _holds_device_values(values):
+            self.emit(Metrics(step=step, values=self._clean(values, "metrics")), at=at)
+            return
+        if self._device_rows is None:
+            self._device_rows = _DeviceRows(
+                lambda v, s, t: self.emit(Metrics(step=s, values=self._clean(v, "metrics")), at=t))
+        self._device_rows.put(values, step, at)
+
+    def flush_metrics(self) -> None:
+        """Wait until every row logged so far is written (those with values a thread reads off the device)."""
+        if self._device_rows is not None:
+            self._device_rows.flush()
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -329,10 +382,11 @@ class Session:
         ``requested``: when the save was asked for; ``blocked_s``: how long it held training."""
         self.emit(CheckpointPart(step=step, uri=uri, requested=requested, blocked_s=blocked_s, files=files))
 
-    def emit(self, event: RankEvent) -> None:
-        """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file."""
+    def emit(self, event: RankEvent, at: float | None = None) -> None:
+        """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file. ``at``:
+        when it happened (now when not given)."""
         rank = self.payload.context.world_rank if self.payload is not None else 0
-        line = json.dumps(dataclasses.replace(event, time=time.time(), rank=rank).to_dict())
+        line = json.dumps(dataclasses.replace(event, time=time.time() if at is None else at, rank=rank).to_dict())
         with self._lock:
             self._events.write(line + "\n")
             self._events.flush()

@@ -64,6 +64,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     world_group = dist.group.WORLD
     signal.signal(signal.SIGTERM, session.handle_sigterm)
     result = fn(dict(payload.config)) if script is None else _run_script(session, script, payload.context.world_rank)
+    session.flush_metrics()  # rows whose values a thread reads off the GPU
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
     session.wait_for_upload()

@@ -85,3 +85,39 @@ def test_env_carries_the_interface_for_every_rank_of_the_node():
     socket = choose_socket_interface("10.77.0.2", TABLE, use_gpu=False)
     env = rendezvous_env(ctx, "10.77.0.1", 29400, use_gpu=False, omp_threads=1, socket=socket)
     assert env["GLOO_SOCKET_IFNAME"] == "eth1" and env["MASTER_ADDR"] == "10.77.0.1"
+
+
+class OnTheGpu:
+    """A value still on a GPU, on CPU: ``item()`` waits until the GPU got there (``ready``)."""
+
+    device = type("Device", (), {"type": "cuda"})()
+
+    def __init__(self, value: float, ready) -> None:
+        self.value, self.ready = value, ready
+
+    def item(self) -> float:
+        assert self.ready.wait(30), "the GPU never got there"
+        return self.value
+
+
+def test_a_metric_still_on_the_gpu_never_holds_the_training_thread(tmp_path):
+    """session.log(loss) with loss a GPU tensor returns at once; a thread reads it when the GPU gets there, and the
+    rows are written in the order they were logged."""
+    import json
+    import threading
+    import time
+
+    from cluster.runtime import Session
+
+    session = Session(None, local_dir=tmp_path)
+    ready = threading.Event()
+    began = time.monotonic()
+    session.log({"loss": OnTheGpu(1.5, ready)}, step=1)
+    session.log({"lr": 0.1}, step=2)  # a plain value after it waits its turn
+    assert time.monotonic() - began < 5  # not the 30 s item() would wait
+    rows = lambda: [json.loads(line) for line in (tmp_path / "metrics-rank0.jsonl").read_text().splitlines()]
+    assert rows() == []  # nothing read off the "GPU" yet
+    ready.set()
+    session.flush_metrics()
+    assert [(r["step"], r["values"]) for r in rows()] == [(1, {"loss": 1.5}), (2, {"lr": 0.1})]
+    assert rows()[0]["time"] <= rows()[1]["time"] < time.time()  # the time it was logged, not read
