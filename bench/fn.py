@@ -86,6 +86,15 @@ def train(config: dict) -> dict:
         model = build_model({**DEFAULTS, "dropout": 0.0})
         images = load_data(None)[0]
         x, y = images.tokens[:32].to(accelerator.device), images.labels[:32].to(accelerator.device)
+    elif config.get("model") == "gpt2_small":  # GPU mode: a step of 20 ms or more, GPT-2 small's shape, from a config
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        layers, seq = int(config.get("layers", 12)), int(config.get("seq", 512))  # smaller: a CPU rehearsal
+        model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=seq, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, attn_pdrop=0.0))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, model.config.vocab_size, (8, seq), generator=g).to(accelerator.device)
+        y = x
     else:
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                     torch.nn.ReLU(), torch.nn.Linear(1024, 512))
@@ -113,6 +122,9 @@ def train(config: dict) -> dict:
     def compute_loss(net, xb, yb):
         if config.get("model") == "digits_bert":
             return net(input_ids=xb, labels=yb).loss
+        if config.get("model") == "gpt2_small":  # bf16 autocast under every launcher alike
+            with torch.autocast(accelerator.device.type, dtype=torch.bfloat16):
+                return net(input_ids=xb, labels=yb).loss
         # .float(): under FSDP2 in bf16/fp16 Accelerate returns the model's outputs in that precision (DDP and FSDP1
         # return float32), and the GPU's mse_loss backward refuses a bf16 input against float32 targets.
         return torch.nn.functional.mse_loss(net(xb).float(), yb)

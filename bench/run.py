@@ -323,6 +323,14 @@ def main() -> int:
                       + (f"  recovery {r['recovery_s']:5.2f} s" if r["recovery_s"] is not None else "")
                       + (f"  beside the ranks {r['background_cores']:.3f} cores" if r["background_cores"] is not None
                          else ""), flush=True)
+        if GPU:  # a model whose step takes 20 ms or more on one GPU (GPT-2 small, bf16), metrics every other block
+            gpt = {**base, "model": "gpt2_small", "steps": 120, "checkpoint_at": []}
+            for rep in range(REPS):
+                for name, (cmd, _) in launchers.items():
+                    r = run(cmd, env, gpt, tmp)
+                    rows.setdefault(f"gpt_{name}", []).append(r)
+                    print(f"rep {rep + 1}/{REPS} GPT-2 small {name:15s} steady {1000 * r['steady_step_s']:6.1f} ms",
+                          flush=True)
         if FULL:  # the transformers example's model: steady steps only
             bert = {**base, "model": "digits_bert", "steps": 120, "checkpoint_at": [], "log_block": 0}
             for rep in range(REPS):
@@ -346,7 +354,17 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
     floor = rows["torchrun"]
     figures: dict[str, dict] = {}
     bert = {k[len("bert_"):]: v for k, v in rows.items() if k.startswith("bert_")}
-    rows = {k: v for k, v in rows.items() if not k.startswith("bert_")}
+    gpt = {k[len("gpt_"):]: v for k, v in rows.items() if k.startswith("gpt_")}
+    rows = {k: v for k, v in rows.items() if not k.startswith(("bert_", "gpt_"))}
+    for name, rs in gpt.items():
+        figures[f"gpt2_small_{name}"] = {
+            "steady_step_ms": summary([1000 * r["steady_step_s"] for r in rs]),
+            "steady_ratio": summary([r["steady_step_s"] / f["steady_step_s"] for r, f in zip(rs, gpt["torchrun"])]),
+            "logged_ratio": summary([r["steady_logged_s"] / r["steady_quiet_s"] for r in rs
+                                     if r.get("steady_logged_s") and r.get("steady_quiet_s")] or [float("nan")]),
+            "paced_ratio": summary([r["steady_paced_s"] / r["steady_unpaced_s"] for r in rs
+                                    if r.get("steady_paced_s") and r.get("steady_unpaced_s")] or [float("nan")]),
+        }
     for name, rs in bert.items():
         figures[f"digits_bert_{name}"] = {
             "steady_step_ms": summary([1000 * r["steady_step_s"] for r in rs]),
@@ -437,6 +455,13 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
         if t:
             lines.append(f"- {name} start-up, seconds from the command: "
                          + ", ".join(f"{k} {v['median']:.1f}" for k, v in t.items() if k != "process_start"))
+    if gpt:
+        lines.append("- GPT-2 small (124M parameters, bf16 autocast, 8 x 512 tokens), steady step (ratio to torchrun; "
+                     "metrics every step against none; pace measured against not): " + ", ".join(
+            f"{name} {cell(figures[f'gpt2_small_{name}']['steady_step_ms'], '.1f')} ms "
+            f"({cell(figures[f'gpt2_small_{name}']['steady_ratio'], '.3f')}; metrics "
+            f"{cell(figures[f'gpt2_small_{name}']['logged_ratio'], '.3f')}; pace "
+            f"{cell(figures[f'gpt2_small_{name}']['paced_ratio'], '.3f')})" for name in gpt))
     if bert:
         lines.append("- the transformers example's model (digits BERT, 78k parameters), steady step: " + ", ".join(
             f"{name} {cell(figures[f'digits_bert_{name}']['steady_step_ms'], '.1f')} ms "
