@@ -131,12 +131,35 @@ class SimNodes:
     def start(self, node_rank: int, ranks: list[int], staging_uri: str) -> None:
         self.nodes[node_rank] = SimNode(node_rank, ranks, staging_uri, self.total)
 
-    def poll(self, node_rank: int, hold_s: float = 0.0):
-        """A node's news, at once (one actor hosts every simulated node: holding one poll would hold them all)."""
-        from cluster.protocol import NodePoll
+    async def poll(self, node_rank: int, hold_s: float = 0.0, max_age_s: float | None = None):
+        """A node's news, held as ``cluster.node.NodeActor.poll`` holds it (an async actor: one node's held poll
+        does not hold the others'): read every ``POLL_TICK_S``, answered once ``answer_now`` says so (news other
+        than routine rows, or rows that waited ``ROUTINE_MAX_AGE_S``) or the hold ends."""
+        import asyncio
+
+        from cluster.node import answer_now, next_look
+        from cluster.protocol import NodePoll, NodeState
 
         node = self.nodes.get(node_rank)
-        return node.poll() if node else NodePoll()
+        if node is None:
+            return NodePoll()
+        out = node.poll()
+        max_age_s = hold_s if max_age_s is None else max_age_s
+        deadline = time.monotonic() + hold_s
+        fresh = out.events
+        while out.state == NodeState.RUNNING and time.monotonic() < deadline:
+            times = [e["time"] for e in out.events]
+            if answer_now(fresh, min(times) if times else None, time.time(), max_age_s):
+                break
+            await asyncio.sleep(next_look(deadline - time.monotonic(), min(times) if times else None, time.time(),
+                                          max_age_s))
+            more = node.poll()
+            fresh = more.events
+            out.events += more.events
+            out.logs += more.logs
+            out.beat_age_s = more.beat_age_s
+            out.state, out.returns = more.state, more.returns
+        return out
 
     def stop(self, node_rank: int):
         from cluster.protocol import NodePoll, NodeState
@@ -212,6 +235,34 @@ def _sim_group(placement, total_steps: int):
 # --- one size, in its own driver process -------------------------------------------------
 
 
+def _trace_memory(seconds: float, ranks: int):
+    """SCALE_BENCH_TRACEMALLOC=1: the driver's Python allocations at a third of the run and near its end; what grew
+    most between the two, by line, goes to bench/results-scale-memory-<ranks>.txt. A thread of the driver's process
+    (tracemalloc slows every allocation: its figures of CPU and lag are not the bench's)."""
+    import threading
+    import tracemalloc
+
+    tracemalloc.start(8)
+
+    def sample() -> None:
+        time.sleep(5 + seconds / 3)
+        first = tracemalloc.take_snapshot()
+        time.sleep(seconds * 2 / 3 - 3)
+        last = tracemalloc.take_snapshot()
+        keep = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        diff = last.filter_traces(keep).compare_to(first.filter_traces(keep), "traceback")
+        lines = [f"The driver at {ranks} ranks: Python allocations that grew most between {5 + seconds / 3:.0f} s "
+                 f"and {5 + seconds - 3:.0f} s (tracemalloc, 8 frames)", ""]
+        for stat in diff[:8]:
+            lines.append(f"{stat.size_diff / 2**20:+.2f} MiB in {stat.count_diff:+d} blocks (now {stat.size / 2**20:.2f} MiB)")
+            lines += [f"    {frame.filename}:{frame.lineno}" for frame in stat.traceback[-8:]]
+        (ROOT / "bench" / f"results-scale-memory-{ranks}.txt").write_text("\n".join(lines) + "\n")
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    return thread
+
+
 def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> None:
     import ray
 
@@ -243,15 +294,19 @@ def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> Non
     monitor.start()
     with open(os.path.join(storage, "driver.out"), "w") as out:
         driver = Driver(spec, can_grow=False, out=out)
+        traced = _trace_memory(seconds, ranks) if os.environ.get("SCALE_BENCH_TRACEMALLOC") else None
         if os.environ.get("SCALE_BENCH_PROFILE"):  # a folder: the driver's cProfile stats per size
             import cProfile
 
             with cProfile.Profile() as prof:
                 result = driver.run()
+            os.makedirs(os.environ["SCALE_BENCH_PROFILE"], exist_ok=True)
             prof.dump_stats(os.path.join(os.environ["SCALE_BENCH_PROFILE"], f"driver-{ranks}.prof"))
         else:
             result = driver.run()
     stop.set()
+    if traced is not None:
+        traced.join(30)
     m = results.get(timeout=60)
     monitor.join(10)
     rows_expected = ranks * total

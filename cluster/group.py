@@ -128,6 +128,8 @@ def collect_stacks(actors: list, ranks: list[list[int]], timeout_s: float = SAMP
 # a millisecond (the call, its reply, unpickling it), so 128 nodes are polled once a second and
 # the events of their ranks reach metrics.jsonl within about that (bench/scale.py).
 NODE_POLLS_PER_S = 128.0
+# After a held poll's first answer, how long ``poll`` waits for the others' (nodes in step answer together).
+GATHER_S = 0.05
 
 
 def _get_each(refs: list) -> dict[Any, Any]:
@@ -324,10 +326,11 @@ class NodeGroup:
                 out.append(default)
         return out
 
-    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0, hold_s: float = 0.0) -> list[NodePoll]:
+    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0, hold_s: float = 0.0,
+             max_age_s: float | None = None) -> list[NodePoll]:
         """Every node's news, waiting at most ``wait_s`` for the nodes to answer; with ``hold_s``, each node's
-        actor holds the poll up to that long until it has news (``NodeActor.poll``), and this returns once the
-        first node answers (the others come back empty, their polls still in flight).
+        actor holds the poll up to that long until it has news or its rows waited ``max_age_s`` (``NodeActor.poll``),
+        and this returns once the first node answers (the others come back empty, their polls still in flight).
 
         A node whose actor died comes back as state "lost"; so does one that has
         left a poll unanswered for ``lost_after_s`` (its host or its network link
@@ -341,14 +344,14 @@ class NodeGroup:
         for i, a in enumerate(self.actors):
             if i not in self._lost and i not in self._inflight:
                 try:
-                    self._inflight[i] = (a.poll.remote(hold_s), time.monotonic())
+                    self._inflight[i] = (a.poll.remote(hold_s, max_age_s), time.monotonic())
                 except Exception:  # the actor is already known dead
                     self._lost.add(i)
         refs = [ref for ref, _ in self._inflight.values()]
         ready: set = set()
-        if refs and hold_s > 0:  # the first answer, then whatever else has come
+        if refs and hold_s > 0:  # the first answer, then whatever else comes within GATHER_S of it
             ray.wait(refs, num_returns=1, timeout=hold_s + wait_s)
-            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=GATHER_S)[0])
         elif refs:
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0])
         answers = _get_each([ref for ref, _ in self._inflight.values() if ref in ready])

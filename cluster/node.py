@@ -53,6 +53,29 @@ POLL_TICK_S = 0.5
 ROUTINE_EVENTS = frozenset({EventKind.METRICS, EventKind.RESOURCES, EventKind.PACE})
 
 
+def answer_now(fresh: list[dict], oldest_routine: float | None, now: float, max_age_s: float) -> bool:
+    """Whether a held poll answers now: something other than routine rows came, or routine rows waited ``max_age_s``
+    (``oldest_routine``: the earliest ``time`` of those it holds, None without any).
+
+    >>> answer_now([{"kind": "joined"}], None, 10.0, 0.5), answer_now([], 9.6, 10.0, 0.5), answer_now([], 9.4, 10.0, 0.5)
+    (True, False, True)
+    """
+    if any(e.get("kind") not in ROUTINE_EVENTS for e in fresh):
+        return True
+    return oldest_routine is not None and now - oldest_routine >= max_age_s
+
+
+def next_look(left: float, oldest_routine: float | None, now: float, max_age_s: float) -> float:
+    """Seconds until a held poll looks again: the next tick, the hold's end (``left``), or the moment its oldest
+    routine row has waited ``max_age_s``, whichever comes first.
+
+    >>> next_look(0.9, None, 10.0, 0.5), round(next_look(0.9, 9.8, 10.0, 0.5), 3), next_look(0.2, 9.8, 10.0, 0.5)
+    (0.5, 0.3, 0.2)
+    """
+    due = oldest_routine + max_age_s - now if oldest_routine is not None else POLL_TICK_S
+    return max(0.0, min(POLL_TICK_S, left, due))
+
+
 class RendezvousError(RaylaunchError, RuntimeError):
     """Node 0 could not host the rendezvous store; the message says what to change."""
 
@@ -242,25 +265,30 @@ class NodeActor:
     # needs the driver, or after ``hold_s`` (the node's heartbeat to the driver). Ray's task events for each call
     # (three, sent to the GCS) are off; a call's failure still reaches the driver as its error.
     @ray.method(enable_task_events=False)
-    def poll(self, hold_s: float = 0.0) -> NodePoll:
+    def poll(self, hold_s: float = 0.0, max_age_s: float | None = None) -> NodePoll:
         """What happened since the last poll; with ``hold_s``, gathered for up to that long: it answers at once when
         a rank ends (or fails) or says something other than its metrics (it joined, saved a checkpoint part, got
-        a stop notice), and otherwise after ``hold_s`` with the metrics and log lines of that time."""
+        a stop notice), and otherwise once the oldest metrics row it holds waited ``max_age_s`` (the hold when not
+        given), or after ``hold_s``, with the metrics and log lines of that time."""
         out = NodePoll(state=self._state)
+        max_age_s = hold_s if max_age_s is None else max_age_s
         deadline = time.monotonic() + hold_s
         while True:
-            urgent = self._gather(out)
+            urgent = self._gather(out, max_age_s)
             left = deadline - time.monotonic()
             if urgent or left <= 0:
                 return out
-            # a rank that ends wakes the poll at once; files are read again after the tick
+            # a rank that ends wakes the poll at once; files are read again after the tick, or when the oldest row
+            # gathered is due
+            times = [e["time"] for e in out.events if isinstance(e.get("time"), (int, float))]
+            pause = next_look(left, min(times) if times else None, time.time(), max_age_s)
             live = self._pctx.sentinels() if self._pctx is not None else []
             if live:
-                wait(live, timeout=min(POLL_TICK_S, left))
+                wait(live, timeout=pause)
             else:
-                time.sleep(min(POLL_TICK_S, left))
+                time.sleep(pause)
 
-    def _gather(self, out: NodePoll) -> bool:
+    def _gather(self, out: NodePoll, max_age_s: float = 0.0) -> bool:
         """Add what happened since the last look to ``out``; whether it needs the driver now."""
         if self._pctx is None:
             return True
@@ -281,12 +309,11 @@ class NodeActor:
             except FileNotFoundError:
                 pass
         fresh = out.events[seen:]
-        if any(e.get("kind") not in ROUTINE_EVENTS for e in fresh):
-            return True
         if not self._stepped and any(e.get("kind") == EventKind.METRICS for e in fresh):
             self._stepped = True  # the attempt's first step: its progress line, at once
             return True
-        return False
+        times = [e["time"] for e in out.events if isinstance(e.get("time"), (int, float))]
+        return answer_now(fresh, min(times) if times else None, now, max_age_s)
 
     def _drain(self, out: NodePoll, final: bool) -> None:
         if self._notes and self._ranks:

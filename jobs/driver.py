@@ -43,6 +43,13 @@ __all__ = ["Driver", "RunResult", "group_failures"]
 # rows and log lines, and each node is called about once a second instead of four times (bench/results.md: the
 # CPU beside the ranks).
 POLL_HOLD_S = 1.0
+# How long a node holds its ranks' routine rows (metrics, pace, resources) before answering a held poll. On a job of
+# FRESH_ROWS_NODES nodes or fewer, the whole hold: one poll a second per node, what keeps raylaunch's CPU beside the
+# ranks at torchrun's + 0.012 cores (make bench, world size 2; answering at 0.5 s doubled the driver's and the node
+# actor's share). On larger jobs ROW_AGE_S, so a row reaches metrics.jsonl within a second at 1,024 ranks
+# (make bench-scale: p99 3.3 s when every node held its rows a second and the driver polled every n / 128 s).
+ROW_AGE_S = 0.5
+FRESH_ROWS_NODES = 8
 # How long the other ranks get to report their own failure once one rank failed.
 FAILURE_GRACE_S = 2.0
 # How often the TensorBoard files are brought up to date while an attempt runs.
@@ -343,9 +350,10 @@ class Driver:
         returns: dict[int, Any] = {}
         failures: list[RankFailure] = []
         lost: list[int] = []
+        max_age_s = ROW_AGE_S if len(group.actors) > FRESH_ROWS_NODES else POLL_HOLD_S
         while True:
             round_start = time.monotonic()
-            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s, hold_s=POLL_HOLD_S)
+            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s, hold_s=POLL_HOLD_S, max_age_s=max_age_s)
             for node_rank, p in enumerate(polls):
                 route.forward(node_rank, p)
                 returns.update(p.returns)
@@ -391,7 +399,9 @@ class Driver:
                 if w := route.work():
                     rec.event(w)
                 last_work = time.monotonic()
-            time.sleep(max(0.0, group.poll_period(self.poll_interval_s) - (time.monotonic() - round_start)))
+            # Held polls pace the rounds (a node answers when it has news, or its rows waited ROUTINE_MAX_AGE_S):
+            # a round every poll_interval_s at most, however many nodes, so no row waits a round of n / 128 s.
+            time.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - round_start)))
         if failures:
             # The same bug usually fails every rank within moments: wait briefly for the
             # other nodes to report theirs, so the error is grouped, not one rank's alone.
