@@ -117,9 +117,8 @@ class StagedCheckpoints:
         self._first_step = _on_first_optimizer_step(self._prepare_first_save) if background else None
 
     def _prepare_first_save(self, optimizer: Any) -> None:
-        """At the first optimizer step, when the state's size is known (parameters and optimizer state), on the
-        training thread: start the writer process (it ends with the thread that started it), and in a thread of its
-        own prepare the host memory the first save copies into: memfd segments with every page faulted in on CPUs,
+        """At the first optimizer step, when the state's size is known (parameters and optimizer state): in a thread
+        of its own, prepare the host memory the first save copies into: memfd segments with every page faulted in on CPUs,
         pinned blocks in torch's caching host allocator on GPUs. Without it the first save held training 1.6 s for
         3 GiB of GPU state where later ones held 0.06 s. Skipped, said once, past ``PREPARE_SHARE`` of the memory
         available to each of the node's ranks."""
@@ -134,8 +133,11 @@ class StagedCheckpoints:
                       f"is not prepared ahead (over {bound / 2**20:.1f} MiB, {PREPARE_SHARE:.0%} of what this node "
                       "has available, per rank): it is taken when the first save asks", file=sys.stderr, flush=True)
             return
-        if not cuda and not self._writer.ensure():
+        if not cuda and not hasattr(os, "memfd_create"):  # no shared segments here: the first save clones
             return
+        # The writer process still starts at the first save: started here, its import of torch (0.4 cores over
+        # make bench's steady steps) ran beside training, and a save it is not ready for is written by the rank's
+        # thread anyway, from the same segments: it is the copy, not the writer, that holds training.
 
         def prepare() -> None:
             try:
