@@ -323,21 +323,18 @@ def main() -> int:
                       + (f"  recovery {r['recovery_s']:5.2f} s" if r["recovery_s"] is not None else "")
                       + (f"  beside the ranks {r['background_cores']:.3f} cores" if r["background_cores"] is not None
                          else ""), flush=True)
+        models = []
         if GPU:  # a model whose step takes 20 ms or more on one GPU (GPT-2 small, bf16), metrics every other block
-            gpt = {**base, "model": "gpt2_small", "steps": 120, "checkpoint_at": []}
-            for rep in range(REPS):
-                for name, (cmd, _) in launchers.items():
-                    r = run(cmd, env, gpt, tmp)
-                    rows.setdefault(f"gpt_{name}", []).append(r)
-                    print(f"rep {rep + 1}/{REPS} GPT-2 small {name:15s} steady {1000 * r['steady_step_s']:6.1f} ms",
-                          flush=True)
+            models.append(("gpt", "GPT-2 small", {**base, "model": "gpt2_small", "steps": 120, "checkpoint_at": []}))
         if FULL:  # the transformers example's model: steady steps only
-            bert = {**base, "model": "digits_bert", "steps": 120, "checkpoint_at": [], "log_block": 0}
+            models.append(("bert", "digits BERT", {**base, "model": "digits_bert", "steps": 120, "checkpoint_at": [],
+                                                   "log_block": 0}))
+        for prefix, label, cfg in models:
             for rep in range(REPS):
                 for name, (cmd, _) in launchers.items():
-                    r = run(cmd, env, bert, tmp)
-                    rows.setdefault(f"bert_{name}", []).append(r)
-                    print(f"rep {rep + 1}/{REPS} digits BERT {name:15s} steady {1000 * r['steady_step_s']:6.1f} ms",
+                    r = run(cmd, env, cfg, tmp)
+                    rows.setdefault(f"{prefix}_{name}", []).append(r)
+                    print(f"rep {rep + 1}/{REPS} {label} {name:15s} steady {1000 * r['steady_step_s']:6.1f} ms",
                           flush=True)
     finally:
         stop_processes_under(str(tmp))  # the warm cluster, by PID
