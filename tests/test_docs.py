@@ -187,3 +187,33 @@ def test_every_accelerate_launch_command_in_the_docs_parses_with_accelerates_par
         except (SystemExit, AssertionError) as exc:
             wrong.append(f"{where}: {line}: {exc}")
     assert not wrong, "\n".join(wrong)
+
+
+# --- figures carry their source: every number of the README's benchmark table is in the file its row comes from ---
+
+README_TABLE_SOURCES = {  # a row's first cell, as it starts -> where its figures are
+    "command -> first step": "bench/results.md",
+    "steady step": "bench/results.md",
+    "rank killed": "bench/results.md",
+    "CPU beside the ranks": "bench/results.md",
+    "node lost": "bench/results-elastic.md",
+    "the driver at 1,024 ranks": "bench/results-scale.md",
+    "a save of 576 MiB": "docs/benchmarks.md",
+}
+
+
+def test_every_figure_of_the_readmes_benchmark_table_is_in_the_results_it_comes_from():
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Benchmarks, in one table", 1)[1].split("\n\n|", 1)[1].split("\n\n", 1)[0]
+    rows = [r for r in ("|" + table).splitlines() if r.startswith("| ") and not r.startswith("| |")]
+    assert len(rows) >= 7
+    missing = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        source = next((f for label, f in README_TABLE_SOURCES.items() if cells[0].startswith(label)), None)
+        assert source is not None, f"README benchmark row without a source: {cells[0]!r} (add it to README_TABLE_SOURCES)"
+        results = (ROOT / source).read_text().replace(",", "")
+        for figure in re.findall(r"\d[\d,]*\.\d+", " ".join(cells[1:])):
+            if figure.replace(",", "") not in results:
+                missing.append(f"{cells[0]!r}: {figure} is not in {source}")
+    assert not missing, "\n".join(missing)
