@@ -133,11 +133,11 @@ class SimNodes:
 
     async def poll(self, node_rank: int, hold_s: float = 0.0, max_age_s: float | None = None):
         """A node's news, held as ``cluster.node.NodeActor.poll`` holds it (an async actor: one node's held poll
-        does not hold the others'): read every ``POLL_TICK_S``, answered once ``answer_now`` says so (news other
-        than routine rows, or rows that waited ``ROUTINE_MAX_AGE_S``) or the hold ends."""
+        does not hold the others'): read every ``POLL_TICK_S``, answered on news other than routine rows
+        (``needs_driver``), once its oldest row waited ``max_age_s`` or when the hold ends (``next_look``)."""
         import asyncio
 
-        from cluster.node import answer_now, next_look
+        from cluster.node import needs_driver, next_look, oldest_time
         from cluster.protocol import NodePoll, NodeState
 
         node = self.nodes.get(node_rank)
@@ -147,12 +147,11 @@ class SimNodes:
         max_age_s = hold_s if max_age_s is None else max_age_s
         deadline = time.monotonic() + hold_s
         fresh = out.events
-        while out.state == NodeState.RUNNING and time.monotonic() < deadline:
-            times = [e["time"] for e in out.events]
-            if answer_now(fresh, min(times) if times else None, time.time(), max_age_s):
+        while out.state == NodeState.RUNNING and not needs_driver(fresh):
+            pause = next_look(deadline - time.monotonic(), oldest_time(out.events), time.time(), max_age_s)
+            if pause <= 0:
                 break
-            await asyncio.sleep(next_look(deadline - time.monotonic(), min(times) if times else None, time.time(),
-                                          max_age_s))
+            await asyncio.sleep(pause)
             more = node.poll()
             fresh = more.events
             out.events += more.events

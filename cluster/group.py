@@ -124,10 +124,6 @@ def collect_stacks(actors: list, ranks: list[list[int]], timeout_s: float = SAMP
     return sorted(stacks, key=lambda s: s.rank), dumps
 
 
-# The node actors the driver polls a second, at most, in all: each answer costs the driver about
-# a millisecond (the call, its reply, unpickling it), so 128 nodes are polled once a second and
-# the events of their ranks reach metrics.jsonl within about that (bench/scale.py).
-NODE_POLLS_PER_S = 128.0
 # After a held poll's first answer, how long ``poll`` waits for the others' (nodes in step answer together).
 GATHER_S = 0.05
 
@@ -378,12 +374,6 @@ class NodeGroup:
                 p = NodePoll(state=self._states[i])
             out.append(p)
         return out
-
-    def poll_period(self, floor_s: float) -> float:
-        """How often to poll: every ``floor_s``, or less often on a cluster of more than
-        ``NODE_POLLS_PER_S`` x ``floor_s`` nodes, so the driver's polling costs the same at 128
-        nodes as at 32."""
-        return max(floor_s, len(self.actors) / NODE_POLLS_PER_S)
 
     @property
     def states(self) -> list[NodeState]:

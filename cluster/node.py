@@ -53,26 +53,30 @@ POLL_TICK_S = 0.5
 ROUTINE_EVENTS = frozenset({EventKind.METRICS, EventKind.RESOURCES, EventKind.PACE})
 
 
-def answer_now(fresh: list[dict], oldest_routine: float | None, now: float, max_age_s: float) -> bool:
-    """Whether a held poll answers now: something other than routine rows came, or routine rows waited ``max_age_s``
-    (``oldest_routine``: the earliest ``time`` of those it holds, None without any).
+def needs_driver(fresh: list[dict]) -> bool:
+    """Whether events just gathered answer a held poll at once: anything but routine rows.
 
-    >>> answer_now([{"kind": "joined"}], None, 10.0, 0.5), answer_now([], 9.6, 10.0, 0.5), answer_now([], 9.4, 10.0, 0.5)
-    (True, False, True)
+    >>> needs_driver([{"kind": "metrics"}, {"kind": "joined"}]), needs_driver([{"kind": "metrics"}])
+    (True, False)
     """
-    if any(e.get("kind") not in ROUTINE_EVENTS for e in fresh):
-        return True
-    return oldest_routine is not None and now - oldest_routine >= max_age_s
+    return any(e.get("kind") not in ROUTINE_EVENTS for e in fresh)
 
 
-def next_look(left: float, oldest_routine: float | None, now: float, max_age_s: float) -> float:
+def oldest_time(events: list[dict]) -> float | None:
+    """The earliest ``time`` of ``events`` (those a held poll gathered); None without any."""
+    return min((e["time"] for e in events if isinstance(e.get("time"), (int, float))), default=None)
+
+
+def next_look(left: float, oldest: float | None, now: float, max_age_s: float) -> float:
     """Seconds until a held poll looks again: the next tick, the hold's end (``left``), or the moment its oldest
-    routine row has waited ``max_age_s``, whichever comes first.
+    row (``oldest``) has waited ``max_age_s``, whichever comes first; 0: answer now.
 
     >>> next_look(0.9, None, 10.0, 0.5), round(next_look(0.9, 9.8, 10.0, 0.5), 3), next_look(0.2, 9.8, 10.0, 0.5)
     (0.5, 0.3, 0.2)
+    >>> next_look(0.9, 9.4, 10.0, 0.5), next_look(-0.1, None, 10.0, 0.5)
+    (0.0, 0.0)
     """
-    due = oldest_routine + max_age_s - now if oldest_routine is not None else POLL_TICK_S
+    due = oldest + max_age_s - now if oldest is not None else POLL_TICK_S
     return max(0.0, min(POLL_TICK_S, left, due))
 
 
@@ -274,21 +278,20 @@ class NodeActor:
         max_age_s = hold_s if max_age_s is None else max_age_s
         deadline = time.monotonic() + hold_s
         while True:
-            urgent = self._gather(out, max_age_s)
-            left = deadline - time.monotonic()
-            if urgent or left <= 0:
+            if self._gather(out):
                 return out
             # a rank that ends wakes the poll at once; files are read again after the tick, or when the oldest row
             # gathered is due
-            times = [e["time"] for e in out.events if isinstance(e.get("time"), (int, float))]
-            pause = next_look(left, min(times) if times else None, time.time(), max_age_s)
+            pause = next_look(deadline - time.monotonic(), oldest_time(out.events), time.time(), max_age_s)
+            if pause <= 0:
+                return out
             live = self._pctx.sentinels() if self._pctx is not None else []
             if live:
                 wait(live, timeout=pause)
             else:
                 time.sleep(pause)
 
-    def _gather(self, out: NodePoll, max_age_s: float = 0.0) -> bool:
+    def _gather(self, out: NodePoll) -> bool:
         """Add what happened since the last look to ``out``; whether it needs the driver now."""
         if self._pctx is None:
             return True
@@ -309,11 +312,12 @@ class NodeActor:
             except FileNotFoundError:
                 pass
         fresh = out.events[seen:]
+        if needs_driver(fresh):
+            return True
         if not self._stepped and any(e.get("kind") == EventKind.METRICS for e in fresh):
             self._stepped = True  # the attempt's first step: its progress line, at once
             return True
-        times = [e["time"] for e in out.events if isinstance(e.get("time"), (int, float))]
-        return answer_now(fresh, min(times) if times else None, now, max_age_s)
+        return False
 
     def _drain(self, out: NodePoll, final: bool) -> None:
         if self._notes and self._ranks:

@@ -157,13 +157,15 @@ class PaceMeter:
 
     def _read(self) -> None:
         """Add the waits the timer can read now, in order; the first it cannot read, and those after it, wait."""
+        waited = 0.0
         with self._lock:
             while self._pending:
                 seconds = self.timer.elapsed(*self._pending[0])
                 if seconds is None:
                     break
                 self._pending.pop(0)
-                self.sync_s += max(seconds, 0.0)
+                waited += max(seconds, 0.0)
+        self.synced(waited)
 
     def synced(self, seconds: float) -> None:
         """A backward waited ``seconds`` for the other ranks."""

@@ -399,7 +399,7 @@ class Driver:
                 if w := route.work():
                     rec.event(w)
                 last_work = time.monotonic()
-            # Held polls pace the rounds (a node answers when it has news, or its rows waited ROUTINE_MAX_AGE_S):
+            # Held polls pace the rounds (a node answers when it has news, or its rows waited max_age_s):
             # a round every poll_interval_s at most, however many nodes, so no row waits a round of n / 128 s.
             time.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - round_start)))
         if failures:

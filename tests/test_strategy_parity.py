@@ -138,5 +138,17 @@ def test_on_cpu_nodes_the_accelerator_is_the_one_accelerate_launch_builds(tmp_pa
     assert got[("ours", 1, "bf16")][0]["native_amp"] is True  # autocast in bf16 on CPU, as Accelerate does
 
 
-def test_the_spec_default_version_is_said_against_accelerate_launchs():
-    assert resolve(section(2, "bf16")).fsdp_config["fsdp_version"] == 2
+def test_the_fsdp2_line_states_both_defaults_as_they_are():
+    """The line rank 0 says names the spec's default version (2) and accelerate launch's (1): both read from the code."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from cluster.sharding import fsdp2_precision_note
+    from jobs.spec_load import load_spec_text
+
+    spec_default = load_spec_text("name: p\ntrain_fn: fns:probe\naccelerate: {fsdp: {}}\n").accelerate.fsdp.version
+    theirs = launch_command_parser().parse_args(["--use_fsdp", "x.py"]).fsdp_version
+    note = fsdp2_precision_note(resolve(section(2, "bf16")))
+    assert f"accelerate.fsdp.version {spec_default}, the spec's default" in note
+    assert f"`accelerate launch --use_fsdp` defaults to {theirs})" in note
+    assert fsdp2_precision_note(resolve(section(1, "bf16"))) is None
+    assert fsdp2_precision_note(resolve(section(2, "no"))) is None
