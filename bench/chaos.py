@@ -31,6 +31,7 @@ Writes bench/results-chaos.md (``--out``) with the faults by kind, the checks, r
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import random
@@ -630,7 +631,14 @@ class Chaos:
     def fill_disk(self, hold_s: float) -> str:
         ballast = self.disk / "ballast"
         free = shutil.disk_usage(self.disk).free
-        with open(ballast, "wb") as f:
+        try:
+            f = open(ballast, "wb")
+        except OSError as exc:  # seen in CI: the run's own files had already filled it (no room for one more inode)
+            if exc.errno != errno.ENOSPC:
+                raise
+            time.sleep(hold_s)
+            return f"already full ({free} bytes free, no file could be made) for {hold_s:.1f} s"
+        with f:
             try:
                 f.write(b"\0" * free)
             except OSError:
@@ -654,6 +662,17 @@ class Chaos:
         job.launch()
         watcher = threading.Thread(target=self._watch, args=(job, deadline), daemon=True)
         watcher.start()
+        try:
+            self._inject_all(job, faults, deadline, injected)
+        finally:  # an injection that raised: the job still ends here, so what it holds open (a mount) can go
+            if not job.done():
+                job.proc.kill()
+                job.proc.wait(30)
+            watcher.join(5)
+            self.settle()
+        return injected
+
+    def _inject_all(self, job: JobRun, faults: list[Fault], deadline: float, injected: list[Injected]) -> None:
         for fault in faults:
             if not self.reach(job, fault, min(deadline, time.monotonic() + 180)):
                 injected.append(Injected(fault, time.monotonic() - job.began, "", "the job ended (or the moment "
@@ -671,12 +690,6 @@ class Chaos:
         while not job.done() and time.monotonic() < deadline:
             self.tick()
             time.sleep(0.2)
-        if not job.done():
-            job.proc.kill()
-            job.proc.wait(30)
-        watcher.join(5)
-        self.settle()
-        return injected
 
     def _watch(self, job: JobRun, deadline: float) -> None:
         while not job.done() and time.monotonic() < deadline:
@@ -956,6 +969,17 @@ def mount_small_disk(path: Path, size: str = "96m") -> bool:
     return done.returncode == 0
 
 
+def unmount_small_disk(path: Path, wait_s: float = 30.0) -> None:
+    """Unmount what ``mount_small_disk`` mounted: once the processes of a run that ended (a killed job's ranks
+    take a few seconds to go) no longer hold files there, else lazily, so nothing is left mounted."""
+    deadline = time.monotonic() + wait_s
+    while subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+            return
+        time.sleep(0.5)
+
+
 def job_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
@@ -1137,7 +1161,7 @@ def main() -> int:
                 print(f"chaos: {notes[-1]}", flush=True)
         finally:
             if mounted:
-                subprocess.run(["umount", str(disk)])
+                unmount_small_disk(disk)
             shutil.rmtree(work, ignore_errors=True)
     how = "".join(f" {flag} {value!r}" for flag, value, default in (("--jobs", args.jobs, ",".join(JOBS)),
                                                                     ("--kinds", args.kinds, ",".join(KINDS)))

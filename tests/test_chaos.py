@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from bench.chaos import Chaos, Fault, ObjectStore, StoreProxy, check_job, make_job, mount_small_disk
+from bench.chaos import Chaos, Fault, ObjectStore, StoreProxy, check_job, make_job, mount_small_disk, unmount_small_disk
 
 THREE = [Fault("rank_kill", "training", 1.0, 0), Fault("actor_kill", "recovery", 0.5, 0),
          Fault("driver_kill", "commit", 0.1, 0)]
@@ -57,4 +57,4 @@ def test_a_disk_full_inside_a_recovery_does_not_fail_the_run(ray_cluster, tmp_pa
         outcome = check_job(chaos, job, injected, None, 3, {})
         assert outcome.survived, (outcome.status, outcome.problems, job.log.read_text()[-3000:])
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        unmount_small_disk(disk)

@@ -126,7 +126,9 @@ def test_checkpoint_every_auto_saves_at_the_young_daly_interval_and_revises_it(r
     events = [json.loads(line) for line in (tmp_path / "runs" / "auto" / "events.jsonl").read_text().splitlines()]
     saves = [e for e in events if e["kind"] == "saved"]
     first = next(e for e in events if e["kind"] == "first_step")["time"]
-    assert 3.16 <= saves[0]["time"] - first <= 3.16 + 2.0, (saves[0], first)  # the assumed interval, a step or two
+    # The assumed interval, a step or two; counted from the first step the driver heard of, which can be the other
+    # rank's, logged a little after the clock of the rank that got there first started (a loaded machine: CI saw 3.13 s)
+    assert 3.16 - 0.25 <= saves[0]["time"] - first <= 3.16 + 2.0, (saves[0], first)
     from cluster.interval import checkpoint_interval
 
     for before, after in zip(saves, saves[1:]):  # then the measured one: the previous save's hold, then the interval
