@@ -28,7 +28,7 @@ from pyarrow import fs as pafs
 from cluster.ckptwriter import CheckpointWriter, WriterGone
 from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
-from cluster.loaderstate import load_loader_states, save_loader_states
+from cluster.loaderstate import keep_random_states_for_the_first_batch, load_loader_states, save_loader_states
 from cluster.restore import node_copy, node_verified
 from cluster.snapshot import SegmentPool, Snapshot, capture
 from cluster.sharding import init_optimizers_for_load, seed_missing_rng
@@ -169,7 +169,8 @@ class StagedCheckpoints:
         def saved(files: dict[str, dict] | None) -> None:
             # A report made before the save returns (a shared path without async) is all within the hold.
             blocked = held.get("s", time.perf_counter() - began)
-            self._on_saved(step, uri, files, requested=requested, blocked_s=blocked)
+            self._on_saved(step, uri, files, requested=requested, blocked_s=blocked,
+                           script_folder=None if script is None else script.mirror or script.folder)
 
         host = 0.0
         if self._background and _copies_in_memory(accelerator):
@@ -299,6 +300,7 @@ class StagedCheckpoints:
             load_loader_states(accelerator, ready)
         # Saved by fewer ranks (another world size): this rank's RNGs get a defined state.
         seed_missing_rng(manifest["files"], ctx.world_rank, int(manifest["step"]))
+        keep_random_states_for_the_first_batch()  # a resume mid-epoch draws what the uninterrupted run drew
         align_accumulation(accelerator)  # accumulation counts from the checkpoint's optimizer step
         return int(manifest["step"])
 
@@ -344,6 +346,12 @@ def _mirror(source: str, target: str) -> None:
 
 
 def _mirror_files(source: str, files: list[str], target: str) -> None:
+    """``files`` of ``source`` copied into ``target``, but raylaunch's own label of a script's checkpoint: that
+    belongs to the run directory, not to the script's output."""
+    _copy_files(source, [f for f in files if f != SCRIPT_FOLDER], target)
+
+
+def _copy_files(source: str, files: list[str], target: str) -> None:
     for rel in files:
         dest = Path(target, rel)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -446,8 +454,7 @@ class _Write:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
             written, hashed = self._write_files()
             if self.mirror is not None:  # this rank's files, as it wrote them
-                _mirror_files(self.target, [os.path.relpath(p, self.target) for p in written] +
-                              ([SCRIPT_FOLDER] if Path(self.target, SCRIPT_FOLDER).is_file() else []), self.mirror)
+                _mirror_files(self.target, [os.path.relpath(p, self.target) for p in written], self.mirror)
             # This rank's files, hashed as they were written (by the writer process, at the lowest priority), so
             # the driver's commit reads nothing back.
             files = {os.path.relpath(p, self.target): meta for p, meta in hashed.items()} or None

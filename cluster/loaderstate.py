@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["load_loader_states", "save_loader_states"]
+__all__ = ["keep_random_states_for_the_first_batch", "load_loader_states", "save_loader_states"]
 
 
 def _stateful(accelerator: Any) -> list[tuple[int, Any]]:
@@ -61,3 +61,38 @@ def load_loader_states(accelerator: Any, path: str) -> None:
         f = _file(path, i, accelerator.process_index)
         if os.path.exists(f):
             dl.load_state_dict(torch.load(f, weights_only=True))
+
+
+def keep_random_states_for_the_first_batch() -> None:
+    """After ``load_state``: the random states it restored (Python's, NumPy's, torch's, every CUDA device's) are put
+    back once more just before the first batch of a resumed epoch reaches the training code.
+
+    A checkpoint saved mid-epoch is resumed by a loader that skips the batches already seen
+    (``skip_first_batches``); starting it draws from those states (``iter`` of a shuffling sampler takes a seed from
+    torch's generator), which the uninterrupted run never did at that point: so dropout masks and every other draw of
+    the resumed steps differed, and a resumed model with dropout did not end equal to an uninterrupted one, under
+    ``accelerate launch`` either. Put back there, they are the uninterrupted run's (the digits script with dropout 0.3
+    resumed mid-epoch under ``accelerate launch``: equal bit for bit, against a different model before). A resume at
+    an epoch's start (its first loader skips nothing) is left alone: the uninterrupted run drew there too."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from cluster.pace import at_next_batch
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def put_back(loader: Any) -> None:
+        # skip_first_batches skips in the loader, or in a SkipBatchSampler it gives the loader
+        if not any(getattr(part, "skip_batches", 0) for part in (loader, getattr(loader, "batch_sampler", None))):
+            return
+        python, numpy_state, torch_state, cuda = states
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    at_next_batch(put_back)

@@ -255,7 +255,9 @@ class NodeActor:
     def stacks(self, timeout_s: float = SAMPLE_TIMEOUT_S) -> tuple[list[RankStack], dict[int, bytes]]:
         """Every local rank's stacks, read at once within about ``timeout_s``, without
         stopping them; and the NCCL Flight Recorder dumps the ranks wrote (GPU nodes)."""
-        stacks = sample_processes(self.pids(), self.node_rank, self._dumps, timeout_s)
+        host = f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+        stacks = [dataclasses.replace(s, host=host)
+                  for s in sample_processes(self.pids(), self.node_rank, self._dumps, timeout_s)]
         dumps = {}
         for rank, path in self._flight.items():
             if os.path.isfile(path):

@@ -230,6 +230,16 @@ def _time_dataloaders(meter: PaceMeter) -> None:
         cls.__iter__ = _timed_iter(cls.__iter__, meter)
 
 
+# Called once, with the dataloader, just before the next batch any prepared dataloader hands the training code.
+_NEXT_BATCH: list[Callable[[Any], None]] = []
+
+
+def at_next_batch(call: Callable[[Any], None]) -> None:
+    """Run ``call(dataloader)`` once, just before the next batch of any prepared dataloader reaches the training
+    code (the random states a resume restored, put back there: ``cluster.loaderstate``)."""
+    _NEXT_BATCH.append(call)
+
+
 def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callable[[Any], Iterator]:
     @functools.wraps(iterate)
     def __iter__(self: Any) -> Iterator:
@@ -243,6 +253,8 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
                 except StopIteration:
                     return
                 meter.fetched(started, clock())
+                while _NEXT_BATCH:
+                    _NEXT_BATCH.pop(0)(self)
                 yield batch
         finally:
             batches.close()  # a loop left early ends Accelerate's iterator now, as without us

@@ -20,8 +20,11 @@ from cluster.context import WorkerContext
 __all__ = [
     "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
-    "RestoredPart", "RunStatus", "ScriptCall", "WorkerPayload", "decode_kind", "decode_rank_event",
+    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "WorkerPayload", "decode_kind", "decode_rank_event",
 ]
+
+# The end of a rank's line that every rank says once (a metrics key renamed, say): the driver prints it once a run.
+SAID_ONCE = "(said once)"
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,11 @@ class RankEvent:
 
 @dataclass(frozen=True)
 class Arrived(RankEvent):
+    """The rank reached the rendezvous; ``pid``: its process (named with its node by ``show --per-rank``,
+    ``status`` and ``stacks``)."""
+
     kind: ClassVar[EventKind] = EventKind.ARRIVED
+    pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -264,7 +271,8 @@ class Pace(RankEvent):
 @dataclass(frozen=True)
 class CheckpointPart(RankEvent):
     """The rank's part of the checkpoint of ``step`` is on storage (``files``: {rel: {size, sha256}} on an object
-    store); ``requested``: when the save was asked for; ``blocked_s``: how long it held training."""
+    store); ``requested``: when the save was asked for; ``blocked_s``: how long it held training; ``script_folder``:
+    the folder a script gave ``save_state`` (its name alone when Accelerate named it), None for a function's save."""
 
     kind: ClassVar[EventKind] = EventKind.CHECKPOINT
     step: int = 0
@@ -272,6 +280,7 @@ class CheckpointPart(RankEvent):
     requested: float | None = None
     blocked_s: float = 0.0
     files: dict | None = None
+    script_folder: str | None = None
 
 
 @dataclass(frozen=True)

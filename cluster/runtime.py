@@ -40,7 +40,7 @@ from cluster.layout import CHECKPOINTS, LOCAL_LATEST, checkpoint_name, checkpoin
 from cluster.loaderstate import load_loader_states, save_loader_states
 from cluster.metric_caps import capped
 from cluster.protocol import (
-    CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
+    SAID_ONCE, CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
 )
 from cluster.sharding import init_optimizers_for_load
 from cluster.strategy import Resolved
@@ -187,7 +187,7 @@ class Session:
         for note in dict.fromkeys(notes):
             if note not in self._said:
                 self._said.add(note)
-                print(f"raylaunch: {what}: {note} (said once)", file=sys.stderr, flush=True)
+                print(f"raylaunch: {what}: {note} {SAID_ONCE}", file=sys.stderr, flush=True)
         return out
 
     def log(self, values: dict, step: int | None = None) -> None:
@@ -377,10 +377,12 @@ class Session:
     # --- events --------------------------------------------------------------
 
     def _saved(self, step: int, uri: str, files: dict[str, dict] | None, requested: float | None = None,
-               blocked_s: float = 0.0) -> None:
+               blocked_s: float = 0.0, script_folder: str | None = None) -> None:
         """This rank's part of a checkpoint is on storage: the driver commits on the last rank's report.
-        ``requested``: when the save was asked for; ``blocked_s``: how long it held training."""
-        self.emit(CheckpointPart(step=step, uri=uri, requested=requested, blocked_s=blocked_s, files=files))
+        ``requested``: when the save was asked for; ``blocked_s``: how long it held training; ``script_folder``:
+        the folder a script's ``save_state`` named."""
+        self.emit(CheckpointPart(step=step, uri=uri, requested=requested, blocked_s=blocked_s, files=files,
+                                 script_folder=script_folder))
 
     def emit(self, event: RankEvent, at: float | None = None) -> None:
         """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file. ``at``:

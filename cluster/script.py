@@ -280,10 +280,11 @@ class ScriptHooks:
 
     def _after_resume(self, accelerator: Any, folder: str) -> None:
         from cluster.checkpoints import align_accumulation
-        from cluster.loaderstate import load_loader_states
+        from cluster.loaderstate import keep_random_states_for_the_first_batch, load_loader_states
         from cluster.sharding import seed_missing_rng
 
         manifest = self.resume_manifest or {}
         load_loader_states(accelerator, folder)
         seed_missing_rng(manifest.get("files", {}), accelerator.process_index, int(manifest.get("step", 0)))
+        keep_random_states_for_the_first_batch()
         align_accumulation(accelerator)

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks",
+__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks", "where_ranks",
            "install_signal_dump", "sample_processes", "stack_from_traceback"]
 
 # The signal a rank answers with its own stacks (faulthandler) where py-spy cannot read it.
@@ -71,6 +71,7 @@ class RankStack:
     how: str = "py-spy"  # py-spy | faulthandler | traceback (a rank that had failed: its exception's)
     error: str | None = None
     note: str = ""  # e.g. "stopped (SIGSTOP)": the process's state when it was read
+    host: str = ""  # the node's host name and address, "host (10.0.0.2)"
 
     @property
     def main(self) -> ThreadStack | None:
@@ -337,11 +338,22 @@ def group_stacks(stacks: list[RankStack]) -> str:
     return "\n".join(lines)
 
 
+def where_ranks(stacks: list[RankStack]) -> str:
+    """Where each rank runs, one line each: its node, the node's host and address, its process.
+
+    >>> print(where_ranks([RankStack(1, 0, 42, host="a (10.0.0.1)"), RankStack(0, 0, 41, host="a (10.0.0.1)")]))
+    rank 0: node 0, host a (10.0.0.1), pid 41
+    rank 1: node 0, host a (10.0.0.1), pid 42
+    """
+    return "\n".join(f"rank {s.rank}: node {s.node_rank}, host {s.host or '?'}, pid {s.pid or '?'}"
+                     for s in sorted(stacks, key=lambda s: s.rank))
+
+
 def format_full(stacks: list[RankStack]) -> str:
     """Every thread of every rank, innermost frame first, as the stacks file holds them."""
     out = []
     for s in sorted(stacks, key=lambda s: s.rank):
-        head = f"rank {s.rank} (node {s.node_rank}, pid {s.pid or '?'}"
+        head = f"rank {s.rank} (node {s.node_rank}{', host ' + s.host if s.host else ''}, pid {s.pid or '?'}"
         head += f", {s.note}" if s.note else ""
         head += f", read by {s.how})" if s.how else ")"
         out.append(head)

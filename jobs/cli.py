@@ -179,6 +179,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         from cluster.storage_io import join_uri
 
         print(f"run directory: {join_uri(meta['raylaunch_storage'], meta.get('raylaunch_run', ''))}")
+    if not str(info.status).endswith(("SUCCEEDED", "FAILED", "STOPPED")):
+        from jobs.events import RanksPlaced, decode_line
+
+        text = submit.call(jobs.get_job_logs, address, args.job)
+        placed = [e for e in map(decode_line, text.splitlines()) if isinstance(e, RanksPlaced)]
+        if placed:  # where the ranks of the running attempt are, from the driver's own events in the job's log
+            print(f"ranks of attempt {placed[-1].attempt}:")
+            for line in placed[-1].lines():
+                print(f"  {line}")
     return 0
 
 

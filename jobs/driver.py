@@ -228,8 +228,14 @@ class Driver:
         state, step = RunState.RESERVING, None
         while True:
             self._open = r.attempts + 1
-            rec.event(AttemptStarted(time=time.time(), attempt=self._open, restarts=r.restarts,
-                                     max_restarts=self.spec.failure.max_restarts, world_size=r.world_size))
+            began = time.time()
+            # Every rank of the previous attempt is stopped (and no commit comes while nodes are reserved): what it
+            # left half-saved goes, and the checkpoint this attempt resumes from is known before it is announced.
+            self.run_dir.clear_staging()
+            latest = self.run_dir.loadable_checkpoint(warn=self._say)
+            rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
+                                     max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
+                                     resume_step=latest.step if latest else None))
             if state is RunState.RESERVING:
                 old = self.size
                 if elastic:
@@ -248,9 +254,6 @@ class Driver:
                 if old is not None and old != self.size:
                     rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
             r.attempts += 1
-            # Every rank of the previous attempt is stopped: what it left half-saved goes.
-            self.run_dir.clear_staging()
-            latest = self.run_dir.loadable_checkpoint(warn=self._say)
             if r.resizes and r.resizes[-1]["attempt"] == r.attempts:
                 r.resizes[-1]["step"] = latest.step if latest else 0
             if latest is not None:
@@ -343,7 +346,8 @@ class Driver:
         rec = self.recorder
         rec.mark("ranks_started")
         a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
-        route = self._route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s)
+        route = self._route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s,
+                                            hosts={i: (n.hostname, n.ip) for i, n in enumerate(group.infos)})
         started = last_board = last_grow_check = last_work = time.monotonic()
         grow: WorldSize | None = None
         grow_seen = 0.0  # when nodes to grow onto were first seen

@@ -25,7 +25,7 @@ from cluster.protocol import decode_kind
 
 __all__ = [
     "AttemptEnded", "AttemptStarted", "Committed", "EVENT_PREFIX", "FirstStep", "Outcome", "ProgressShown",
-    "Reserved", "Restored", "RunEvent", "Saved", "SessionEnded", "SessionStarted", "Waiting", "Work",
+    "RanksPlaced", "Reserved", "Restored", "RunEvent", "Saved", "SessionEnded", "SessionStarted", "Waiting", "Work",
     "decode", "decode_line", "encode_line",
 ]
 
@@ -72,7 +72,8 @@ class SessionEnded(RunEvent):
 
 @dataclass(frozen=True)
 class AttemptStarted(RunEvent):
-    """An attempt began (before its nodes are reserved); ``resume_step`` is set once known (``Restored``)."""
+    """An attempt began (before its nodes are reserved); ``resume_step``: the committed checkpoint it resumes from
+    (None: from the beginning); ``Restored`` says when the ranks have loaded it."""
 
     kind: ClassVar[str] = "attempt"
     attempt: int = 0
@@ -97,6 +98,26 @@ class Reserved(RunEvent):
     kind: ClassVar[str] = "reserved"
     attempt: int = 0
     world_size: int = 0
+
+
+@dataclass(frozen=True)
+class RanksPlaced(RunEvent):
+    """Every rank of the attempt reached the rendezvous: where each one runs, ``ranks`` holding one
+    ``{"rank", "node", "hostname", "ip", "pid"}`` per rank (``show --per-rank``, ``status``)."""
+
+    kind: ClassVar[str] = "ranks"
+    attempt: int = 0
+    ranks: list = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """One line per rank, as the commands print them.
+
+        >>> RanksPlaced(time=0, attempt=2, ranks=[{"rank": 0, "node": 0, "hostname": "a", "ip": "10.0.0.1",
+        ...                                          "pid": 41}]).lines()
+        ['rank 0: node 0, host a (10.0.0.1), pid 41']
+        """
+        return [f"rank {r.get('rank')}: node {r.get('node')}, host {r.get('hostname') or '?'} ({r.get('ip') or '?'}), "
+                f"pid {r.get('pid') or '?'}" for r in self.ranks]
 
 
 @dataclass(frozen=True)
@@ -171,8 +192,8 @@ class ProgressShown(RunEvent):
 
 
 _KINDS: dict[str, type[RunEvent]] = {
-    c.kind: c for c in (SessionStarted, SessionEnded, AttemptStarted, Waiting, Reserved, Restored, FirstStep,
-                        Saved, Committed, Work, AttemptEnded, ProgressShown)
+    c.kind: c for c in (SessionStarted, SessionEnded, AttemptStarted, Waiting, Reserved, RanksPlaced, Restored,
+                        FirstStep, Saved, Committed, Work, AttemptEnded, ProgressShown)
 }
 
 

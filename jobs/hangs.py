@@ -15,7 +15,7 @@ from typing import Iterable
 from cluster.errors import RaylaunchError
 from cluster.group import NodeGroup
 from cluster.protocol import RankFailure
-from cluster.stacks import find_stragglers, format_full, group_stacks, stack_from_traceback
+from cluster.stacks import find_stragglers, format_full, group_stacks, stack_from_traceback, where_ranks
 from jobs.storage import RunDir
 
 __all__ = ["StacksError", "is_hang", "job_stacks", "live_stacks", "where_ranks_are"]
@@ -108,7 +108,7 @@ def live_stacks(storage: str, name: str, address: str | None = None, full: bool 
         ray.shutdown()
     stacks = readings[-1]
     head = f"run {name}: attempt {result.get('attempts')}, {len(stacks)} ranks"
-    out = f"{head}\n{group_stacks(stacks)}"
+    out = f"{head}\n{group_stacks(stacks)}\nwhere they run:\n{textwrap.indent(where_ranks(stacks), '  ')}"
     if samples > 1:
         out += "\n" + find_stragglers(readings)
     return out + (f"\n\n{format_full(stacks)}" if full else "")

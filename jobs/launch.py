@@ -276,6 +276,12 @@ def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> str | None:
                      "give --num_processes for more")
     if accel.get("cpu") or file_cfg.get("use_cpu") or str(file_cfg.get("distributed_type", "")).upper() == "MULTI_CPU":
         _section(raw, "scaling")["use_gpu"] = False
+        if accel.get("cpu") and processes is not None and processes > 1:
+            per_node = scaling["workers_per_node"]
+            notes.append(f"--cpu with {source['num_processes']} {processes}: accelerate launch would start a single "
+                         "process, not a world of several (its --cpu launcher is the single-process one, and --cpu "
+                         "with --multi_gpu is refused; ACCELERATE_USE_CPU=true with --multi_gpu gives several); "
+                         f"raylaunch starts {processes} ranks on CPUs, {per_node} per node, as --num_processes says")
     if "mixed_precision" in accel:
         acc["mixed_precision"] = accel["mixed_precision"]
     if "gradient_accumulation_steps" in accel:

@@ -158,8 +158,17 @@ class ProgressView:
         elapsed = time.monotonic() - t0
         return (self.step - step0) / elapsed if self.step > step0 and elapsed > 0 else None
 
+    def _loss(self) -> tuple[str, str]:
+        """The loss to show: ``loss``, else the first loss-like key the function logs that is not an evaluation's
+        (``train_loss`` of transformers' example scripts), else the first evaluation's; ``loss=-`` before any."""
+        if "loss" in self.metrics:
+            return "loss", self.metrics["loss"]
+        losses = [k for k in self.metrics if "loss" in k.lower()]
+        ranked = sorted(losses, key=lambda k: k.lower().startswith(("eval", "val", "test")))
+        return (ranked[0], self.metrics[ranked[0]]) if ranked else ("loss", "-")
+
     def _postfix(self) -> dict:
-        post = {"loss": self.metrics.get("loss", "-")}
+        post = dict([self._loss()])
         if "samples_per_s" in self.metrics:
             post["samples/s"] = self.metrics["samples_per_s"]
         post.update({key: self.metrics[key] for key in PACE if key in self.metrics})

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from cluster.protocol import Progress, RunStatus
+from cluster.protocol import SAID_ONCE, Progress, RunStatus
 from jobs.board import Board
 from jobs.environment import Secrets
 from jobs.events import (AttemptEnded, AttemptStarted, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting,
@@ -87,6 +87,7 @@ class Recorder:
         # and each metric's newest value, shown with the next line or when the attempt ends.
         self._unshown: tuple[Any, dict, dict, float | None] | None = None
         self._store_errors: set[str] = set()
+        self._said_once: set[str] = set()  # a rank's "(said once)" line, printed for the first rank that says it
 
     # --- messages -----------------------------------------------------------------
 
@@ -204,8 +205,12 @@ class Recorder:
         by_rank: dict[int, list[str]] = defaultdict(list)
         for rank, _, line in logs:
             line = self.secrets.mask(line)  # before it is stored too
-            self._print(f"[node {node_rank} rank {rank}] {line}")
             by_rank[rank].append(line)
+            if line.endswith(SAID_ONCE):  # every rank says it once: the terminal shows it once (each rank's log keeps it)
+                if line in self._said_once:
+                    continue
+                self._said_once.add(line)
+            self._print(f"[node {node_rank} rank {rank}] {line}")
         for rank, lines in by_rank.items():
             self._store(self.run_dir.append_log, rank, lines)
 

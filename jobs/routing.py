@@ -19,7 +19,7 @@ from cluster.protocol import (
     Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, Metrics, NodePoll, NodeState, Pace,
     PreemptNotice, Preempted, RankFailure, Resources, RestoredPart, decode_rank_event,
 )
-from jobs.events import Committed, FirstStep, Restored, Saved, Work
+from jobs.events import Committed, FirstStep, RanksPlaced, Restored, Saved, Work
 from jobs.pace import PACE_KEYS, PaceTracker
 from jobs.record import Recorder
 from jobs.storage import RunDir
@@ -38,6 +38,7 @@ class AttemptState:
     staging: str
     node_of: dict[int, int]  # world rank -> node rank
     arrived: set[int] = field(default_factory=set)  # ranks at the rendezvous
+    pids: dict[int, int] = field(default_factory=dict)  # world rank -> its process, as it arrived
     joined: set[int] = field(default_factory=set)  # ranks in the process group
     joined_at: float | None = None  # when the last of them joined
     preempted: set[int] = field(default_factory=set)  # ranks that checkpointed in a grace period and stopped
@@ -81,8 +82,9 @@ class AttemptRouter:
     """Routes one attempt's polls: logs and metrics to the recorder, checkpoint parts to a commit."""
 
     def __init__(self, state: AttemptState, recorder: Recorder, run_dir: RunDir, keep: int,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, hosts: dict[int, tuple[str, str]] | None = None) -> None:
         self.a = state
+        self.hosts = hosts or {}  # node rank -> (hostname, ip)
         self.recorder = recorder
         self.run_dir = run_dir
         self.keep = keep  # checkpoint.keep
@@ -105,8 +107,10 @@ class AttemptRouter:
             match e:
                 case Arrived():
                     a.arrived.add(rank)
+                    a.pids[rank] = e.pid
                     if len(a.arrived) == a.world:
                         rec.mark("arrived", e.time)
+                        rec.event(self.placed(e.time))
                 case Joined():
                     a.joined.add(rank)
                     if len(a.joined) == a.world:
@@ -211,6 +215,15 @@ class AttemptRouter:
             self.recorder.event(FirstStep(time=began, attempt=a.number))
         a.first_step = min(a.first_step or began, began)  # a rank's earlier first batch, reported later: in Work
 
+    def placed(self, at: float) -> RanksPlaced:
+        """Where every rank of the attempt runs: its node, the node's host and address, its process."""
+        a, ranks = self.a, []
+        for rank in sorted(a.node_of):
+            hostname, ip = self.hosts.get(a.node_of[rank], ("", ""))
+            ranks.append({"rank": rank, "node": a.node_of[rank], "hostname": hostname, "ip": ip,
+                          "pid": a.pids.get(rank, 0)})
+        return RanksPlaced(time=at, attempt=a.number, ranks=ranks)
+
     def checkpoint(self, e: CheckpointPart) -> None:
         """A rank's part of a checkpoint is on storage: commit once every rank's is."""
         a, rec = self.a, self.recorder
@@ -228,7 +241,10 @@ class AttemptRouter:
             self.keep, reported=_agreed(a.parts.pop(step).values()), timing=timing,
         )
         timing["to_commit_s"] = round(time.time() - asked, 4)
-        rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri} (training held "
+        # A script's log names the staging folder its save_state wrote (Accelerate's "Saving current state to ..."):
+        # this line names the folder it asked for, which holds the same files
+        mine = f"the script's save_state({e.script_folder!r}); " if e.script_folder else ""
+        rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri} ({mine}training held "
                 f"{timing['blocked_s']:.2f} s, committed {timing['to_commit_s']:.2f} s after the save)")
         a.last_commit = (step, time.time())
         rec.event(Committed(time=a.last_commit[1], attempt=a.number, step=step, state_time=asked))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.errors import RaylaunchError
 from cluster.layout import LOGS, METRICS, TENSORBOARD
-from jobs.events import decode
+from jobs.events import RanksPlaced, decode
 from jobs.ledger import CATEGORIES, Ledger, ledger, suggestion
 from jobs.pace import judge, pace_of_records
 from jobs.spec import run_name_problem
@@ -226,6 +226,8 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
         for s in series(records, metric, per_rank=per_rank, label=metric):
             lines.append(f"    {s.label:<28} {s.values[-1]:.6g} at step {s.steps[-1]}")
     lines.extend(_format_pace(records))
+    if per_rank:
+        lines.extend(_format_ranks(run, status))
     checkpoints = run.committed_checkpoints()
     lines.append(f"  checkpoints ({len(checkpoints)} committed):")
     for c in checkpoints:
@@ -242,6 +244,16 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     lines.append("  spec:")
     lines.extend("    " + line for line in yaml.safe_dump(run.read_spec(), sort_keys=False).splitlines())
     return "\n".join(lines)
+
+
+def _format_ranks(run: RunDir, status: str) -> list[str]:
+    """Where the latest attempt's ranks run (node, host, address, process): to find the one to stop or inspect."""
+    placed = [e for e in map(decode, run.read_events()) if isinstance(e, RanksPlaced)]
+    if not placed:
+        return ["  ranks       not placed yet"]
+    last = placed[-1]
+    now = "running" if status == "running" else f"ended: the run {status}"
+    return [f"  ranks       attempt {last.attempt} ({now}):"] + [f"    {line}" for line in last.lines()]
 
 
 def _format_books(run: RunDir) -> list[str]:

@@ -81,6 +81,10 @@ def assert_resumed(tmp_path: Path, name: str, result, killed_after: int, steps: 
                   and "rank_loss" in r]
         assert second == list(range(restored + 1, steps + 1)), (rank, second)
     assert {r["attempt"] for r in rows(tmp_path, name)} == {1, 2}
+    # events.jsonl says so where the attempt begins, as where its ranks restored it (#48: it said null)
+    events = [json.loads(line) for line in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
+    assert [e["resume_step"] for e in events if e["kind"] == "attempt"] == [None, restored]
+    assert [e["step"] for e in events if e["kind"] == "restored"] == [restored]
 
 
 def test_a_killed_rank_restarts_the_world_from_the_last_checkpoint(ray_cluster, tmp_path, capsys):

@@ -30,7 +30,7 @@ def test_a_rank_stuck_in_data_loading_is_named_while_the_other_waits_in_all_redu
     assert lines[0].endswith("[failed]")
     assert lines[1].startswith("  [rank 1] in _SlowOnRank1.__getitem__ (fns.py:") and len(lines) == 2
     full = files[0].read_text()
-    assert "rank 1 (node 1, pid " in full and "read by py-spy" in full and "thread raylaunch-heartbeat" in full
+    assert "rank 1 (node 1, host " in full and "read by py-spy" in full and "thread raylaunch-heartbeat" in full
     assert "rank 0 (node 0, pid ?, failed, read by traceback)" in full
 
 
@@ -46,8 +46,22 @@ def test_raylaunch_stacks_reads_a_live_run_which_then_succeeds(ray_cluster, tmp_
     named = [l for l in lines[1:] if l.startswith("[rank")]
     assert sum(len(l.split("]")[0].split(",")) for l in named) == 2 and all(" in " in l for l in named)
     assert "could not be read" not in out.stdout
-    assert "rank 0 (node 0, pid " in out.stdout and "rank 1 (node 1, pid " in out.stdout
+    assert "rank 0 (node 0, host " in out.stdout and "rank 1 (node 1, host " in out.stdout
     assert "steady (" in out.stdout  # the training function's frame, in the full stacks
+    # where each rank runs, to find the one to stop or inspect (#48): node, host and address, the rank's own pid
+    import socket
+
+    pids = {r: int((tmp_path / "pids" / f"rank-{r}.pid").read_text().split()[1]) for r in (0, 1)}
+    where = out.stdout.split("where they run:\n", 1)[1].splitlines()[:2]
+    host = socket.gethostname()
+    assert [w.split(" (")[0] for w in where] == [f"  rank 0: node 0, host {host}", f"  rank 1: node 1, host {host}"]
+    assert [w.split(", pid ")[1] for w in where] == [str(pids[0]), str(pids[1])], where
+    # show --per-rank names them too, from the run directory alone
+    show = subprocess.run([sys.executable, "-m", "jobs.cli", "show", "live", "--per-rank", "--storage",
+                           str(tmp_path / "runs")], capture_output=True, text=True, env=cli_env(), cwd=ROOT,
+                          timeout=60)
+    assert "  ranks       attempt 1 (running):" in show.stdout, show.stdout
+    assert f"    rank 1: node 1, host {host} (" in show.stdout and f"), pid {pids[1]}" in show.stdout
     thread.join(180)
     assert box["result"].status == "succeeded", box["result"].error
     done = subprocess.run([sys.executable, "-m", "jobs.cli", "stacks", "live", "--storage", str(tmp_path / "runs")],

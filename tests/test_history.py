@@ -364,6 +364,24 @@ def test_plain_progress_is_one_line_every_10_s_with_samples_per_s(monkeypatch):
     assert all(" samples/s=640.5 | elapsed " in line for line in shown), shown
 
 
+def test_the_progress_line_shows_the_loss_a_script_logs_under_its_own_name():
+    """transformers' run_clm_no_trainer.py logs ``train_loss`` and ``eval_loss`` once an epoch, never ``loss``: the
+    line showed ``loss=-`` throughout (#48); it shows the training loss by its name, and ``loss`` first when logged."""
+    plain = io.StringIO()
+    view = ProgressView(plain, "plain", every_s=0)
+    view.event(ProgressShown(time=1, step=10, values={"total_steps": "20"}))
+    view.event(ProgressShown(time=2, step=10, values={"perplexity": "1959.4", "eval_loss": "7.58",
+                                                      "train_loss": "7.91", "epoch": "0"}))
+    view.event(ProgressShown(time=3, step=20, values={"loss": "7.2"}))
+    shown = [line.split(" | ")[0] for line in plain.getvalue().splitlines()]
+    assert shown == ["raylaunch: step 10/20 (50%) loss=-",
+                     "raylaunch: step 10/20 (50%) train_loss=7.91 eval_loss=7.58",
+                     "raylaunch: step 20/20 (100%) loss=7.2"], shown
+    bar = ProgressView(io.StringIO(), "plain")
+    bar.metrics = {"eval_loss": "7.58"}  # only an evaluation's loss logged so far: that one
+    assert bar._postfix()["eval_loss"] == "7.58"
+
+
 def test_a_tracker_the_user_configures_keeps_working_beside_the_runners(ray_cluster, tmp_path):
     """`log_with=["tensorboard", session.tracker()]`: Accelerate's TensorBoard tracker writes
     the user's own event files, and the same `accelerator.log` calls reach the run directory."""

@@ -4,6 +4,7 @@ run `failed`, never `running`."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -13,13 +14,14 @@ from jobs.driver import Driver
 from jobs.spec import load_spec_text
 
 
-def run_spec(text: str):
-    return Driver(load_spec_text(text), can_grow=False).run()
+def run_spec(text: str, out: io.StringIO | None = None):
+    return Driver(load_spec_text(text), can_grow=False, out=out).run()
 
 
 def test_metrics_output_and_return_values_stay_bounded_and_apart(ray_cluster, tmp_path):
+    terminal = io.StringIO()
     result = run_spec(f"name: hostile\ntrain_fn: fns:hostile_outputs\nscaling: {{num_nodes: 2, workers_per_node: 1}}\n"
-                      f"config: {{line_mb: 100}}\nstorage: {tmp_path}\n")
+                      f"config: {{line_mb: 100}}\nstorage: {tmp_path}\n", terminal)
     assert result.status == "succeeded", result.error
     run = tmp_path / "hostile"
     # a metric named like a row's key is kept apart; the row's own rank and step are right
@@ -35,7 +37,9 @@ def test_metrics_output_and_return_values_stay_bounded_and_apart(ray_cluster, tm
     assert "[line cut at 65536 bytes]" in log and "after the long line" in log
     assert "99%|bar|" in log and (run / "logs" / "rank-0.log").stat().st_size < 1_000_000
     # what was changed is said once, on the rank's log
-    assert log.count("'step' is a key of every metrics row: stored as 'logged_step' (said once)") == 1
+    said = "'step' is a key of every metrics row: stored as 'logged_step' (said once)"
+    assert log.count(said) == 1 and (run / "logs" / "rank-1.log").read_text().count(said) == 1
+    assert terminal.getvalue().count(said) == 1  # the terminal: once a run, not once a rank (#48)
     assert "more than 1000 keys in one call: the rest dropped" in log
     # the return value is stored as data, and said so
     for rank in ("0", "1"):

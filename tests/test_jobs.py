@@ -148,11 +148,15 @@ def test_stop_records_stopped_and_leaves_no_rank_running(head, tmp_path):
         assert f"raylaunch: detached; {job} is still running." in said
         assert f"follow again: raylaunch logs {job} --follow --address {head['address']}" in said
         assert f"stop it:      raylaunch stop {job} --address {head['address']}" in said
-        assert f"{job}: RUNNING" in cli(head, "status", job, "--address", head["address"]).stdout
+        status = cli(head, "status", job, "--address", head["address"]).stdout
+        assert f"{job}: RUNNING" in status
+        # which process each rank is, from the laptop (#48): the driver's event in the job's log
+        assert "ranks of attempt 1:" in status and all(f", pid {pid}" in status for pid in pids), status
         # where the live job's ranks are, from the laptop, through the dashboard alone
         stacks = cli(head, "stacks", job, "--address", head["address"], timeout=150)
         assert stacks.returncode == 0, stacks.stdout + stacks.stderr
         assert "run long: attempt 1, 2 ranks" in stacks.stdout and "could not be read" not in stacks.stdout
+        assert all(f", pid {pid}" in stacks.stdout.split("where they run:")[1] for pid in pids), stacks.stdout
         assert not [j for j in job_ids(head) if "-stacks-" in j]  # the helper job that read them is not listed
         stop = cli(head, "stop", job, "--address", head["address"])
         assert stop.returncode == 0 and f"stopping {job}" in stop.stdout

@@ -8,6 +8,7 @@ the options Accelerate's parser reads, and what a rank's Accelerator sees agains
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ SCRIPT = "train_fn/digits_script.py"
 # A save_state every 3 steps (3, 6, and 8 at the end), never at an epoch's end: a script of Accelerate's examples'
 # shape that resumes from a checkpoint at an epoch's end starts the next epoch with the first epoch's shuffle (the
 # prepared loader counts its epochs from 0 again), so its model differs from an uninterrupted run's under any
-# launcher; which commit the kill follows must not decide the test.
-TRAIN = ["--epochs", "2", "--train_samples", "128", "--checkpointing_steps", "3", "--dropout", "0.0"]
+# launcher; which commit the kill follows must not decide the test. Dropout 0.3: the resumed steps draw the same
+# masks as the uninterrupted run's (#48: they did not, under raylaunch as under accelerate launch).
+TRAIN = ["--epochs", "2", "--train_samples", "128", "--checkpointing_steps", "3", "--dropout", "0.3"]
 STEPS = 8  # 128 images / 16 per batch / 2 ranks = 4 steps an epoch
 
 
@@ -39,9 +41,10 @@ def launch(argv: list[str], storage: Path, name: str, **kw):
     return Driver(cmd.spec(), can_grow=False, **kw)
 
 
-def digits(storage: Path, name: str, topology: list[str], out: Path, extra: list[str] = ()):
+def digits(storage: Path, name: str, topology: list[str], out: Path, extra: list[str] = (),
+           terminal: io.StringIO | None = None):
     return launch([*topology, "--set", "failure.max_restarts=1", SCRIPT, *TRAIN, "--output_dir", str(out), *extra],
-                  storage, name)
+                  storage, name, out=terminal)
 
 
 def rows(run_dir: str) -> list[dict]:
@@ -66,7 +69,10 @@ def rank_process(rank: int, attempt: int = 1) -> psutil.Process | None:
 def uninterrupted(ray_cluster, tmp_path_factory):
     """The example on 2 nodes x 1, start to end: the reference the other runs must equal bit for bit."""
     tmp = tmp_path_factory.mktemp("launch")
-    result = digits(tmp / "runs", "straight", ["--num_machines", "2", "--num_processes", "2"], tmp / "out").run()
+    said = io.StringIO()
+    result = digits(tmp / "runs", "straight", ["--num_machines", "2", "--num_processes", "2"], tmp / "out",
+                    terminal=said).run()
+    (tmp / "straight.out").write_text(said.getvalue())  # what the terminal showed
     assert result.status == "succeeded", result.error
     return result, tmp
 
@@ -90,6 +96,13 @@ def test_a_script_on_two_nodes_logs_from_every_rank_and_commits_its_save_state(u
     assert sorted(p.name for p in (tmp / "out").iterdir()) == ["result.json", "step_3", "step_6",
                                                                "step_8"]
     assert json.loads((tmp / "out" / "result.json").read_text())["steps"] == STEPS
+    # ... and nothing of raylaunch's own (#48: a raylaunch-script.json was in every step_N)
+    assert sorted(p.name for p in mine.iterdir()) == sorted(
+        n for n in manifest["files"] if n != "raylaunch-script.json"), sorted(p.name for p in mine.iterdir())
+    # Accelerate's own log line names the staging folder it wrote; raylaunch's names the script's folder (#48)
+    said = (tmp / "straight.out").read_text()
+    assert f"raylaunch: committed checkpoint of step 8: {result.run_dir}/checkpoints/checkpoint-00000008 (the " \
+           f"script's save_state('{tmp / 'out' / 'step_8'}'); training held " in said, said[-3000:]
 
 
 def test_a_rank_killed_after_a_commit_resumes_the_script_with_the_flag_and_ends_bitwise_equal(uninterrupted):
@@ -186,6 +199,12 @@ def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp
     assert s.name.startswith("train-") and s.name == parse("launch", ["train.py", "--num_processes", "9"]).spec().name
     assert parse("launch", ["train.py", "--num_processes", "8"]).spec().name != s.name
     assert any("--main_process_port: not needed" in n for n in spec.notes)
+    # --cpu with several processes: accelerate launch runs one (its single-process launcher); raylaunch says what
+    # it does instead, before anything starts (#48)
+    assert [n for n in spec.notes if n.startswith("--cpu with --num_processes 4: accelerate launch would start a "
+                                                  "single process") and "raylaunch starts 4 ranks on CPUs, 2 per "
+                                                  "node" in n]
+    assert not [n for n in parse("launch", ["--cpu", "--num_processes", "1", "t.py"]).notes if "--cpu" in n]
     # --use_fsdp alone is Accelerate's default FSDP: version 1, full state dicts
     f1 = parse("launch", ["--use_fsdp", "t.py"]).spec().accelerate.fsdp
     assert (f1.version, f1.state_dict_type) == (1, "full")
