@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import threading
 from typing import Any, Callable, Iterator
 
@@ -21,6 +22,8 @@ __all__ = ["EMBEDDED_NODE", "GPUS_VAR", "UPLOAD_EXCLUDES", "AuthTokenMissing", "
 # How many of this machine's GPUs an embedded cluster declares, instead of what ``machine_gpus`` finds: 0 keeps a
 # `raylaunch run` without --address on the CPUs of a machine with GPUs; tests set it to model a machine with GPUs.
 GPUS_VAR = "RAYLAUNCH_LOCAL_GPUS"
+# Set (not 0): an embedded cluster's Ray session folder is kept when the command ends (as --keep-temp does).
+KEEP_TEMP_VAR = "RAYLAUNCH_KEEP_TEMP"
 
 
 _node_environment: dict[str, str] = {}  # while ``connect`` holds an embedded cluster: ``node_environment``
@@ -243,13 +246,15 @@ def holds_embedded_cluster() -> bool:
 @contextlib.contextmanager
 def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.0,
             upload: UploadPlan | None = None, gpus: list[str] | None = None,
-            say: Callable[[str], None] = print) -> Iterator[bool]:
+            say: Callable[[str], None] = print, keep_temp: bool = False) -> Iterator[bool]:
     """Connect for the length of the block; yields whether the cluster may grow.
 
     ``address=None`` starts an embedded cluster of ``local_nodes`` real Ray
     nodes (``ray.cluster_utils.Cluster``: one raylet each) and tears it down
     afterwards; it cannot grow, so placement that does not fit fails at once. Its nodes declare this machine's
     GPUs (``gpus``, by default ``machine_gpus()``), divided over them (``divide_gpus``; said through ``say``).
+    Its Ray session folder (``/tmp/ray/session_*``: Ray's logs, 0.2-0.3 MB and more with logs, one per command)
+    is removed when the block ends, unless ``keep_temp`` or ``RAYLAUNCH_KEEP_TEMP=1`` (said: where it stays).
     With an address, the working directory is uploaded as ``upload`` plans it
     (planned here from the current folder when not given), after its size check.
     """
@@ -294,9 +299,11 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         finally:
             _node_environment.clear()
             _embedded.clear()
+            session = cluster.head_node.get_session_dir_path()
             ray.shutdown()
             cluster.shutdown()
             release.set()
+            _remove_session(session, keep_temp or os.environ.get(KEEP_TEMP_VAR, "") not in ("", "0"), say)
         return
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
         # Inside a Ray job: the job's runtime environment (its working_dir) is inherited.
@@ -315,6 +322,21 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
         yield True
     finally:
         ray.shutdown()
+
+
+def _remove_session(session: str, keep: bool, say: Callable[[str], None]) -> None:
+    """The ended embedded cluster's Ray session folder: removed (and ``session_latest`` if it names it), or said
+    to be kept. Left alone, a machine that runs a command a minute gathers thousands (#47)."""
+    if keep:
+        say(f"raylaunch: the embedded cluster's Ray session folder is kept: {session}")
+        return
+    shutil.rmtree(session, ignore_errors=True)
+    latest = os.path.join(os.path.dirname(session), "session_latest")
+    try:
+        if os.path.realpath(latest) == os.path.realpath(session) or not os.path.exists(latest):
+            os.unlink(latest)
+    except OSError:  # gone already, or another command's
+        pass
 
 
 def stop_processes_under(temp_dir: str, timeout_s: float = 15.0) -> int:

@@ -106,7 +106,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # record "stopped" and keep the last committed checkpoint.
     # A launch command's --num_machines is the embedded cluster's size unless --local-nodes says otherwise.
     local_nodes = args.local_nodes or (s.num_nodes if getattr(args, "launch", None) is not None else 1)
-    with connect(address, local_nodes=local_nodes, cpus_per_node=per_node, upload=upload) as can_grow:
+    with connect(address, local_nodes=local_nodes, cpus_per_node=per_node, upload=upload,
+                 keep_temp=bool(getattr(args, "keep_temp", False))) as can_grow:
         signal.signal(signal.SIGTERM, _stop_on_sigterm(driver))  # after ray.init, which installs its own
         driver.can_grow = can_grow
         try:
@@ -297,6 +298,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="make the embedded cluster N real Ray nodes on this machine (default 1)")
     run.add_argument("--fresh", action="store_true",
                      help="start over in a new run directory instead of resuming (the old one is kept)")
+    run.add_argument("--keep-temp", action="store_true", dest="keep_temp",
+                     help="keep the embedded cluster's Ray session folder (/tmp/ray/session_*, Ray's own logs) when "
+                          "the command ends (also RAYLAUNCH_KEEP_TEMP=1); by default it is removed")
     run.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     run.set_defaults(func=cmd_run)
 

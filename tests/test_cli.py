@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,19 @@ import pytest
 from conftest import ROOT, cli_env, free_ports, interruptible, wait_for
 
 
-def raylaunch(*args: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=cli_env(),
+def raylaunch(*args: str, cwd: Path = ROOT, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env={**cli_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def ray_tmp():
+    """Ray's temporary root for one embedded command (RAY_TMPDIR), short enough for its sockets' paths."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -122,15 +133,19 @@ def test_storage_that_cannot_be_written(tmp_path):
     assert "Set `storage` in the spec (or --storage)" in proc.stderr
 
 
-def test_more_nodes_than_the_cluster_can_ever_give(tmp_path):
+def test_more_nodes_than_the_cluster_can_ever_give(tmp_path, ray_tmp):
     """Also `--fresh`: a run of that name exists, and a new run directory is started beside it."""
     earlier = tmp_path / "runs" / "digits"
     earlier.mkdir(parents=True)
     (earlier / "spec.yaml").write_text("name: digits\n")
     (earlier / "result.json").write_text('{"status": "succeeded", "attempts": 1}')
     proc = raylaunch("run", "jobs/examples/digits.yaml", "--local-nodes", "1", "--set", "scaling.num_nodes=3",
-                     "--storage", str(tmp_path / "runs"), "--fresh")
+                     "--storage", str(tmp_path / "runs"), "--fresh", "--keep-temp", env={"RAY_TMPDIR": str(ray_tmp)})
     assert proc.returncode == 1
+    # --keep-temp: the embedded cluster's Ray session folder stays, and where is said (#47)
+    kept = [p for p in ray_tmp.glob("ray/session_2*")]
+    assert len(kept) == 1 and (kept[0] / "logs").is_dir(), list(ray_tmp.rglob("*"))[:20]
+    assert f"raylaunch: the embedded cluster's Ray session folder is kept: {kept[0]}" in proc.stdout + proc.stderr
     assert "the job needs 3 nodes with {CPU: 1} each" in proc.stderr
     assert "only 1 of the cluster's 1 alive nodes can hold that" in proc.stderr
     assert "--set scaling.num_nodes=1" in proc.stderr
@@ -252,10 +267,12 @@ def test_ctrl_c_or_sigterm_stops_every_rank_and_records_stopped(tmp_path, how):
              "every process the command started to end")
 
 
-def test_an_exception_in_the_training_function_fails_the_run(tmp_path):
+def test_an_exception_in_the_training_function_fails_the_run(tmp_path, ray_tmp):
     spec = write(tmp_path, "name: boom\ntrain_fn: fns:fail_on_all_ranks\nscaling: {num_nodes: 1, workers_per_node: 1}\n")
-    proc = raylaunch("run", spec, "--storage", str(tmp_path / "runs"))
+    proc = raylaunch("run", spec, "--storage", str(tmp_path / "runs"), env={"RAY_TMPDIR": str(ray_tmp)})
     assert proc.returncode == 1
+    # the embedded cluster's Ray session folder (and session_latest) went with the command (#47)
+    assert (ray_tmp / "ray").is_dir() and not list(ray_tmp.glob("ray/session_*")), list(ray_tmp.rglob("*"))[:20]
     assert "[rank 0] ValueError: bad batch shape (3, 4)" in proc.stderr
     assert 'fns.py", line' in proc.stderr  # the rank's traceback
     assert "raylaunch: boom failed: [rank 0] ValueError" in proc.stderr
