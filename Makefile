@@ -10,7 +10,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint gpu-check chaos
+.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint gpu-check chaos soak
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,13 @@ bench-elastic: install
 CHAOS_S ?= 600
 chaos: install
 	CHAOS_S=$(CHAOS_S) CHAOS_SEED=$(CHAOS_SEED) $(BIN)/python bench/chaos.py
+
+# SOAK_JOBS jobs (24: about 15 minutes here) back to back on one warm 2-node `ray start` cluster; what each leaves.
+# Writes bench/results-soak.md; exits 1 when a job's outcome is wrong or raylaunch's disk, processes, open files or
+# warm hosts' memory grow. See docs/faults.md#long-lived-clusters.
+SOAK_JOBS ?= 24
+soak: install
+	SOAK_JOBS=$(SOAK_JOBS) $(BIN)/python bench/soak.py
 
 # On a machine with 1 to 8 GPUs, in under ten minutes, with or without a package index: a probe with 3 GiB of GPU state
 # (every save's hold against save_state, a bitwise resume), the bench's GPU mode (raylaunch against torchrun and Ray
