@@ -70,7 +70,7 @@ CHAOS_S ?= 600
 chaos: install
 	CHAOS_S=$(CHAOS_S) CHAOS_SEED=$(CHAOS_SEED) $(BIN)/python bench/chaos.py
 
-# SOAK_JOBS jobs (24: about 15 minutes here) back to back on one warm 2-node `ray start` cluster; what each leaves.
+# SOAK_JOBS jobs (24: about 9 minutes here) back to back on one warm 2-node `ray start` cluster; what each leaves.
 # Writes bench/results-soak.md; exits 1 when a job's outcome is wrong or raylaunch's disk, processes, open files or
 # warm hosts' memory grow. See docs/faults.md#long-lived-clusters.
 SOAK_JOBS ?= 24

@@ -2,7 +2,7 @@
 
 One cluster started as a user starts theirs (`ray start --head` and a second `ray start` on this machine: two
 nodes of 2 CPUs, token authentication, Ray's temporary folders and the nodes' TMPDIR in one ``mkdtemp`` folder of
-this run), then ``SOAK_JOBS`` jobs (24 by default, about 15 minutes here) submitted through the Jobs API
+this run), then ``SOAK_JOBS`` jobs (24 by default, about 9 minutes here) submitted through the Jobs API
 (`raylaunch submit --follow`), in a cycle of the kinds a real cluster sees (``KINDS``): the digits example
 succeeding, the digits script (`raylaunch submit ... SCRIPT.py`), a function failing in every rank, a rank
 SIGKILLed after a commit (restarted, then succeeding), a job stopped (`raylaunch stop`), the driver SIGKILLed and
