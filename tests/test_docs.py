@@ -217,3 +217,27 @@ def test_every_figure_of_the_readmes_benchmark_table_is_in_the_results_it_comes_
             if figure.replace(",", "") not in results:
                 missing.append(f"{cells[0]!r}: {figure} is not in {source}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_table_of_figures_on_the_benchmarks_page_names_its_source_and_holds_to_it():
+    """#49: a figure names where it comes from. A table of measurements on docs/benchmarks.md is introduced by a
+    paragraph that names a results file (then every figure of the table is in that file, as committed) or, naming
+    none, dates the run it records (YYYY-MM-DD: a record of that day, which a later rerun does not change)."""
+    blocks = (ROOT / "docs" / "benchmarks.md").read_text().split("\n\n")
+    unsourced, missing, checked = [], [], 0
+    for before, table in zip(blocks, blocks[1:]):
+        figures = re.findall(r"\d[\d,]*\.\d+(?![\dMk])", table)  # not a size such as 2.1M parameters
+        if not table.lstrip().startswith("|") or not figures:
+            continue
+        sources = set(re.findall(r"bench/results[\w.-]*\.(?:md|json)", before))
+        dated = re.search(r"20\d\d-\d\d-\d\d", before)
+        head = table.splitlines()[0][:60]
+        if not sources and not dated:
+            unsourced.append(head)
+        elif sources:
+            checked += 1
+            results = "".join((ROOT / f).read_text() for f in sorted(sources)).replace(",", "")
+            missing += [f"{head}: {f} is not in {sorted(sources)}" for f in figures if f.replace(",", "") not in results]
+    assert not unsourced, f"tables of figures naming neither a results file nor a run's date: {unsourced}"
+    assert not missing, "\n".join(missing)
+    assert checked >= 3  # the current results' tables (start-up and steps, the driver at scale, elastic)
