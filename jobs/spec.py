@@ -19,7 +19,8 @@ and file reads (``jobs.spec_load``).
 
 from __future__ import annotations
 
-from jobs.spec_load import MAX_VALUES, apply_overrides, load_spec, load_spec_text, read_spec_dict, spec_from_dict
+from jobs.spec_load import (MAX_VALUES, apply_overrides, load_spec, load_spec_text, read_spec_dict, spec_from_dict,
+                            with_overrides)
 from jobs.spec_rules import run_name_problem
 from jobs.spec_schema import (
     RUNNER_VARS, AccelerateSpec, CheckpointSpec, DataLoaderSpec, EnvSpec, FailureSpec, FsdpSpec, JobSpec,
@@ -48,5 +49,6 @@ __all__ = [
     "read_spec_dict",
     "run_name_problem",
     "spec_from_dict",
+    "with_overrides",
     "spec_to_dict",
 ]

@@ -16,9 +16,10 @@ import yaml
 
 from jobs.spec_check import build, clip, kind, short
 from jobs.spec_rules import cross_checks
-from jobs.spec_schema import JobSpec, SpecError
+from jobs.spec_schema import JobSpec, SpecError, spec_to_dict
 
-__all__ = ["MAX_VALUES", "apply_overrides", "load_spec", "load_spec_text", "read_spec_dict", "spec_from_dict"]
+__all__ = ["MAX_VALUES", "apply_overrides", "load_spec", "load_spec_text", "read_spec_dict", "spec_from_dict",
+           "with_overrides"]
 
 
 class _Loader(yaml.SafeLoader):
@@ -166,3 +167,9 @@ def _file_checks(spec: JobSpec) -> list[str]:
         return [f"env.pip: {pip!r} is not a requirements file in the working directory; "
                 "give a list of requirements or the file's path relative to the project folder"]
     return []
+
+
+def with_overrides(spec: JobSpec, overrides: list[str]) -> JobSpec:
+    """A new spec: ``spec`` with ``path=value`` overrides applied and checked again (here, not a method of
+    ``JobSpec``: the schema module imports nothing of loading, so the spec modules have no import circle)."""
+    return spec_from_dict(apply_overrides(spec_to_dict(spec), overrides))

@@ -269,12 +269,6 @@ class JobSpec:
     rendezvous: RendezvousSpec = field(default_factory=RendezvousSpec)
     env: EnvSpec = field(default_factory=EnvSpec)
 
-    def with_overrides(self, overrides: list[str]) -> "JobSpec":
-        """A new spec with ``path=value`` overrides applied and checked again."""
-        from jobs.spec_load import apply_overrides, spec_from_dict  # loading builds on this schema
-
-        return spec_from_dict(apply_overrides(spec_to_dict(self), overrides))
-
 
 def field_key(f: dataclasses.Field) -> str:
     """A field's key in the spec: its name, or the key it spells (``async``, a Python keyword)."""
