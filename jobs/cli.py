@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from cluster.errors import RaylaunchError
+from cluster.protocol import RunStatus
 from jobs.spec import JobSpec, SpecError, json_schema, load_spec, spec_from_dict
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"raylaunch: {result.status} after {result.attempts} attempt(s); run directory {result.run_dir}")
     if result.return_value is not None:
         print(f"raylaunch: result {json.dumps(result.return_value)}")
-    if result.status != "succeeded":
+    if result.status != RunStatus.SUCCEEDED:
         print(f"raylaunch: {spec.name} {result.status}: {result.error}", file=sys.stderr)
         return 1
     return 0

@@ -289,7 +289,7 @@ class Driver:
             if step.message:
                 self._say(step.message)
 
-    def _end_attempt(self, outcome: str) -> None:
+    def _end_attempt(self, outcome: Outcome) -> None:
         """Say how the open attempt ended (and where its training stood), and write result.json's books."""
         rec, number = self.recorder, self._open
         self._open = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from cluster.protocol import decode_kind
@@ -33,15 +34,14 @@ __all__ = [
 EVENT_PREFIX = "raylaunch-event "
 
 
-class Outcome:
-    """How an attempt ended."""
+class Outcome(StrEnum):
+    """How an attempt ended (``events.jsonl`` spells each as its value; a decoded event's string equals it)."""
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"  # a rank failed or a node was lost (restarted if the budgets allow)
     PREEMPTED = "preempted"  # ranks stopped at a checkpoint after a stop notice
     GROW = "grow"  # stopped at a committed checkpoint to grow back onto more nodes
     STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
-    ALL = (SUCCEEDED, FAILED, PREEMPTED, GROW, STOPPED)
 
 
 @dataclass(frozen=True)

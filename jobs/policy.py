@@ -126,7 +126,7 @@ class Step:
     """What the driver does after an attempt: the state it goes to and what that takes."""
 
     state: RunState
-    ended: str  # the attempt's outcome (``jobs.events.Outcome``)
+    ended: Outcome  # the attempt's outcome
     restarts: int  # restarts used, counting this one
     preemptions: int  # preemptions used, counting this one
     wait_full_s: float = 0.0  # an elastic run's next reservation waits this long for all of num_nodes

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.errors import RaylaunchError
 from cluster.layout import LOGS, METRICS, TENSORBOARD
+from cluster.protocol import RunStatus
 from jobs.events import RanksPlaced, decode
 from jobs.ledger import CATEGORIES, Ledger, ledger, suggestion
 from jobs.pace import judge, pace_of_records
@@ -252,7 +253,7 @@ def _format_ranks(run: RunDir, status: str) -> list[str]:
     if not placed:
         return ["  ranks       not placed yet"]
     last = placed[-1]
-    now = "running" if status == "running" else f"ended: the run {status}"
+    now = "running" if status == RunStatus.RUNNING else f"ended: the run {status}"
     return [f"  ranks       attempt {last.attempt} ({now}):"] + [f"    {line}" for line in last.lines()]
 
 
