@@ -69,6 +69,20 @@ class _EventFile:
         self._file.close()
 
 
+def _scratch() -> str:
+    """A folder for one run's event files while they go to object storage, inside this process's
+    ``raylaunch-tb-<pid namespace>-<pid>``; those of drivers that no longer run (one killed outright cannot remove
+    its own: the suite left one a killed driver) go first, as node actors' scratch folders do."""
+    from cluster.forkserver import remove_abandoned
+    from cluster.hostproc import pid_namespace
+
+    prefix = f"raylaunch-tb-{pid_namespace()}-"
+    remove_abandoned(prefix)
+    parent = os.path.join(tempfile.gettempdir(), f"{prefix}{os.getpid():x}")
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    return tempfile.mkdtemp(dir=parent)
+
+
 class Board:
     """One run's TensorBoard writer; ``add`` records as they arrive, ``flush`` now and then."""
 
@@ -77,7 +91,7 @@ class Board:
         self._local = run_dir.local_path(TENSORBOARD)
         self._tmp = None
         if self._local is None:  # object storage: write here, copy on flush
-            self._tmp = tempfile.mkdtemp(prefix="raylaunch-tb-")
+            self._tmp = _scratch()
             self._local = self._tmp
         self._writer = None
         self._failed_said = False

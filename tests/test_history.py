@@ -418,3 +418,25 @@ def test_the_last_progress_line_shows_the_newest_metrics_and_the_last_step(tmp_p
     rec.event(AttemptEnded(time=0, attempt=1, outcome="succeeded"))
     lines = [(e.step, e.values) for e in shown if isinstance(e, ProgressShown)]
     assert lines == [(1, {"loss": "0.9"}), (2, {"loss": "0.5", "eval_accuracy": "0.75"}), (3, {"loss": "0.25"})]
+
+
+def test_tensorboard_files_of_a_killed_driver_are_removed_by_the_next_driver(tmp_path, monkeypatch):
+    """#47: a driver of a run on object storage writes its event files in a temporary folder first; one killed
+    outright left it behind (the suite left a dozen in /tmp). The next driver on the machine removes it."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from cluster.hostproc import pid_namespace
+    from jobs.board import _scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"raylaunch-tb-{pid_namespace()}-{dead.pid:x}" / "x1" / "events.out.tfevents.1"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"\0" * 100)
+    mine = Path(_scratch())
+    assert not left.parent.parent.exists()
+    assert mine.is_dir() and mine.parent.name == f"raylaunch-tb-{pid_namespace()}-{os.getpid():x}"
