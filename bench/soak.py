@@ -70,12 +70,12 @@ def free_ports(n: int) -> list[int]:
 class WarmCluster:
     """Two `ray start` nodes on this machine, stopped by PID at the end."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self) -> None:
         self.temp = Path(tempfile.mkdtemp(prefix="rl-soak-", dir="/tmp"))  # short: Ray's socket paths
         self.tmpdir = self.temp / "tmp"  # the nodes' TMPDIR: where raylaunch's own temporary folders go
         self.tmpdir.mkdir()
         self.token = secrets.token_hex(16)
-        gcs, dash, *agents = free_ports(10)
+        gcs, dash, *agents = free_ports(10)  # GCS, dashboard; 4 agent and metrics ports on each node
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "TMPDIR": str(self.tmpdir),
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -180,18 +180,18 @@ class Soak:
         self.work, self.cluster, self.store = work, cluster, store
         self.storage = work / "runs"
 
+    def _laptop_env(self) -> dict:
+        """A laptop's: the cluster's token, not its nodes' TMPDIR, no RAY_ADDRESS (each command gives --address)."""
+        return {k: v for k, v in self.cluster.env.items() if k not in ("TMPDIR", "RAY_ADDRESS")}
+
     def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        env = {**self.cluster.env}
-        env.pop("TMPDIR")
-        env.pop("RAY_ADDRESS", None)
-        return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=self._laptop_env(),
+                              capture_output=True, text=True, timeout=timeout)
 
     def follow(self, *args: str) -> subprocess.Popen:
-        env = {k: v for k, v in self.cluster.env.items() if k not in ("TMPDIR", "RAY_ADDRESS")}
-        log = open(self.work / "follow.log", "w")
-        return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
+        with open(self.work / "follow.log", "w") as log:  # the child holds its own copy of the file
+            return subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=self._laptop_env(),
+                                    stdout=log, stderr=subprocess.STDOUT, text=True)
 
     def submit(self, spec_or_args: list[str], storage: str | None = None) -> subprocess.CompletedProcess:
         return self.cli("submit", *spec_or_args, "--address", self.cluster.address, "--follow",
@@ -362,7 +362,7 @@ def main() -> int:
     samples: list[dict] = []
     try:
         store = ObjectStore(work / "moto.log")
-        cluster = WarmCluster(work)
+        cluster = WarmCluster()
         soak = Soak(work, cluster, store)
         for i in range(1, args.jobs + 1):
             kind = KINDS[(i - 1) % len(KINDS)]

@@ -27,7 +27,7 @@ from cluster.hostproc import pid_namespace
 from cluster.rankhost import Claim, WarmHost
 
 __all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "drop_safe_path", "pid_namespace",
-           "remove_abandoned"]
+           "process_folder", "remove_abandoned"]
 
 
 # What the rank fork server imports once, before any rank starts (not CUDA: importing torch does not initialise it,
@@ -136,13 +136,8 @@ class ForkServer:
         if self._thread is None:
             config = process.current_process()._config
             if config.get("tempdir") is None:
-                prefix = f"raylaunch-mp-{pid_namespace()}-"
-                remove_abandoned(prefix)
                 # One per process; hex, short: the socket path under it has 107 bytes at most.
-                folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
-                shutil.rmtree(folder, ignore_errors=True)  # an earlier process's with this pid
-                folder.mkdir(mode=0o700)
-                self._folder = config["tempdir"] = str(folder)
+                self._folder = config["tempdir"] = process_folder(f"raylaunch-mp-{pid_namespace()}-", fresh=True)
             self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
             self._thread.start()
 
@@ -198,6 +193,18 @@ class ForkServer:
                 if config.get("tempdir") == self._folder:
                     config["tempdir"] = None
                 self._folder = None
+
+
+def process_folder(prefix: str, fresh: bool = False) -> str:
+    """This process's folder ``<prefix><pid in hex>`` in the temp folder (mode 0700), after removing those of
+    processes that no longer run (one killed outright cannot remove its own); ``fresh``: emptied first (an earlier
+    process's with this pid)."""
+    remove_abandoned(prefix)
+    folder = Path(tempfile.gettempdir()) / f"{prefix}{os.getpid():x}"
+    if fresh:
+        shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(mode=0o700, exist_ok=not fresh)
+    return str(folder)
 
 
 def remove_abandoned(prefix: str) -> None:

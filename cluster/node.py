@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 import ray
 
 from cluster.errors import RaylaunchError
-from cluster.forkserver import FORK_SERVER, pid_namespace, remove_abandoned
+from cluster.forkserver import FORK_SERVER, pid_namespace, process_folder
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
 from cluster.protocol import EventKind, NodePoll, NodeState, WorkerPayload
 from cluster.rankhost import PROJECT_VAR, WarmHost, rss_mb
@@ -374,8 +374,4 @@ class NodeActor:
 def _process_scratch() -> str:
     """This process's folder for its node actors' scratch folders (``raylaunch-node-<pid namespace>-<pid>``, in
     hex); the folders of processes that no longer run (an actor killed outright cannot remove its own) go now."""
-    prefix = f"raylaunch-node-{pid_namespace()}-"
-    remove_abandoned(prefix)
-    folder = os.path.join(tempfile.gettempdir(), f"{prefix}{os.getpid():x}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    return folder
+    return process_folder(f"raylaunch-node-{pid_namespace()}-")

@@ -33,8 +33,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks", "where_ranks",
-           "install_signal_dump", "sample_processes", "stack_from_traceback"]
+__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks",
+           "install_signal_dump", "rank_place", "sample_processes", "stack_from_traceback", "where_ranks"]
 
 # The signal a rank answers with its own stacks (faulthandler) where py-spy cannot read it.
 DUMP_SIGNAL = signal.SIGUSR2
@@ -338,6 +338,15 @@ def group_stacks(stacks: list[RankStack]) -> str:
     return "\n".join(lines)
 
 
+def rank_place(rank: int, node: int, host: str, pid: int) -> str:
+    """Where one rank runs, as ``stacks``, ``status`` and ``show --per-rank`` say it (``host``: "name (address)").
+
+    >>> rank_place(1, 0, "a (10.0.0.1)", 42), rank_place(0, 1, "", 0)
+    ('rank 1: node 0, host a (10.0.0.1), pid 42', 'rank 0: node 1, host ?, pid ?')
+    """
+    return f"rank {rank}: node {node}, host {host or '?'}, pid {pid or '?'}"
+
+
 def where_ranks(stacks: list[RankStack]) -> str:
     """Where each rank runs, one line each: its node, the node's host and address, its process.
 
@@ -345,8 +354,7 @@ def where_ranks(stacks: list[RankStack]) -> str:
     rank 0: node 0, host a (10.0.0.1), pid 41
     rank 1: node 0, host a (10.0.0.1), pid 42
     """
-    return "\n".join(f"rank {s.rank}: node {s.node_rank}, host {s.host or '?'}, pid {s.pid or '?'}"
-                     for s in sorted(stacks, key=lambda s: s.rank))
+    return "\n".join(rank_place(s.rank, s.node_rank, s.host, s.pid) for s in sorted(stacks, key=lambda s: s.rank))
 
 
 def format_full(stacks: list[RankStack]) -> str:

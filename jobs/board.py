@@ -73,14 +73,9 @@ def _scratch() -> str:
     """A folder for one run's event files while they go to object storage, inside this process's
     ``raylaunch-tb-<pid namespace>-<pid>``; those of drivers that no longer run (one killed outright cannot remove
     its own: the suite left one a killed driver) go first, as node actors' scratch folders do."""
-    from cluster.forkserver import remove_abandoned
-    from cluster.hostproc import pid_namespace
+    from cluster.forkserver import pid_namespace, process_folder
 
-    prefix = f"raylaunch-tb-{pid_namespace()}-"
-    remove_abandoned(prefix)
-    parent = os.path.join(tempfile.gettempdir(), f"{prefix}{os.getpid():x}")
-    os.makedirs(parent, mode=0o700, exist_ok=True)
-    return tempfile.mkdtemp(dir=parent)
+    return tempfile.mkdtemp(dir=process_folder(f"raylaunch-tb-{pid_namespace()}-"))
 
 
 class Board:

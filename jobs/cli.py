@@ -181,7 +181,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         from cluster.storage_io import join_uri
 
         print(f"run directory: {join_uri(meta['raylaunch_storage'], meta.get('raylaunch_run', ''))}")
-    if not str(info.status).endswith(("SUCCEEDED", "FAILED", "STOPPED")):
+    if not info.status.is_terminal():
         from jobs.events import RanksPlaced, decode_line
 
         text = submit.call(jobs.get_job_logs, address, args.job)

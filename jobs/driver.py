@@ -231,18 +231,17 @@ class Driver:
             began = time.time()
             # Every rank of the previous attempt is stopped (and no commit comes while nodes are reserved): what it
             # left half-saved goes, and the checkpoint this attempt resumes from is known before it is announced.
+            latest = None
             try:
                 self.run_dir.clear_staging()
                 latest = self.run_dir.loadable_checkpoint(warn=self._say)
-            except BaseException:  # no checkpoint it may load (latest.json names one that is gone): this attempt
-                rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,  # failed, before
-                                         max_restarts=self.spec.failure.max_restarts,  # any node was reserved
-                                         world_size=r.world_size))
-                r.attempts += 1
+            except BaseException:  # no checkpoint it may load (latest.json names one that is gone): the attempt
+                r.attempts += 1  # counts, failed before any node was reserved
                 raise
-            rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
-                                     max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
-                                     resume_step=latest.step if latest else None))
+            finally:
+                rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
+                                         max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
+                                         resume_step=latest.step if latest else None))
             if state is RunState.RESERVING:
                 old = self.size
                 if elastic:

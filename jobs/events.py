@@ -116,8 +116,10 @@ class RanksPlaced(RunEvent):
         ...                                          "pid": 41}]).lines()
         ['rank 0: node 0, host a (10.0.0.1), pid 41']
         """
-        return [f"rank {r.get('rank')}: node {r.get('node')}, host {r.get('hostname') or '?'} ({r.get('ip') or '?'}), "
-                f"pid {r.get('pid') or '?'}" for r in self.ranks]
+        from cluster.stacks import rank_place
+
+        return [rank_place(r.get("rank"), r.get("node"), f"{r.get('hostname') or '?'} ({r.get('ip') or '?'})",
+                           r.get("pid")) for r in self.ranks]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from bench.soak import Job, Soak, WarmCluster, sample
 
 def test_jobs_back_to_back_leave_no_folder_process_or_open_file_behind():
     work = Path(tempfile.mkdtemp(prefix="raylaunch-soak-test-"))
-    cluster = WarmCluster(work)
+    cluster = WarmCluster()
     try:
         soak = Soak(work, cluster, store=None)
         jobs, samples = [], []
