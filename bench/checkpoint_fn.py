@@ -2,7 +2,8 @@
 
 Each repetition, in alternating order, times Accelerate's own ``save_state`` to the node's local disk and
 ``session.save`` (committed on the run's storage), as the training loop sees them: the seconds until the call
-returns. After each ``session.save`` it keeps stepping while that save's background write runs and times those
+returns, and for ``session.save`` the wait of the next optimizer step for the copies the save left to its write
+(the hold the rank reports; the longest of any rank's). After each ``session.save`` it keeps stepping while that save's background write runs and times those
 steps; the reference is the steps just before each ``session.save`` (no write of any rank in flight), and the
 steps before the first save. Rank 0 returns every figure.
 """
@@ -58,7 +59,7 @@ def train(config: dict) -> dict:
     before_saves_rss = _rss_mb()
     local = tempfile.mkdtemp(prefix="raylaunch-bench-savestate-")
     out = {"state_mb": sum(p.numel() * 3 * 4 for p in model.parameters()) / 2**20, "save_state_s": [],
-           "session_save_s": [], "steps_during_write_s": [], "steps_before_s": steady[1:], "steps_quiet_s": []}
+           "session_save_s": [], "session_call_s": [], "steps_during_write_s": [], "steps_before_s": steady[1:], "steps_quiet_s": []}
     n = 0
     try:
         for rep in range(config.get("reps", 3)):
@@ -79,8 +80,13 @@ def train(config: dict) -> dict:
                     out["steps_quiet_s"] += [step() for _ in range(config.get("quiet", 3))]
                     began = time.perf_counter()
                     session.save(accelerator, n)
-                    out["session_save_s"].append(time.perf_counter() - began)
+                    out["session_call_s"].append(time.perf_counter() - began)
                     pending = getattr(session._checkpoints, "_upload", None)  # the background write, if any
+                    # The next step waits for what the save left to copy: the hold is the call and that wait, as
+                    # the rank reports it, the longest of any rank's.
+                    out["steps_during_write_s"].append(step())
+                    held = accelerator.gather(torch.tensor([session._checkpoints.last_hold_s]))
+                    out["session_save_s"].append(held.max().item())
                     while writing(pending):  # every rank steps while any rank's write runs
                         out["steps_during_write_s"].append(step())
     finally:

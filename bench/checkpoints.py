@@ -42,7 +42,9 @@ storage: {storage}
 def _summary(values: list[float]) -> str:
     if not values:
         return "-"
-    return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f}, n={len(values)})"
+    digits = 3 if max(values) < 0.1 else 2
+    return (f"{statistics.median(values):.{digits}f} s ({min(values):.{digits}f}-{max(values):.{digits}f}, "
+            f"n={len(values)})")
 
 
 def _one(background: bool, storage: str) -> dict:
@@ -123,13 +125,16 @@ def report(results: dict, storage: str, load_before: str) -> None:
         f"| Accelerate `save_state` to local disk | {_summary(a['save_state_s'])} |",
         f"| raylaunch `session.save` (`checkpoint.async: true`) | {_summary(a['session_save_s'])} |",
     ]
+    if a.get("session_call_s"):
+        lines.append(f"| of which the call itself (the rest: the next step's wait for its copies) | "
+                     f"{_summary(a['session_call_s'])} |")
     if "sync" in results:
         s = results["sync"]
         lines.append(f"| raylaunch `session.save` (`checkpoint.async: false`) | {_summary(s['session_save_s'])} |")
     lines += [
         "",
         f"- **`session.save` / `save_state`: {ratio:.2f}x** (medians, the same ranks, the same run); **the first "
-        f"save held {a['session_save_s'][0]:.2f} s, the longest {max(a['session_save_s']):.2f} s = "
+        f"save held {a['session_save_s'][0]:.3f} s, the longest {max(a['session_save_s']):.3f} s = "
         f"{max(a['session_save_s']) / statistics.median(a['save_state_s']):.2f}x** `save_state`'s median (goal: "
         "every save, the first included, <= 0.1x).",
         f"- From `session.save` to its commit: {_summary(a['to_commit_s'])}.",

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -62,6 +63,60 @@ def _on_first_optimizer_step(call: Callable[[Any], None]) -> Any:
             call(optimizer)
 
     return register_optimizer_step_post_hook(hook)
+
+
+def _before_every_optimizer_step(owner: Any) -> Any:
+    """``owner._before_optimizer_step()`` before the step of any optimizer in this process (torch's global pre-hook),
+    for as long as ``owner`` lives; returns the hook's handle."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    ref = weakref.ref(owner)
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        me = ref()
+        if me is not None:
+            me._before_optimizer_step()
+
+    handle = register_optimizer_step_pre_hook(hook)
+    weakref.finalize(owner, handle.remove)
+    return handle
+
+
+def _only_stepped(accelerator: Any) -> frozenset[int]:
+    """The storages (``data_ptr``) of the CPU tensors that only an optimizer's step changes: the parameters of the
+    prepared models and the state of the prepared optimizers. A save copies them after it returns, beside the next
+    forward and backward (``cluster.snapshot``). None under FSDP, whose state goes through DCP."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    if getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
+        return frozenset()
+    tensors = [p for model in getattr(accelerator, "_models", []) for p in model.parameters()]
+    for optimizer in getattr(accelerator, "_optimizers", []):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors
+                     if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_cuda and t.numel() > 0)
+
+
+@dataclass
+class _Hold:
+    """How long one save held training: its call, and the wait of the next optimizer step for the copies the save
+    left to its write (``cluster.snapshot``'s deferred copies)."""
+
+    began: float  # time.perf_counter()
+    step: int
+    returned: float | None = None
+    snap: Snapshot | None = None  # its deferred copies, when it left any
+    step_from: float | None = None  # when the next optimizer step began to wait for them
+    host_mb: float = 0.0
+
+    def seconds(self) -> float:
+        s = (self.returned or time.perf_counter()) - self.began
+        copied = self.snap.copied_at if self.snap is not None else None
+        if self.step_from is not None and copied is not None:
+            s += max(0.0, copied - self.step_from)
+        return s
 
 
 def _state_sizes(optimizer: Any) -> tuple[list[int], bool]:
@@ -115,6 +170,13 @@ class StagedCheckpoints:
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
         self.prepared: threading.Thread | None = None  # the first save's host memory, being made
         self._first_step = _on_first_optimizer_step(self._prepare_first_save) if background else None
+        # A save's copies of what only an optimizer step changes are made after it returns; the next step waits for
+        # them. Off (this rank, for good) once a save found such a tensor changed before its copy was made.
+        self.defer_copies = background
+        self._copying: _Hold | None = None  # the last save, until its deferred copies are known to be made
+        self.last_hold_s: float | None = None  # how long the last save whose hold is known held training
+        if background:
+            _before_every_optimizer_step(self)
 
     def _prepare_first_save(self, optimizer: Any) -> None:
         """At the first optimizer step, when the state's size is known (parameters and optimizer state): in a thread
@@ -164,28 +226,49 @@ class StagedCheckpoints:
             self._wait_for_commit(step)
         self._steps.add(step)
         uri = join_uri(self.staging_uri, checkpoint_name(step))
-        held: dict[str, float] = {}  # set when the save returns: how long it held training
+        hold = _Hold(began, step)
 
         def saved(files: dict[str, dict] | None) -> None:
-            # A report made before the save returns (a shared path without async) is all within the hold.
-            blocked = held.get("s", time.perf_counter() - began)
-            self._on_saved(step, uri, files, requested=requested, blocked_s=blocked,
+            # A report made before the save returns (a shared path without async) is all within the hold; one made
+            # after the next optimizer step waited for the save's copies counts that wait.
+            self._on_saved(step, uri, files, requested=requested, blocked_s=hold.seconds(),
                            script_folder=None if script is None else script.mirror or script.folder)
 
-        host = 0.0
         if self._background and _copies_in_memory(accelerator):
-            host = self._save_in_background(accelerator, uri, step, script, saved)
+            hold.host_mb = self._save_in_background(accelerator, uri, step, script, saved, hold)
         else:
             self._save_now(accelerator, uri, step, script, saved)
-        held["s"] = time.perf_counter() - began
-        if self._log is not None:
-            self._log({"checkpoint_blocked_s": held["s"], "checkpoint_host_mb": host}, step)
+        hold.returned = time.perf_counter()
+        if hold.snap is not None and not hold.snap.copied.is_set():
+            self._copying = hold  # its hold is known (and logged) once the next step has its copies
+        else:
+            self._log_hold(hold)
         return uri
 
+    def _log_hold(self, hold: _Hold) -> None:
+        self.last_hold_s = hold.seconds()
+        if self._log is not None:
+            self._log({"checkpoint_blocked_s": hold.seconds(), "checkpoint_host_mb": hold.host_mb}, hold.step)
+
+    def _before_optimizer_step(self) -> None:
+        """Before any optimizer's step: the last save's deferred copies are made before the step changes what they
+        copy (waited for here, and counted in that save's hold)."""
+        if self._copying is not None:
+            self._settle(at_step=True)
+
+    def _settle(self, at_step: bool) -> None:
+        hold, self._copying = self._copying, None
+        if hold is None or hold.snap is None:
+            return
+        if at_step:
+            hold.step_from = time.perf_counter()
+        hold.snap.copied.wait()
+        self._log_hold(hold)
+
     def _save_in_background(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
-                            saved: Callable[[dict[str, dict] | None], None]) -> float:
-        """Copy this rank's state into memory and return the MiB it holds; a thread writes (and uploads) it, then
-        reports it."""
+                            saved: Callable[[dict[str, dict] | None], None], hold: _Hold) -> float:
+        """Copy this rank's state into memory (what only an optimizer step changes: by the write, before the next
+        step) and return the MiB it holds; a thread writes (and uploads) it, then reports it."""
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
         self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
@@ -199,8 +282,11 @@ class StagedCheckpoints:
         # Started here, on the training thread (it ends with this thread), at the first save.
         on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"  # a GPU's copy: pinned memory
         writer = self._writer if on_cpu and self._writer.ensure() else None
+        defer = _only_stepped(accelerator) if on_cpu and self.defer_copies else frozenset()
+        distributed = ("torch.distributed.checkpoint" in sys.modules
+                       or str(getattr(accelerator, "distributed_type", "")).endswith("FSDP"))
         try:
-            snap = capture(save, shared=writer is not None, pool=self._segments)
+            snap = capture(save, shared=writer is not None, pool=self._segments, defer=defer, distributed=distributed)
         except BaseException:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
@@ -216,10 +302,21 @@ class StagedCheckpoints:
             # Accelerate's own save_state leaves it: a script may write beside it at once (its result.json in
             # output_dir; tests/test_jobs.py's launch-script job failed so on a loaded machine).
             os.makedirs(script.mirror, exist_ok=True)
+        hold.snap = snap
         self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
                               mirror=script.mirror if script else None, on_done=saved,
-                              writer=None if snap.on_gpu else writer)
+                              writer=None if snap.on_gpu else writer, on_changed=self._changed_before_copied)
         return snap.nbytes / 2**20
+
+    def _changed_before_copied(self, step: int, files: list[str]) -> None:
+        """A save's deferred copy found its tensor changed in place before the copy was made: that checkpoint is not
+        written (it could hold part of the change) and every later save of this rank copies before it returns."""
+        self.defer_copies = False
+        print(f"raylaunch: rank {self._context.world_rank}: the checkpoint of step {step} is not saved: a parameter "
+              f"or optimizer state in {', '.join(os.path.basename(f) for f in files)} changed in place after "
+              "session.save returned and before the next optimizer step (raylaunch copies them in that time). The "
+              "previous committed checkpoint is kept; from now on this rank's saves copy everything before they "
+              "return. Change parameters before saving, or in the optimizer's step.", file=sys.stderr, flush=True)
 
     def _save_now(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
                   saved: Callable[[dict[str, dict] | None], None]) -> None:
@@ -265,6 +362,7 @@ class StagedCheckpoints:
             time.sleep(0.05)
 
     def wait_for_upload(self) -> None:
+        self._settle(at_step=False)
         upload, self._upload = self._upload, None
         if upload is not None:
             upload.wait()
@@ -438,8 +536,10 @@ class _Write:
     by a thread of the rank; then reported."""
 
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
-                 on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None) -> None:
+                 on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None,
+                 on_changed: Callable[[int, list[str]], None] | None = None) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
+        self._on_changed = on_changed  # a deferred copy's tensor changed before it was made: nothing is written
         self.writer = writer  # the rank's writer process, for the files holding tensors (None: this thread)
         self._own = [w.path for w in snap.writes] if snap is not None else []  # this rank's files in ``target``
         self.error: BaseException | None = None
@@ -449,6 +549,12 @@ class _Write:
 
     def _run(self) -> None:
         try:
+            # First the copies the next optimizer step waits for, at the rank's own priority.
+            changed = self.snap.copy_deferred() if self.snap is not None else []
+            if changed:
+                if self._on_changed is not None:
+                    self._on_changed(self.step, changed)
+                return  # never reported: the previous committed checkpoint stays the latest
             # Beside training, not ahead of it: this thread yields the cores to the rank's own (Linux: per thread).
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)

@@ -7,6 +7,14 @@ a copy of its object in host memory (tensors copied off the device, into pinned 
 writes nothing. Training goes on as soon as the copy is made; :meth:`Snapshot.write` writes the files,
 exactly as ``save_state`` would have, later, in another thread.
 
+The copy itself can wait too. A CPU tensor that only an optimizer's step changes (a parameter of a prepared model,
+an optimizer's state: ``defer``) is copied by the thread that writes (:meth:`Snapshot.copy_deferred`), beside the
+next step's forward and backward, which only read it; the rank's next optimizer step waits for that copy
+(``cluster.checkpoints``). A tensor changed in place before its copy was made (a parameter clamped between the
+save and the next step) is found by its version counter, and that snapshot is not written. Everything else
+(buffers, which a forward changes; GPU tensors, whose copy is already asynchronous) is copied during the
+capture.
+
 FSDP's sharded state goes through PyTorch distributed checkpointing (DCP), whose ``save`` is a
 collective: the ranks agree on a plan, each writes its shard, and rank 0 gathers what they wrote into
 ``.metadata``. :func:`capture` runs that ``save`` on the training thread, in step with the other
@@ -106,6 +114,27 @@ class Snapshot:
     segments: dict[int, tuple[int, int, Any]] = field(default_factory=dict)
     pool: SegmentPool | None = None  # where its segments come from and go back to
     on_gpu: bool = False  # a tensor was copied off a GPU (into pinned memory: written by the rank's thread)
+    defer: frozenset[int] = frozenset()  # storages (data_ptr) whose tensors are copied after the capture
+    deferred: list[tuple[Any, Any, int, str]] = field(default_factory=list)  # (copy, tensor, its version, file)
+    copied: threading.Event = field(default_factory=threading.Event)  # every deferred copy made (or given up)
+    copied_at: float | None = None  # time.perf_counter() when they were
+
+    def copy_deferred(self) -> list[str]:
+        """Make the copies the capture left for later; returns the files of the tensors changed in place since the
+        capture (whose copy may hold part of the change: the snapshot is then not to be written)."""
+        import time
+
+        changed: list[str] = []
+        try:
+            for out, t, version, path in self.deferred:
+                out.copy_(t)
+                if t._version != version:  # in-place ops bump it; an optimizer's step waits for this copy
+                    changed.append(path)
+        finally:
+            self.deferred.clear()  # the tensors themselves are not held past their copy
+            self.copied_at = time.perf_counter()
+            self.copied.set()
+        return sorted(set(changed))
 
     def write(self, writer: Any = None, hash_files: bool = False,
               durable: bool = False) -> tuple[list[str], dict[str, dict]]:
@@ -138,6 +167,9 @@ class Snapshot:
         return [w.path for w in self.writes], files
 
     def release(self) -> None:
+        if not self.copied.is_set():  # (a capture that failed, a write given up): nothing waits for these copies
+            self.deferred.clear()
+            self.copied.set()
         self.writes.clear()
         self.nbytes = 0
         segments, self.segments = self.segments, {}
@@ -174,32 +206,38 @@ def _shared_empty(t: Any, snap: Snapshot) -> Any:
     return out
 
 
-def _copy(obj: Any, snap: Snapshot, cuda: list) -> Any:
-    """``obj`` with every tensor copied into host memory (pinned when it was on a GPU)."""
+def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
+    """``obj`` with every tensor copied into host memory (pinned when it was on a GPU), or to be copied there by
+    :meth:`Snapshot.copy_deferred` (``snap.defer``); ``path``: the file it is for."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
+        later = (not t.is_cuda and t.numel() > 0 and bool(snap.defer)
+                 and t.untyped_storage().data_ptr() in snap.defer)
         if t.is_cuda:
             out = torch.empty_like(t, device="cpu", pin_memory=True)
             out.copy_(t, non_blocking=True)
             cuda.append(True)
         elif snap.shared and t.numel() > 0:
             out = _shared_empty(t, snap)
-            out.copy_(t)
         else:
-            out = t.clone()
+            out = torch.empty_like(t) if later else t.clone()
+        if later:
+            snap.deferred.append((out, t, t._version, path))
+        elif not t.is_cuda and snap.shared and t.numel() > 0:
+            out.copy_(t)
         snap.nbytes += out.numel() * out.element_size()
         return out
     if isinstance(obj, (dict, OrderedDict)):
         out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
         for k, v in obj.items():
-            out[k] = _copy(v, snap, cuda)
+            out[k] = _copy(v, snap, cuda, path)
         return out
     if isinstance(obj, list):
-        return [_copy(v, snap, cuda) for v in obj]
+        return [_copy(v, snap, cuda, path) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_copy(v, snap, cuda) for v in obj)
+        return tuple(_copy(v, snap, cuda, path) for v in obj)
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     import numpy as np
@@ -296,13 +334,18 @@ def _holds_objects(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _captured(snap: Snapshot) -> Iterator[None]:
+def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
     import torch
-    import torch.distributed.checkpoint as dcp
     from accelerate.utils import other
-    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    save, safe_save, dcp_save = torch.save, other.safe_save_file, dcp.save
+    if distributed:  # (imported only then: its import took 0.09 s of the first save of every rank)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystem
+    else:
+        dcp = FileSystem = None
+
+    save, safe_save = torch.save, other.safe_save_file
+    dcp_save = dcp.save if dcp is not None else None
     _REAL_SAVE[0] = save
     cuda: list = []
 
@@ -312,19 +355,20 @@ def _captured(snap: Snapshot) -> Iterator[None]:
     def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if not is_path(f) or args or threading.current_thread() is not _CAPTURING.thread:
             return save(obj, f, *args, **kwargs)  # a stream (DCP's own writes), or another thread's save
-        before, held = set(snap.segments), snap.nbytes
-        kept = _copy(obj, snap, cuda)
+        before, held, later = set(snap.segments), snap.nbytes, len(snap.deferred)
+        kept = _copy(obj, snap, cuda, os.fspath(f))
         if not isinstance(kept, _Serialised) and _holds_objects(kept):
             kept = _Serialised(obj)  # a container with objects inside: its bytes, once
             for key in set(snap.segments) - before:  # the copies made on the way are not kept
                 os.close(snap.segments.pop(key)[0])
+            del snap.deferred[later:]
             snap.nbytes = held + len(kept.data)
         snap.writes.append(_Write(os.fspath(f), kept, False, kwargs))
 
     def safe_save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
         if threading.current_thread() is not _CAPTURING.thread:
             return safe_save(tensors, filename, metadata=metadata)
-        snap.writes.append(_Write(os.fspath(filename), _copy(tensors, snap, cuda), True,
+        snap.writes.append(_Write(os.fspath(filename), _copy(tensors, snap, cuda, os.fspath(filename)), True,
                                   {"metadata": metadata} if metadata is not None else {}))
 
     def distributed_save(state_dict: Any, *args: Any, storage_writer: Any = None, **kwargs: Any) -> Any:
@@ -335,25 +379,35 @@ def _captured(snap: Snapshot) -> Iterator[None]:
         return dcp_save(state_dict, *args, storage_writer=storage_writer, **kwargs)
 
     _CAPTURING.thread = threading.current_thread()
-    torch.save, other.safe_save_file, dcp.save = torch_save, safe_save_file, distributed_save
+    torch.save, other.safe_save_file = torch_save, safe_save_file
+    if dcp is not None:
+        dcp.save = distributed_save
     try:
         yield
         snap.on_gpu = bool(cuda)
         if cuda:
             torch.cuda.synchronize()  # the non-blocking copies are done before training changes the tensors
     finally:
-        torch.save, other.safe_save_file, dcp.save = save, safe_save, dcp_save
+        torch.save, other.safe_save_file = save, safe_save
+        if dcp is not None:
+            dcp.save = dcp_save
         _CAPTURING.thread = None
 
 
-def capture(save: Callable[[], Any], shared: bool = False, pool: SegmentPool | None = None) -> Snapshot:
+def capture(save: Callable[[], Any], shared: bool = False, pool: SegmentPool | None = None, *,
+            defer: frozenset[int] = frozenset(), distributed: bool = True) -> Snapshot:
     """Run ``save`` (a ``save_state`` and what goes with it) with its file writes kept in memory; ``shared``: CPU
-    tensors in memfd segments, for a writer process (from ``pool``'s, and back to it on release, when given)."""
-    snap = Snapshot(shared=shared and hasattr(os, "memfd_create"), pool=pool)
+    tensors in memfd segments, for a writer process (from ``pool``'s, and back to it on release, when given).
+    ``defer``: the storages (``untyped_storage().data_ptr()``) of CPU tensors that only an optimizer's step changes,
+    copied by :meth:`Snapshot.copy_deferred` after this returns. ``distributed``: the state may go through DCP (FSDP's
+    sharded state), whose ``save`` is then captured too."""
+    snap = Snapshot(shared=shared and hasattr(os, "memfd_create"), pool=pool, defer=defer)
     try:
-        with _captured(snap):
+        with _captured(snap, distributed):
             save()
     except BaseException:
         snap.release()
         raise
+    if not snap.deferred:
+        snap.copy_deferred()  # nothing left: marked copied
     return snap

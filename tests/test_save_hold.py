@@ -1,0 +1,110 @@
+"""A save holds training for its call only: what only an optimizer step changes (the prepared model's parameters, the
+optimizer's state) is copied after ``save`` returns, by the thread that writes, beside the next forward and backward;
+the next optimizer step waits for that copy, and the wait counts in the save's hold. A tensor changed in place
+before its copy was made is found (its version counter) and that checkpoint is not written."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
+
+import cluster.snapshot as snapshot_module
+from cluster.checkpoints import StagedCheckpoints
+from cluster.context import WorkerContext
+from cluster.layout import checkpoint_name
+
+COPY_DELAY_S = 1.0  # the deferred copies start this late: the next step comes first, and must wait
+
+
+@pytest.fixture
+def slow_copies(monkeypatch):
+    copy = snapshot_module.Snapshot.copy_deferred
+
+    def late(self):
+        if self.deferred:
+            time.sleep(COPY_DELAY_S)
+        return copy(self)
+
+    monkeypatch.setattr(snapshot_module.Snapshot, "copy_deferred", late)
+
+
+@pytest.fixture
+def trained(tmp_path):
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rows, reports = [], []
+    ctx = WorkerContext(world_rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1, num_nodes=1)
+    checkpoints = StagedCheckpoints(str(tmp_path / "staging"), None, lambda *a, **k: reports.append((a, k)),
+                                    context=ctx, node_dir=str(tmp_path), background=True,
+                                    log=lambda row, step: rows.append((step, row)))
+
+    def step():
+        accelerator.backward(model(torch.randn(8, 64)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    yield accelerator, model, optimizer, checkpoints, step, rows, reports
+    checkpoints.wait_for_upload()
+    checkpoints._writer.close()
+    AcceleratorState._reset_state(True)
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_next_step_waits_for_the_copies_and_the_checkpoint_holds_the_state_at_the_save(trained, tmp_path,
+                                                                                          slow_copies):
+    accelerator, model, optimizer, checkpoints, step, rows, reports = trained
+    at_save = weights(model)
+    moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    began = time.perf_counter()
+    checkpoints.save(accelerator, 1)
+    assert time.perf_counter() - began < COPY_DELAY_S  # the call returned before the copies were made
+    assert rows == []  # its hold is not known yet
+    step()  # waits for the copies, then changes every parameter
+    assert rows and rows[0][0] == 1 and rows[0][1]["checkpoint_blocked_s"] >= COPY_DELAY_S * 0.5, rows
+    checkpoints.wait_for_upload()
+    folder = tmp_path / "staging" / checkpoint_name(1)
+    saved = load_file(folder / "model.safetensors")
+    assert saved.keys() == at_save.keys()
+    assert all(torch.equal(saved[k], at_save[k]) for k in at_save)  # bitwise the state when save was called
+    assert not torch.equal(weights(model)["0.weight"], at_save["0.weight"])  # and the step did change it after
+    saved_moments = torch.load(folder / "optimizer.bin", weights_only=True)["state"][0]
+    assert all(torch.equal(saved_moments[k], moments[k]) for k in moments)
+    [(args, kwargs)] = reports
+    assert args[0] == 1 and kwargs["blocked_s"] >= COPY_DELAY_S * 0.5  # the driver hears the same hold
+
+
+def test_a_parameter_changed_in_place_before_its_copy_skips_that_checkpoint_and_says_so(trained, tmp_path,
+                                                                                        slow_copies, capfd):
+    accelerator, model, optimizer, checkpoints, step, rows, reports = trained
+    checkpoints.save(accelerator, 1)
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.01, 0.01)  # between the save and the next step, before the copy
+    step()
+    checkpoints.wait_for_upload()
+    assert reports == []  # never reported: no commit of step 1
+    assert not (tmp_path / "staging" / checkpoint_name(1) / "model.safetensors").exists()
+    err = capfd.readouterr().err
+    assert ("raylaunch: rank 0: the checkpoint of step 1 is not saved: a parameter or optimizer state in "
+            "model.safetensors changed in place after session.save returned") in err, err
+    assert checkpoints.defer_copies is False
+    at_save = weights(model)
+    checkpoints.save(accelerator, 2)  # copies everything before it returns from now on
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    checkpoints.wait_for_upload()
+    saved = load_file(tmp_path / "staging" / checkpoint_name(2) / "model.safetensors")
+    assert all(torch.equal(saved[k], at_save[k]) for k in at_save)
+    assert [a[0] for a, _ in reports] == [2]
