@@ -48,8 +48,9 @@ bench: install
 bench-checkpoint: install
 	$(BIN)/python -m bench.checkpoints
 
-# The driver at 16, 128 and 1,024 ranks against simulated nodes (about 4 minutes; SCALE_BENCH_S=<seconds of
-# training per size>, default 40, for longer): its cores, peak memory and the lag to metrics.jsonl.
+# The driver at 16, 128, 1,024 and 4,096 ranks against simulated nodes (about 7 minutes; SCALE_BENCH_S=<seconds of
+# training per size>, default 40, for longer; SCALE_BENCH_SIZES=16,128 for fewer): its cores, peak memory and the
+# lag to metrics.jsonl.
 bench-scale: install
 	$(BIN)/python -m bench.scale
 

@@ -340,8 +340,12 @@ def decode_kind(kinds: dict[str, type], row: Any) -> Any:
     names = _FIELDS.get(cls)
     if names is None:
         names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    fields = row.copy()  # (the driver decodes every rank's every row: the common case without a comprehension)
+    del fields["kind"]
+    if not fields.keys() <= names:  # fields a newer version added
+        fields = {k: v for k, v in fields.items() if k in names}
     try:
-        return cls(**{k: v for k, v in row.items() if k in names})
+        return cls(**fields)
     except TypeError:
         return None
 

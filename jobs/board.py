@@ -142,22 +142,32 @@ class Board:
             for step, pairs in sorted(scalars.items())])
 
     def add(self, records: list[dict]) -> None:
+        """Every row of metrics.jsonl passes here (4,096 ranks at 10 steps a second: 40,000 a second), so it is
+        written for speed: one pass over each row's values, the containers looked up once."""
+        pending, ranks_of, last_seen, rank_step = self._pending, self._ranks_of, self._last_seen, self._rank_step
+        isfinite = math.isfinite
         for r in records:
             step, rank = r.get("step"), r.get("rank", 0)
             if step is None:
                 continue
             step = int(step)
-            values = {k: float(v) for k, v in numeric_metrics(r).items() if math.isfinite(v)}
-            prev = self._last_seen.get(rank)
-            if "time" in r and "peak_rss_mb" not in values and "peak_gpu_mb" not in values:
-                if prev is not None and step > prev[0] and r["time"] > prev[1]:
-                    values["steps_per_s"] = (step - prev[0]) / (r["time"] - prev[1])
+            at_step = pending[step]
+            for k, v in numeric_metrics(r).items():
+                v = float(v)
+                if isfinite(v):
+                    at_step[k][rank] = v
+                    ranks_of[k].add(rank)
+            at = r.get("time")
+            if at is not None and "peak_rss_mb" not in r and "peak_gpu_mb" not in r:
+                prev = last_seen.get(rank)
                 if prev is None or step > prev[0]:
-                    self._last_seen[rank] = (step, r["time"])
-            for k, v in values.items():
-                self._pending[step][k][rank] = v
-                self._ranks_of[k].add(rank)
-            self._rank_step[rank] = max(step, self._rank_step.get(rank, step))
+                    if prev is not None and at > prev[1]:
+                        at_step["steps_per_s"][rank] = (step - prev[0]) / (at - prev[1])
+                        ranks_of["steps_per_s"].add(rank)
+                    last_seen[rank] = (step, at)
+            before = rank_step.get(rank)
+            if before is None or step > before:
+                rank_step[rank] = step
 
     def flush(self, final: bool = False) -> None:
         """Write every step that all its ranks have passed (all of them when ``final``).

@@ -125,7 +125,8 @@ class AttemptRouter:
                     records.append(record)
                     if e.step is not None:
                         a.steps[rank] = max(int(e.step), a.steps.get(rank, 0))
-                        records += self._pending(final=False)  # measured before the first step: now at it
+                        if a.pending:
+                            records += self._pending(final=False)  # measured before the first step: now at it
                     self._worked(e.time, e.time)
                     if rank == 0:
                         rec.mark("first_step", e.time)

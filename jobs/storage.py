@@ -50,10 +50,19 @@ __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "S
 
 
 def numeric_metrics(record: dict) -> dict[str, float]:
-    """A metrics.jsonl record's metrics that are numbers (not its RECORD_KEYS, not booleans)."""
-    return {k: v for k, v in record.items()
-            if k not in RECORD_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
-            and (isinstance(v, float) or abs(v) < 2**1000)}  # an int float() cannot hold is no curve
+    """A metrics.jsonl record's metrics that are numbers (not its RECORD_KEYS, not booleans). The driver runs it for
+    every row (the TensorBoard board): plain floats are taken without the general checks."""
+    out = {}
+    for k, v in record.items():
+        if k in _RECORD_KEYS:
+            continue
+        if type(v) is float or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                and (isinstance(v, float) or abs(v) < 2**1000)):  # an int float() cannot hold: no curve
+            out[k] = v
+    return out
+
+
+_RECORD_KEYS = frozenset(RECORD_KEYS)
 
 class StorageError(RaylaunchError, RuntimeError):
     """The storage path cannot hold a run; the message says what to fix."""

@@ -241,3 +241,37 @@ def test_every_table_of_figures_on_the_benchmarks_page_names_its_source_and_hold
     assert not unsourced, f"tables of figures naming neither a results file nor a run's date: {unsourced}"
     assert not missing, "\n".join(missing)
     assert checked >= 3  # the current results' tables (start-up and steps, the driver at scale, elastic)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.;:])\s+(?=[A-Z(*`-])")
+_FIGURE = re.compile(r"(?<![\w.-])\d[\d,]*\.\d+(?![\dMk])")  # 0.57, 1,024.5; not 2.1M parameters, not a version
+
+
+def figures_not_in_their_source(text: str) -> list[str]:
+    """#49: in prose (tables have their own check), a sentence that names a results file quotes only figures that
+    file holds; a record of an older run says its date instead of naming the file."""
+    wrong = []
+    for block in text.split("\n\n"):
+        if block.lstrip().startswith("|"):
+            continue
+        for sentence in _SENTENCE_END.split(" ".join(block.split())):
+            sources = sorted(set(re.findall(r"bench/results[\w.-]*\.(?:md|json|txt)", sentence)))
+            if not sources:
+                continue
+            held = "".join((ROOT / f).read_text() for f in sources if (ROOT / f).exists()).replace(",", "")
+            wrong += [f"{f} (in {', '.join(sources)}?): {sentence[:160]}..." for f in _FIGURE.findall(sentence)
+                      if f.replace(",", "") not in held]
+    return wrong
+
+
+def test_every_figure_of_a_sentence_that_names_its_results_file_is_in_that_file():
+    wrong = [f"{page.relative_to(ROOT)}: {w}" for page in PAGES for w in figures_not_in_their_source(page.read_text())]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_sentence_check_finds_a_figure_its_file_does_not_hold():
+    held = re.search(r"\| (\d+\.\d+) \|", (ROOT / "bench" / "results-scale.md").read_text()).group(1)
+    assert figures_not_in_their_source(f"The driver took {held} cores (bench/results-scale.md).") == []
+    assert figures_not_in_their_source("It took 9876.54 cores (bench/results-scale.md). Then 1.5 s.") == [
+        "9876.54 (in bench/results-scale.md?): It took 9876.54 cores (bench/results-scale.md)...."]
+    assert figures_not_in_their_source("A record: 9876.54 cores (2026-12-01).") == []  # names no file: a record
