@@ -13,10 +13,12 @@ outcome is checked (its status and exit code, committed checkpoints verify, noth
 After every job, on this machine: the bytes raylaunch leaves in the nodes' temporary folder (node actors' scratch,
 warm hosts' folders, checkpoint copies) and the bytes of Ray's session folder (Ray's own logs: each job's driver
 log is kept by Ray, reported, not judged); the processes under the raylets and raylaunch's own among them (warm
-rank hosts, node actors, ranks); the warm hosts' resident memory and open files. Writes bench/results-soak.md
+rank hosts, node actors, ranks); the warm hosts' resident memory and open files; the peak resident memory of the
+job's driver on the head (result.json's ``driver.peak_rss_mb``). Writes bench/results-soak.md
 (``--out``): a row per job (a row per 10 jobs past 30), and the slope of each figure over the jobs after the first
 third; exits 1 when one of raylaunch's figures grows there (disk by more than 1 MiB, processes by one, open files by
-8, warm hosts' memory by 5% of its value at the start of that window) or when a job's outcome is wrong.
+8, warm hosts' and drivers' memory by 5% of its value at the start of that window) or when a job's outcome is
+wrong.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class Job:
     ok: bool = False
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    driver_rss_mb: float | None = None  # its driver's peak resident memory (result.json's driver.peak_rss_mb)
 
 
 class Soak:
@@ -218,6 +221,7 @@ class Soak:
         from jobs.storage import RunDir
 
         result = RunDir(store, job.name).read_result() or {}
+        job.driver_rss_mb = (result.get("driver") or {}).get("peak_rss_mb", job.driver_rss_mb)
         if result.get("status") != status:
             job.problems.append(f"status {result.get('status')!r}, expected {status!r}")
         return result
@@ -305,7 +309,8 @@ def slope(values: list[float]) -> float:
 LIMITS = {"raylaunch_tmp_mb": (True, 1.0, None), "raylaunch_processes": (True, 1.0, None),
           "warm_host_fds": (True, 8.0, None), "warm_host_rss_mb": (True, None, 0.05),
           "ray_session_mb": (False, None, None), "processes_under_raylets": (False, None, None),
-          "warm_hosts": (True, 1.0, None), "raylet_rss_mb": (False, None, None)}
+          "warm_hosts": (True, 1.0, None), "raylet_rss_mb": (False, None, None),
+          "driver_peak_rss_mb": (True, None, 0.05)}
 
 
 def judge(samples: list[dict]) -> tuple[list[str], list[str]]:
@@ -371,6 +376,9 @@ def main() -> int:
             time.sleep(2)  # what a job leaves is gone within moments of its end, or stays: sampled after
             jobs.append(job)
             samples.append(sample(cluster))
+            # the job's driver on the head: a process per job, so a figure that grows is what a driver reads growing
+            samples[-1]["driver_peak_rss_mb"] = job.driver_rss_mb or (samples[-2]["driver_peak_rss_mb"] if
+                                                                      len(samples) > 1 else 0.0)
             print(f"soak: job {i}/{args.jobs} {kind}: {'ok' if job.ok else 'WRONG: ' + '; '.join(job.problems)} "
                   f"({job.seconds:.0f} s) {json.dumps(samples[-1])}", flush=True)
     finally:

@@ -272,7 +272,7 @@ class StagedCheckpoints:
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
         self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
-        target = path if is_local(fs) else tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
+        target = path if is_local(fs) else self._upload_folder(step)
 
         def save() -> None:
             _save_state(accelerator, target, step, safe, kwargs)
@@ -337,7 +337,7 @@ class StagedCheckpoints:
             saved(None)
             return
         self.wait_for_upload()  # training that outruns uploads waits here, not later
-        local = tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-")
+        local = self._upload_folder(step)
         try:
             _save_state(accelerator, local, step, safe, kwargs)
             if script is not None:
@@ -350,6 +350,13 @@ class StagedCheckpoints:
         self._upload = _Write(None, local, uri, step, mirror=None, on_done=saved)  # written: only the upload
         if script is not None and script.mirror is not None:
             accelerator.wait_for_everyone()  # every rank's files are in the script's folder when save_state returns
+
+    def _upload_folder(self, step: int) -> str:
+        """A folder for the files of ``step`` bound for an object store, until they are uploaded: in the node's
+        folder of this attempt, which goes with the node actor's scratch folder (at the job's end, or when the next
+        node actor on this machine finds its process gone), so a rank killed before its upload leaves nothing in the
+        temporary folder."""
+        return tempfile.mkdtemp(prefix=f"raylaunch-ckpt-{step:08d}-", dir=self._node_dir)
 
     def _wait_for_commit(self, step: int, timeout_s: float = 300.0) -> None:
         """Until the staging folder of ``step`` is gone: the driver committed it (moved or copied it away)."""

@@ -11,6 +11,7 @@ Nothing here imports Ray or torch.
 from __future__ import annotations
 
 import dataclasses
+import signal as _signal
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -146,6 +147,11 @@ class RankFailure:
     traceback: str
     signal: str | None = None  # "SIGTERM", "SIGKILL", ... when a signal ended the process
     cause: FailureCause = FailureCause.EXCEPTION
+
+    @property
+    def preempted(self) -> bool:
+        """Ended by SIGTERM (a spot node's notice, an orchestrator's stop): the one signal that means preemption."""
+        return self.cause is FailureCause.SIGNAL and self.exitcode == -_signal.SIGTERM
 
     @classmethod
     def killed(cls, rank: int, exitcode: int, signal: str) -> "RankFailure":

@@ -58,10 +58,10 @@ def failure_kind(failures: Iterable[RankFailure], lost_nodes: bool) -> Failure:
     """A rank ended by SIGTERM is a preemption (its peers' collective errors, "Connection reset
     by peer", are consequences and may be reported first); unless a node was lost, which is a failure.
 
-    >>> failure_kind([RankFailure(0, -15, "killed by signal SIGTERM", "", "SIGTERM")], lost_nodes=False)
+    >>> failure_kind([RankFailure.killed(0, -15, "SIGTERM")], lost_nodes=False)
     <Failure.PREEMPTED: 'preempted'>
     """
-    preempted = any(f.signal == "SIGTERM" for f in failures)
+    preempted = any(f.preempted for f in failures)
     return Failure.PREEMPTED if preempted and not lost_nodes else Failure.FAILED
 
 

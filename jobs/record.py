@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -66,6 +67,14 @@ class RunResult:
     # Where the wall clock went, every command that drove the run together (jobs/ledger.py):
     # wall_s, seconds (category -> seconds), ratio (training / wall_s).
     goodput: dict = field(default_factory=dict)
+    # The process that drove the run (the last command, on the head for a submitted job): peak_rss_mb, cpu_s.
+    driver: dict = field(default_factory=dict)
+
+
+def _this_process() -> dict:
+    """This process's peak resident memory and CPU time so far (the driver's, for result.json)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2)}
 
 
 class Recorder:
@@ -176,6 +185,7 @@ class Recorder:
         """``result.json`` as the run stands: written when each attempt starts and ends, and at the end; the
         books go to TensorBoard too."""
         self.result.goodput = self.ledger().as_result()
+        self.result.driver = _this_process()
         if self.board is not None:
             self.board.goodput(self.result.goodput, self.result.last_step or 0)
         try:

@@ -520,3 +520,40 @@ def test_a_commit_whose_latest_pointer_the_store_refuses_is_finished_not_redone(
     assert [k.step for k in run.committed_checkpoints()] == [5, 10] and run.loadable_checkpoint().step == 10
     assert not [k for k in s3.keys("pointer/run") if "/.staging/" in k], "the staged parts were removed"
     assert "committing the checkpoint of step 10 failed" in capsys.readouterr().err
+
+
+def test_a_part_waiting_for_its_upload_waits_in_the_nodes_folder_of_the_attempt(s3, tmp_path):
+    """#47: a rank killed while its checkpoint waited for the upload left raylaunch-ckpt-* in the temporary folder,
+    for good. It waits in the node's folder of the attempt now, which goes with the node actor's scratch folder (at
+    the job's end, or when the next node actor on the machine finds its process gone)."""
+    import tempfile
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from cluster.checkpoints import StagedCheckpoints
+    from cluster.context import WorkerContext
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(torch.nn.Linear(8, 8), torch.optim.SGD(torch.nn.Linear(8, 8).parameters()))
+    node_dir = tmp_path / "node0-x" / "attempt-1"
+    node_dir.mkdir(parents=True)
+    ctx = WorkerContext(world_rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1, num_nodes=1)
+    checkpoints = StagedCheckpoints(s3.uri("runs/up/.staging/attempt-1"), None, lambda *a, **k: None, context=ctx,
+                                    node_dir=str(node_dir), background=True)
+    before = set(Path(tempfile.gettempdir()).glob("raylaunch-ckpt-*"))
+    s3.slow_staging_s = 3.0
+    try:
+        checkpoints.save(accelerator, 7)
+        waiting = list(node_dir.glob("raylaunch-ckpt-00000007-*"))
+        assert len(waiting) == 1, list(node_dir.iterdir())  # where its files are written, then uploaded from
+        assert set(Path(tempfile.gettempdir()).glob("raylaunch-ckpt-*")) <= before  # none in the temporary folder
+        checkpoints.wait_for_upload()
+    finally:
+        s3.slow_staging_s = 0.0
+        checkpoints._writer.close()
+        AcceleratorState._reset_state(True)
+    assert not list(node_dir.glob("raylaunch-ckpt-*"))  # uploaded: gone
+    assert [k for k in s3.keys("runs/up/.staging/attempt-1/checkpoint-00000007") if k.endswith("model.safetensors")]
