@@ -48,3 +48,22 @@ def test_the_soak_verdict_fails_a_figure_that_grows_and_passes_flat_ones():
     leaking = [{**s, "raylaunch_tmp_mb": 10.0 + 0.3 * i, "ray_session_mb": 5.0 + i} for i, s in enumerate(flat)]
     grew = judge(leaking)[1]  # 0.3 MiB a job of raylaunch's over the last 8 jobs; Ray's own logs are not judged
     assert len(grew) == 1 and grew[0].startswith("raylaunch_tmp_mb grew +2.10 over the last 8 jobs"), grew
+
+
+def test_drivers_of_different_kinds_are_judged_each_against_its_own_kind():
+    """A driver on an object store holds 25 MB more than one on a path: a run ending on one is no growth; a driver
+    that grows over the jobs of its kind is."""
+    from bench.soak import LIMITS, driver_figures, judge
+
+    def run(memory):
+        jobs, samples = [], []
+        for i in range(1, 25):
+            kind = ("ok", "s3")[i % 2]
+            job = Job(i, kind, f"j{i}", ok=True, driver_rss_mb=memory(i, kind))
+            jobs.append(job)
+            samples.append({**{k: 10.0 for k in LIMITS}, **driver_figures(job, jobs)})
+        return judge(samples)[1]
+
+    assert run(lambda i, kind: 144.0 if kind == "ok" else 169.0) == []
+    grew = run(lambda i, kind: (144.0 if kind == "ok" else 169.0) + 0.5 * i)
+    assert len(grew) == 1 and grew[0].startswith("driver_rss_over_kind_mb grew"), grew
