@@ -312,6 +312,7 @@ class StagedCheckpoints:
         """A save's deferred copy found its tensor changed in place before the copy was made: that checkpoint is not
         written (it could hold part of the change) and every later save of this rank copies before it returns."""
         self.defer_copies = False
+        self._steps.discard(step)  # a save at this step again is not a second save waiting for this one's commit
         print(f"raylaunch: rank {self._context.world_rank}: the checkpoint of step {step} is not saved: a parameter "
               f"or optimizer state in {', '.join(os.path.basename(f) for f in files)} changed in place after "
               "session.save returned and before the next optimizer step (raylaunch copies them in that time). The "
