@@ -332,25 +332,32 @@ def test_the_rendezvous_store_listens_on_the_node_address_only():
 
     from torch.distributed import TCPStore
 
-    def listening(port: int) -> list[str]:
-        return [c.laddr.ip for c in psutil.net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    def listening(port: int) -> set[str]:
+        """The addresses anything on this machine listens on at ``port``: another test's process may listen on the
+        same port number at another address (CI found 192.0.2.2 beside the store's 127.0.0.1), so what is checked
+        is the store's own address, and that no process listens on every interface there."""
+        return {c.laddr.ip for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+    def only_the_node_address(port: int) -> bool:
+        where = listening(port)
+        return "127.0.0.1" in where and not where & {"0.0.0.0", "::"}
 
     node = NodeActor(0)
     try:
         port = node.host_store("127.0.0.1", 5)
-        assert listening(port) == ["127.0.0.1"]  # bound and held from the start: the port is the job's
+        assert only_the_node_address(port), listening(port)  # bound and held from the start: the port is the job's
         node.prepare()
         node._serve_store()  # what ``start`` does first: the store serves, from a process the rank server forked
-        assert listening(port) == ["127.0.0.1"]
+        assert only_the_node_address(port), listening(port)
         client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         client.set("k", "v")  # ranks still reach it
         assert client.get("k") == b"v"
         again = node.host_store("127.0.0.1", 5)  # a new attempt: a new store; the old one is closed
-        assert not listening(port)
+        assert "127.0.0.1" not in listening(port)
     finally:
         node.shutdown()
-    assert not listening(port) and not listening(again)
+    assert "127.0.0.1" not in listening(port) and "127.0.0.1" not in listening(again)
 
 
 def test_a_node_actor_that_dies_before_its_ranks_start_is_a_lost_node_not_the_drivers_failure(ray_cluster, tmp_path):
