@@ -278,7 +278,7 @@ def test_same_result_under_accelerate_launch(digits_run, tmp_path):
     )
     env = cli_env()
     env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", RAYLAUNCH_LOCAL_DIR=str(tmp_path / "local"),
-               RESULT_DIR=str(tmp_path))
+               RESULT_DIR=str(tmp_path), TMPDIR=str(tmp_path))  # torchrun's log folders (torchelastic_*) go with it
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
