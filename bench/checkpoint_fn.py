@@ -3,7 +3,8 @@
 Each repetition, in alternating order, times Accelerate's own ``save_state`` to the node's local disk and
 ``session.save`` (committed on the run's storage), as the training loop sees them: the seconds until the call
 returns, and for ``session.save`` the wait of the next optimizer step for the copies the save left to its write
-(the hold the rank reports; the longest of any rank's). After each ``session.save`` it keeps stepping while that save's background write runs and times those
+(the hold the rank reports; the longest of any rank's). After each ``session.save`` it keeps stepping while that
+save's background write runs and times those
 steps; the reference is the steps just before each ``session.save`` (no write of any rank in flight), and the
 steps before the first save. Rank 0 returns every figure.
 """
@@ -59,7 +60,8 @@ def train(config: dict) -> dict:
     before_saves_rss = _rss_mb()
     local = tempfile.mkdtemp(prefix="raylaunch-bench-savestate-")
     out = {"state_mb": sum(p.numel() * 3 * 4 for p in model.parameters()) / 2**20, "save_state_s": [],
-           "session_save_s": [], "session_call_s": [], "steps_during_write_s": [], "steps_before_s": steady[1:], "steps_quiet_s": []}
+           "session_save_s": [], "session_call_s": [], "steps_during_write_s": [], "steps_before_s": steady[1:],
+           "steps_quiet_s": []}
     n = 0
     try:
         for rep in range(config.get("reps", 3)):

@@ -322,6 +322,8 @@ LIMITS = {"raylaunch_tmp_mb": (True, 1.0, None), "raylaunch_processes": (True, 1
           "ray_session_mb": (False, None, None), "processes_under_raylets": (False, None, None),
           "warm_hosts": (True, 1.0, None), "raylet_rss_mb": (False, None, None),
           "driver_peak_rss_mb": (False, None, None), "driver_rss_over_kind_mb": (True, 5.0, None)}
+# why a figure that is not judged is there (Ray's own, unless said here)
+REPORTED = {"driver_peak_rss_mb": "reported: the kinds differ, judged on the next line"}
 
 
 def judge(samples: list[dict]) -> tuple[list[str], list[str]]:
@@ -335,8 +337,7 @@ def judge(samples: list[dict]) -> tuple[list[str], list[str]]:
         bad = judged and limit is not None and rise > limit
         if bad:
             grew.append(f"{key} grew {rise:+.2f} over the last {len(values)} jobs (limit {limit:.2f})")
-        verdict = "GROWS" if bad else ("ok" if judged else "reported: the kinds differ, judged on the next line"
-                                       if key == "driver_peak_rss_mb" else "Ray's own, reported")
+        verdict = "GROWS" if bad else ("ok" if judged else REPORTED.get(key, "Ray's own, reported"))
         lines.append(f"| {key} | {values[0] if values else '-'} | {values[-1] if values else '-'} | {rise:+.3f} | "
                      f"{f'{limit:.2f}' if limit is not None else '-'} | {verdict} |")
     return lines, grew

@@ -85,12 +85,9 @@ def _before_every_optimizer_step(owner: Any) -> Any:
 def _only_stepped(accelerator: Any) -> frozenset[int]:
     """The storages (``data_ptr``) of the CPU tensors that only an optimizer's step changes: the parameters of the
     prepared models and the state of the prepared optimizers. A save copies them after it returns, beside the next
-    forward and backward (``cluster.snapshot``). None under FSDP, whose state goes through DCP."""
+    forward and backward (``cluster.snapshot``)."""
     import torch
-    from accelerate.utils import DistributedType
 
-    if getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
-        return frozenset()
     tensors = [p for model in getattr(accelerator, "_models", []) for p in model.parameters()]
     for optimizer in getattr(accelerator, "_optimizers", []):
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -248,7 +245,7 @@ class StagedCheckpoints:
     def _log_hold(self, hold: _Hold) -> None:
         self.last_hold_s = hold.seconds()
         if self._log is not None:
-            self._log({"checkpoint_blocked_s": hold.seconds(), "checkpoint_host_mb": hold.host_mb}, hold.step)
+            self._log({"checkpoint_blocked_s": self.last_hold_s, "checkpoint_host_mb": hold.host_mb}, hold.step)
 
     def _before_optimizer_step(self) -> None:
         """Before any optimizer's step: the last save's deferred copies are made before the step changes what they
@@ -258,7 +255,7 @@ class StagedCheckpoints:
 
     def _settle(self, at_step: bool) -> None:
         hold, self._copying = self._copying, None
-        if hold is None or hold.snap is None:
+        if hold is None:
             return
         if at_step:
             hold.step_from = time.perf_counter()
@@ -282,11 +279,14 @@ class StagedCheckpoints:
         # Started here, on the training thread (it ends with this thread), at the first save.
         on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"  # a GPU's copy: pinned memory
         writer = self._writer if on_cpu and self._writer.ensure() else None
-        defer = _only_stepped(accelerator) if on_cpu and self.defer_copies else frozenset()
-        distributed = ("torch.distributed.checkpoint" in sys.modules
-                       or str(getattr(accelerator, "distributed_type", "")).endswith("FSDP"))
+        # FSDP's state goes through DCP (captured, nothing deferred); DCP is imported only where it may be used.
+        from accelerate.utils import DistributedType
+
+        sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
+        defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
         try:
-            snap = capture(save, shared=writer is not None, pool=self._segments, defer=defer, distributed=distributed)
+            snap = capture(save, shared=writer is not None, pool=self._segments, defer=defer,
+                           distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         except BaseException:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)

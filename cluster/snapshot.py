@@ -213,20 +213,18 @@ def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
 
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        later = (not t.is_cuda and t.numel() > 0 and bool(snap.defer)
-                 and t.untyped_storage().data_ptr() in snap.defer)
         if t.is_cuda:
             out = torch.empty_like(t, device="cpu", pin_memory=True)
             out.copy_(t, non_blocking=True)
             cuda.append(True)
-        elif snap.shared and t.numel() > 0:
-            out = _shared_empty(t, snap)
+        elif t.numel() == 0:
+            out = t.clone()
         else:
-            out = torch.empty_like(t) if later else t.clone()
-        if later:
-            snap.deferred.append((out, t, t._version, path))
-        elif not t.is_cuda and snap.shared and t.numel() > 0:
-            out.copy_(t)
+            out = _shared_empty(t, snap) if snap.shared else torch.empty_like(t)
+            if snap.defer and t.untyped_storage().data_ptr() in snap.defer:
+                snap.deferred.append((out, t, t._version, path))
+            else:
+                out.copy_(t)
         snap.nbytes += out.numel() * out.element_size()
         return out
     if isinstance(obj, (dict, OrderedDict)):

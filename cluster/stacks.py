@@ -33,8 +33,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full", "group_stacks",
-           "install_signal_dump", "rank_place", "sample_processes", "stack_from_traceback", "where_ranks"]
+__all__ = ["DUMP_SIGNAL", "Frame", "RankStack", "ThreadStack", "describe", "find_stragglers", "format_full",
+           "group_stacks", "install_signal_dump", "rank_place", "sample_processes", "stack_from_traceback",
+           "where_ranks"]
 
 # The signal a rank answers with its own stacks (faulthandler) where py-spy cannot read it.
 DUMP_SIGNAL = signal.SIGUSR2

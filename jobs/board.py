@@ -143,7 +143,7 @@ class Board:
 
     def add(self, records: list[dict]) -> None:
         """Every row of metrics.jsonl passes here (4,096 ranks at 10 steps a second: 40,000 a second), so it is
-        written for speed: one pass over each row's values, the containers looked up once."""
+        written for speed: each row's numbers stored as they are read, the containers looked up once a call."""
         pending, ranks_of, last_seen, rank_step = self._pending, self._ranks_of, self._last_seen, self._rank_step
         isfinite = math.isfinite
         for r in records:

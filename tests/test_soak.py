@@ -32,7 +32,8 @@ def test_jobs_back_to_back_leave_no_folder_process_or_open_file_behind():
         assert {k: samples[1][k] for k in keys} == {k: samples[0][k] for k in keys}, samples
         assert samples[0]["warm_hosts"] == 2 and samples[0]["raylaunch_processes"] == 2  # a warm host per node, idle
         # each job's driver on the head says in result.json how much memory it took (a Python with Ray: 100+ MB)
-        assert all(j.driver_rss_mb is not None and 50 < j.driver_rss_mb < 2000 for j in jobs), [j.driver_rss_mb for j in jobs]
+        memory = [j.driver_rss_mb for j in jobs]
+        assert all(m is not None and 50 < m < 2000 for m in memory), memory
     finally:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
