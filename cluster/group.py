@@ -409,7 +409,7 @@ class NodeGroup:
         for i, p in enumerate(self._call_all("stop", 60, None)):
             p = p if p is not None else NodePoll(state=NodeState.LOST)
             if i in earlier:  # the news of a poll that answered late comes first
-                p.events[:0], p.logs[:0] = earlier[i].events, earlier[i].logs
+                p.events[:0], p.logs[:0], p.rows[:0] = earlier[i].events, earlier[i].logs, earlier[i].rows
             out.append(p)
         return out
 

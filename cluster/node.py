@@ -28,6 +28,7 @@ import ray
 from cluster.errors import RaylaunchError
 from cluster.forkserver import FORK_SERVER, pid_namespace, process_folder
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
+from cluster.metric_rows import RowBatcher
 from cluster.protocol import EventKind, NodePoll, NodeState, WorkerPayload
 from cluster.rankhost import PROJECT_VAR, WarmHost, rss_mb
 from cluster.ranks import LocalRanks, StoreProcess
@@ -125,6 +126,7 @@ class NodeActor:
         self._released = False  # this actor's hold on the process's rank fork server
         self._notes: list[str] = []  # said with the next poll, in its first rank's log
         self._stepped = False  # the ranks of this attempt logged a step (a held poll answers at the first)
+        self._batcher: RowBatcher | None = None  # this attempt's metrics rows, rendered here for the driver
         # `raylaunch run` without an address: ranks start in the actor's folder (multiprocessing hands a child its
         # parent's), which is its raylet's; a node that `connect` added during its connection may have started in
         # the runner's folder. Every node's ranks start in the project's, as the head's do.
@@ -242,6 +244,8 @@ class NodeActor:
                         for p, env in zip(payloads, envs) if "TORCH_FR_DUMP_TEMP_FILE" in env}
         self._tails = []
         self._stepped = False
+        self._batcher = RowBatcher(attempt, payloads[0].context.world_size if payloads else 0,
+                                   {rank: self.node_rank for rank in self._ranks})
         for i, rank in enumerate(self._ranks):
             self._tails.append((rank, "stdout", Tail(self._pctx.files[i].stdout)))
             self._tails.append((rank, "stderr", Tail(self._pctx.files[i].stderr)))
@@ -281,17 +285,26 @@ class NodeActor:
         deadline = time.monotonic() + hold_s
         while True:
             if self._gather(out):
-                return out
+                return self._rendered(out)
             # a rank that ends wakes the poll at once; files are read again after the tick, or when the oldest row
             # gathered is due
             pause = next_look(deadline - time.monotonic(), oldest_time(out.events), time.time(), max_age_s)
             if pause <= 0:
-                return out
+                return self._rendered(out)
             live = self._pctx.sentinels() if self._pctx is not None else []
             if live:
                 wait(live, timeout=pause)
             else:
                 time.sleep(pause)
+
+    def _rendered(self, out: NodePoll) -> NodePoll:
+        """``out`` with its metrics events as rows rendered here (``cluster.metric_rows``): the driver's work for
+        each row is done by the node that read it."""
+        if self._batcher is not None:
+            out.events, batch = self._batcher.take(out.events)
+            if batch:
+                out.rows.append(batch)
+        return out
 
     def _gather(self, out: NodePoll) -> bool:
         """Add what happened since the last look to ``out``; whether it needs the driver now."""
@@ -347,7 +360,7 @@ class NodeActor:
             out.state = self._state = NodeState.STOPPED
             self._drain(out, final=True)
         self._close_store()
-        return out
+        return self._rendered(out)
 
     def shutdown(self) -> None:
         self.stop()

@@ -14,9 +14,12 @@ import dataclasses
 import signal as _signal
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cluster.context import WorkerContext
+
+if TYPE_CHECKING:
+    from cluster.metric_rows import RowBatch
 
 __all__ = [
     "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
@@ -179,6 +182,8 @@ class NodePoll:
     # state LOST only: how long the node had not answered when it was given up on
     # (its host or its link is down); None when its actor was seen to die
     silent_s: float | None = None
+    # the metrics rows among the events, rendered on the node (``cluster.metric_rows``), in the order read
+    rows: list[RowBatch] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

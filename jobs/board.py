@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import math
 import os
 import shutil
 import socket
@@ -31,13 +30,11 @@ import time
 from collections import defaultdict
 
 from cluster.layout import TENSORBOARD
+from cluster.metric_rows import PER_RANK, RowBatch
 from jobs.appendlog import rewrite_due
-from jobs.storage import RunDir, numeric_metrics
+from jobs.storage import RunDir
 
-__all__ = ["Board", "PER_RANK"]
-
-# Metrics also written per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/pace.py.
-PER_RANK = ("steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb", "data_wait", "sync_wait")
+__all__ = ["Board"]
 
 _files = itertools.count()  # event files this process opened: a part of each name, as TensorBoard's own writer
 
@@ -95,11 +92,11 @@ class Board:
         self._reset()
 
     def _reset(self) -> None:
-        # step -> metric -> rank -> value, for steps not yet written
-        self._pending: dict[int, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+        # step -> metric -> [sum, count] across the ranks that logged it, for steps not yet written
+        self._pending: dict[int, dict[str, list[float]]] = defaultdict(dict)
         self._ranks_of: dict[str, set[int]] = defaultdict(set)  # metric -> the ranks that log it
         self._rank_step: dict[int, int] = {}  # rank -> the latest step it reported anything at
-        self._last_seen: dict[int, tuple[int, float]] = {}  # rank -> (step, time) of its previous record
+        self._latest: dict[str, dict[int, float]] = defaultdict(dict)  # PER_RANK metric -> rank -> newest value
 
     def start_attempt(self, resume_step: int | None) -> None:
         """A new event file; on resume, TensorBoard drops what the old files hold past ``resume_step``."""
@@ -141,40 +138,33 @@ class Board:
             value=[Summary.Value(tag=tag, simple_value=value) for tag, value in pairs]))
             for step, pairs in sorted(scalars.items())])
 
-    def add(self, records: list[dict]) -> None:
-        """Every row of metrics.jsonl passes here (4,096 ranks at 10 steps a second: 40,000 a second), so it is
-        written for speed: each row's numbers stored as they are read, the containers looked up once a call."""
-        pending, ranks_of, last_seen, rank_step = self._pending, self._ranks_of, self._last_seen, self._rank_step
-        isfinite = math.isfinite
-        for r in records:
-            step, rank = r.get("step"), r.get("rank", 0)
-            if step is None:
-                continue
-            step = int(step)
+    def add(self, batch: RowBatch) -> None:
+        """A batch of rows (``cluster.metric_rows``: a node's, summed there, or the driver's own measurements)."""
+        pending = self._pending
+        for step, sums in batch.sums.items():
             at_step = pending[step]
-            for k, v in numeric_metrics(r).items():
-                v = float(v)
-                if isfinite(v):
-                    at_step[k][rank] = v
-                    ranks_of[k].add(rank)
-            at = r.get("time")
-            if at is not None and "peak_rss_mb" not in r and "peak_gpu_mb" not in r:
-                prev = last_seen.get(rank)
-                if prev is None or step > prev[0]:
-                    if prev is not None and at > prev[1]:
-                        at_step["steps_per_s"][rank] = (step - prev[0]) / (at - prev[1])
-                        ranks_of["steps_per_s"].add(rank)
-                    last_seen[rank] = (step, at)
-            before = rank_step.get(rank)
-            if before is None or step > before:
+            for name, (total, count) in sums.items():
+                held = at_step.get(name)
+                if held is None:
+                    at_step[name] = [total, count]
+                else:
+                    held[0] += total
+                    held[1] += count
+        for name, ranks in batch.ranks.items():
+            self._ranks_of[name].update(ranks)
+        rank_step = self._rank_step
+        for rank, step in batch.steps.items():
+            if rank_step.get(rank, step - 1) < step:
                 rank_step[rank] = step
+        for name, values in batch.latest.items():
+            self._latest[name].update(values)
 
     def flush(self, final: bool = False) -> None:
         """Write every step that all its ranks have passed (all of them when ``final``).
 
-        The ``PER_RANK`` series get the newest of those steps only: one point per rank and
-        flush (every 2 s while an attempt runs), so a thousand ranks logging at every step
-        do not cost the driver 20,000 TensorBoard events a second."""
+        The ``PER_RANK`` series get one point per rank and flush (every 2 s while an attempt runs), its newest value
+        at the newest step written, so a thousand ranks logging at every step do not cost the driver 20,000
+        TensorBoard events a second."""
         if self._writer is None:
             return
         try:
@@ -184,21 +174,25 @@ class Board:
 
     def _flush(self, final: bool) -> None:
         scalars: dict[int, list[tuple[str, float]]] = defaultdict(list)
-        per_rank: dict[str, tuple[int, dict[int, float]]] = {}
+        newest: dict[str, int] = {}  # PER_RANK metric -> the newest step it was written at
+        passed: dict[str, float] = {}  # metric -> the step every rank that logs it has passed
         for step in sorted(self._pending):
             metrics = self._pending[step]
             for name in list(metrics):
-                by_rank = metrics[name]
-                if not final and any(self._rank_step[r] <= step for r in self._ranks_of[name]):
-                    continue
-                scalars[step].append((name, sum(by_rank.values()) / len(by_rank)))
+                if not final:
+                    floor = passed.get(name)
+                    if floor is None:
+                        floor = passed[name] = min(self._rank_step[r] for r in self._ranks_of[name])
+                    if floor <= step:
+                        continue
+                total, count = metrics.pop(name)
+                scalars[step].append((name, total / count))
                 if name in PER_RANK:
-                    per_rank[name] = (step, by_rank)
-                del metrics[name]
+                    newest[name] = step
             if not metrics:
                 del self._pending[step]
-        for name, (step, by_rank) in per_rank.items():
-            scalars[step] += [(f"rank_{rank}/{name}", v) for rank, v in by_rank.items()]
+        for name, step in newest.items():
+            scalars[step] += [(f"rank_{rank}/{name}", v) for rank, v in self._latest.pop(name, {}).items()]
         if scalars:
             self._write(scalars)
         self._upload(final)

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
+from cluster.metric_rows import RowBatch
 from cluster.protocol import SAID_ONCE, Progress, RunStatus
 from jobs.board import Board
 from jobs.environment import Secrets
@@ -212,7 +213,10 @@ class Recorder:
 
     def logs(self, node_rank: int, logs: list[tuple[int, str, str]]) -> None:
         """Print one node's rank output and append it to each rank's log, masked once."""
+        if not logs:
+            return
         by_rank: dict[int, list[str]] = defaultdict(list)
+        shown = []
         for rank, _, line in logs:
             line = self.secrets.mask(line)  # before it is stored too
             by_rank[rank].append(line)
@@ -220,13 +224,22 @@ class Recorder:
                 if line in self._said_once:
                     continue
                 self._said_once.add(line)
-            self._print(f"[node {node_rank} rank {rank}] {line}")
+            shown.append(f"[node {node_rank} rank {rank}] {line}")
+        if shown:
+            self._print("\n".join(shown))  # one write for the node's lines
         for rank, lines in by_rank.items():
             self._store(self.run_dir.append_log, rank, lines)
 
     def metrics(self, records: list[dict]) -> None:
-        self._store(self.run_dir.append_metrics, records)
-        self.board.add(records)
+        """Rows the driver built (its measurements: pace, peak memory)."""
+        if records:
+            self.rows(RowBatch.of(records))
+
+    def rows(self, batch: RowBatch) -> None:
+        """Rows as a batch (``cluster.metric_rows``: a node's, rendered and summed there): their lines appended to
+        metrics.jsonl, their sums to TensorBoard's."""
+        self._store(self.run_dir.append_metric_text, batch.text)
+        self.board.add(batch)
 
     def _store(self, write, *args) -> None:
         """Write metrics or logs; storage that fails (full, say) is reported, and the driver

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from cluster.storage_io import join_uri
 from cluster.layout import checkpoint_name
+from cluster.metric_rows import RowBatch, RowBatcher
 from cluster.node import NodeInfo
 from cluster.protocol import (
-    Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, Metrics, NodePoll, NodeState, Pace,
+    Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, NodePoll, NodeState, Pace,
     PreemptNotice, Preempted, RankFailure, Resources, RestoredPart, decode_rank_event,
 )
 from jobs.events import Committed, FirstStep, RanksPlaced, Restored, Saved, Work
@@ -91,16 +92,42 @@ class AttemptRouter:
         self.heartbeat_s = heartbeat_s
         self.pace_tracker = PaceTracker()  # who starves for data, who the others wait for, this attempt
         self._work_said: Work | None = None
+        self._batcher = RowBatcher(state.number, state.world, state.node_of)  # metrics rows that come one by one
 
     def forward(self, node_rank: int, p: NodePoll) -> None:
-        """Print and store one node's logs; handle its events."""
+        """Print and store one node's logs; store its metrics rows; handle its events."""
         self.recorder.logs(node_rank, p.logs)
+        for batch in p.rows:
+            self.rows(batch)
         self.events(p.events)
+
+    def rows(self, batch: RowBatch) -> None:
+        """Metrics rows (a node's, rendered there): stored; each rank's latest step and when training was seen noted;
+        rank 0's on the progress line. They are stored before the events that came with them: a checkpoint part's
+        commit then covers the rows its rank logged before the save (a driver killed after the commit loses nothing
+        of the steps it covers: a rerun resumes past them and never logs them again)."""
+        a, rec = self.a, self.recorder
+        if not batch:
+            return
+        rec.rows(batch)
+        steps = a.steps
+        for rank, step in batch.steps.items():
+            if steps.get(rank, step - 1) < step:
+                steps[rank] = step
+        if batch.steps and a.pending:
+            rec.metrics(self._pending(final=False))  # measured before the first step: now at it
+        if batch.first is not None:
+            self._worked(batch.first, batch.last)
+        for row in batch.lead:
+            rec.mark("first_step", row["time"])
+            rec.progress(row, self.pace_tracker.verdict.values())
 
     def events(self, events: list[dict]) -> None:
         """One node's events, typed (``cluster.protocol.decode_rank_event``; a kind this version does not know is
-        left out), each handled by its kind."""
+        left out), each handled by its kind; metrics rows among them go first, as a node's batch does."""
         a, rec = self.a, self.recorder
+        events, batch = self._batcher.take(events)
+        self.rows(batch)
         records: list[dict] = []
         for e in filter(None, map(decode_rank_event, events)):
             rank = e.rank
@@ -120,17 +147,6 @@ class AttemptRouter:
                     a.preempted.add(rank)
                 case PreemptNotice():
                     rec.say(f"raylaunch: rank {rank} got a stop notice (SIGTERM): checkpointing at the next step")
-                case Metrics():
-                    record = self.row(rank, e.time, e.step, e.values)
-                    records.append(record)
-                    if e.step is not None:
-                        a.steps[rank] = max(int(e.step), a.steps.get(rank, 0))
-                        if a.pending:
-                            records += self._pending(final=False)  # measured before the first step: now at it
-                    self._worked(e.time, e.time)
-                    if rank == 0:
-                        rec.mark("first_step", e.time)
-                        rec.progress(record, self.pace_tracker.verdict.values())
                 case Resources():  # peak memory, beside the rank's metrics
                     records += self._measured(rank, e.time, e.peaks())
                 case Pace():
@@ -142,9 +158,7 @@ class AttemptRouter:
                                            step=max(s for _, _, s in a.restored.values()),
                                            seconds=round(max(s for _, s, _ in a.restored.values()), 4)))
                 case CheckpointPart():
-                    # The rows read before it (this rank's metrics up to this step, logged before the save) go to
-                    # storage first: the commit flushes them, and a driver killed after the commit loses nothing
-                    # of the steps it covers (a rerun resumes past them and never logs them again).
+                    # The measurements read before it go to storage first, as the metrics rows did (``rows``)
                     if records:
                         rec.metrics(records)
                         records = []

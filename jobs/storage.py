@@ -41,6 +41,7 @@ from cluster.layout import (
     CHECKPOINTS, LOGS, MARKER, METRICS, RESULT, RUN_EVENTS, SPEC, STAGING, flight_recorder_log, rank_log_file,
     stacks_file, staging_dir,
 )
+from cluster.metric_rows import numeric_metrics
 from cluster.storage_io import CheckpointError, is_local, open_uri, split_query, storage_credentials
 from jobs.appendlog import AppendLogs, read_rows
 from jobs.checkpoint_store import CheckpointCatalogue, CommittedCheckpoint
@@ -48,21 +49,6 @@ from jobs.checkpoint_store import CheckpointCatalogue, CommittedCheckpoint
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
 
-
-def numeric_metrics(record: dict) -> dict[str, float]:
-    """A metrics.jsonl record's metrics that are numbers (not its RECORD_KEYS, not booleans). The driver runs it for
-    every row (the TensorBoard board): plain floats are taken without the general checks."""
-    out = {}
-    for k, v in record.items():
-        if k in _RECORD_KEYS:
-            continue
-        if type(v) is float or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                and (isinstance(v, float) or abs(v) < 2**1000)):  # an int float() cannot hold: no curve
-            out[k] = v
-    return out
-
-
-_RECORD_KEYS = frozenset(RECORD_KEYS)
 
 class StorageError(RaylaunchError, RuntimeError):
     """The storage path cannot hold a run; the message says what to fix."""
@@ -157,6 +143,11 @@ class RunDir(CheckpointCatalogue):
     def append_metrics(self, records: list[dict]) -> None:
         if records:
             self._append(METRICS, "".join(json.dumps(r) + "\n" for r in records))
+
+    def append_metric_text(self, text: str) -> None:
+        """Rows rendered already (``cluster.metric_rows.RowBatch.text``: a node's, JSON lines)."""
+        if text:
+            self._append(METRICS, text)
 
     def append_events(self, events: list[dict]) -> None:
         """The run's own events (``jobs.events``), after the earlier sessions'."""

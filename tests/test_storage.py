@@ -236,6 +236,7 @@ def test_rows_held_for_a_full_disk_are_bounded_and_the_loss_is_said(tiny_disk, m
 def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, capsys):
     """Found by `make chaos` (seed 3): the driver's TensorBoard flush raised ENOSPC, failed the run, and its close
     then kept the final result.json from being written."""
+    from cluster.metric_rows import RowBatch
     from jobs.board import Board
 
     run = RunDir(str(tiny_disk), "r")
@@ -244,7 +245,7 @@ def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, 
     board.start_attempt(None)
     filler = _fill(tiny_disk)
     for step in range(1, 200):
-        board.add([{"step": step, "rank": 0, "time": float(step), "loss": 1.0 / step, "text": "y" * 100}])
+        board.add(RowBatch.of([{"step": step, "rank": 0, "time": float(step), "loss": 1.0 / step, "text": "y" * 100}]))
     board.flush()
     board.goodput({"ratio": 0.5, "seconds": {"training": 1.0}}, 199)
     board.close()  # none of these raises
