@@ -233,6 +233,28 @@ def test_rows_held_for_a_full_disk_are_bounded_and_the_loss_is_said(tiny_disk, m
     assert f"raylaunch: {steps[0] - 1} line(s) of" in said and "were lost while the disk was full" in said, said
 
 
+def test_more_rank_logs_than_files_held_open_lose_no_line(tmp_path, monkeypatch):
+    """A driver of thousands of ranks keeps at most half of its open-file limit open: the least recently written
+    log is closed for room and opened again when its rank next prints; every line lands, in order."""
+    import os
+
+    monkeypatch.setattr("jobs.appendlog._open_files_cap", lambda: 3)
+    run = RunDir(str(tmp_path), "r")
+    run.prepare({"name": "r"})
+    for line in range(4):
+        for rank in range(6):
+            run.append_log(rank, [f"rank {rank} line {line}"])
+        run.append_metrics([{"step": line, "loss": 1.0}])
+        assert len(run._logs._streams) <= 3
+    run.close()
+    logs = sorted(os.listdir(tmp_path / "r" / "logs"))
+    assert len(logs) == 6
+    for rank in range(6):
+        text = (tmp_path / "r" / "logs" / f"rank-{rank}.log").read_text()
+        assert text.splitlines() == [f"rank {rank} line {line}" for line in range(4)]
+    assert [r["step"] for r in RunDir(str(tmp_path), "r").read_metrics()] == [0, 1, 2, 3]
+
+
 def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, capsys):
     """Found by `make chaos` (seed 3): the driver's TensorBoard flush raised ENOSPC, failed the run, and its close
     then kept the final result.json from being written."""
