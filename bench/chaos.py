@@ -842,13 +842,13 @@ def storage_checks(storage: Path | str, name: str) -> list[str]:
 
     problems = []
     run = RunDir(str(storage), name)
-    committed = run.committed_checkpoints()
+    committed = run.checkpoints.committed()
     for c in committed:
         try:
-            run.verify(c)
+            run.checkpoints.verify(c)
         except Exception as exc:
             problems.append(f"committed {c.name} does not verify: {exc}")
-    latest = run.latest_checkpoint() if committed else None
+    latest = run.checkpoints.latest() if committed else None
     if committed and (latest is None or latest.name != committed[-1].name):
         problems.append(f"latest.json names {latest and latest.name}, the newest committed is {committed[-1].name}")
     # Anything in a local .staging; a file in the store's (a folder there is only a key prefix, or its marker)

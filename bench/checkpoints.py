@@ -58,7 +58,7 @@ def _one(background: bool, storage: str) -> dict:
     if result.status != "succeeded":
         raise RuntimeError(f"the checkpoint bench's run failed: {result.error}")
     run = RunDir(storage, name)
-    commits = [run.checkpoint_manifest(c).get("timing", {}) for c in run.committed_checkpoints()]
+    commits = [run.checkpoints.manifest(c).get("timing", {}) for c in run.checkpoints.committed()]
     rows = run.read_metrics()
     host = [r["checkpoint_host_mb"] for r in rows if r.get("checkpoint_host_mb")]
     out = dict(result.rank_results["0"])

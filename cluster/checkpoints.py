@@ -3,7 +3,7 @@ store) and a committed checkpoint checked against its manifest and restored.
 
 Under the runner ``cluster.runtime.Session`` hands ``save``, ``restore`` and
 ``wait_for_upload`` to a ``StagedCheckpoints``; the driver commits what every rank
-staged (``jobs.storage.RunDir.commit_checkpoint``).
+staged (``jobs.storage.RunDir.checkpoints.commit``).
 Imports nothing from Ray.
 """
 

@@ -1,8 +1,8 @@
 """A run's committed checkpoints: committing one (every rank's part checked, the manifest written last, then
 ``latest.json``, then the old ones pruned), listing them, and finding the latest that still matches its manifest.
 
-``CheckpointCatalogue`` is part of ``jobs.storage.RunDir`` (the one object that knows a run's paths), kept here
-as its own concern; it uses the run directory's filesystem, paths and writers.
+A ``jobs.storage.RunDir`` holds one as ``run_dir.checkpoints`` (``run_dir.checkpoints.commit(...)``); it reaches
+storage through the run directory's ``RunFiles``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pyarrow import fs as pafs
 
 from cluster.layout import LATEST, checkpoint_name, is_checkpoint_name, rank_part_file
 from cluster.storage_io import MANIFEST, CheckpointError, check_manifest, describe_files
 from cluster.strategy import missing_shards
+from jobs.runfiles import RunFiles
 
 # How long a commit is tried again while an object store refuses or does not answer, or the disk is full.
 COMMIT_RETRY_S = 60.0
@@ -33,12 +35,14 @@ class CommittedCheckpoint:
 
 
 class CheckpointCatalogue:
-    """The checkpoint methods of ``RunDir`` (``fs``, ``checkpoints_path``, ``_path``, ``_uri``, ``_show``,
-    ``_write``, ``_read_json``, ``_warn_once``, ``flush`` and ``_local`` are the run directory's)."""
+    """The committed checkpoints under ``root`` (a run directory's ``checkpoints/``). ``flush``: writes out what
+    the run's metrics hold in memory, called before a commit counts (the rows up to it are on storage first)."""
 
+    def __init__(self, io: RunFiles, root: str, flush: Callable[[], None]) -> None:
+        self._io, self.root, self._flush = io, root, flush
 
-    def commit_checkpoint(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int,
-                          reported: dict[str, dict] | None = None, timing: dict | None = None) -> CommittedCheckpoint:
+    def commit(self, staging_uri: str, step: int, attempt: int, world_size: int, keep: int,
+               reported: dict[str, dict] | None = None, timing: dict | None = None) -> CommittedCheckpoint:
         """Check every rank's part, write the manifest last, move it in, then prune.
 
         ``reported``: sizes and sha256 the ranks computed on their own disks before
@@ -53,7 +57,7 @@ class CheckpointCatalogue:
         checkpoint is committed, and a retry only finishes the rest (the staging
         folder removed, ``latest.json``, the pruning).
         """
-        staging = self._path(staging_uri)
+        staging = self._io.path(staging_uri)
         began = time.monotonic()
         placed: CommittedCheckpoint | None = None
         while True:
@@ -65,8 +69,8 @@ class CheckpointCatalogue:
             except OSError as exc:
                 waited = time.monotonic() - began
                 full = getattr(exc, "errno", None) == errno.ENOSPC
-                if (self._local and not full) or waited >= COMMIT_RETRY_S:
-                    where = self._show(self.checkpoints_path)
+                if (self._io.local and not full) or waited >= COMMIT_RETRY_S:
+                    where = self._io.show(self.root)
                     tried = f" (tried for {waited:.0f} s)" if waited >= 1 else ""
                     state = ("The previous committed checkpoint is still the latest." if placed is None else
                              "It is in place with its manifest, but latest.json may still name the previous one, "
@@ -76,16 +80,16 @@ class CheckpointCatalogue:
                     raise CheckpointError(f"could not commit the checkpoint of step {step} into {where}{tried}: "
                                           f"{exc}. {state}{hint}") from exc
                 what = "no space left on the device" if full else str(exc)[:200]
-                self._warn_once(f"raylaunch: committing the checkpoint of step {step} failed ({what}); trying again "
-                                f"for up to {COMMIT_RETRY_S:g} s")
+                self._io.warn_once(f"raylaunch: committing the checkpoint of step {step} failed ({what}); trying "
+                                   f"again for up to {COMMIT_RETRY_S:g} s")
                 time.sleep(min(2.0 ** min(int(waited), 4), 5.0))
 
     def _place(self, staging: str, step: int, attempt: int, world_size: int, reported: dict[str, dict],
                timing: dict | None = None) -> CommittedCheckpoint:
         """Every rank's part checked, then the checkpoint in its place under ``checkpoints/`` with its manifest,
         whose presence is the commit."""
-        self.flush()  # the metrics up to this checkpoint are on storage before it counts
-        files = describe_files(self.fs, staging, reported)
+        self._flush()  # the metrics up to this checkpoint are on storage before it counts
+        files = describe_files(self._io.fs, staging, reported)
         missing = [r for r in range(world_size) if rank_part_file(r) not in files]
         if missing:
             raise CheckpointError(
@@ -99,122 +103,122 @@ class CheckpointCatalogue:
                                # how long the save held training, and from the save until this commit
                                **({"timing": timing} if timing else {})}, indent=1).encode()
         name = checkpoint_name(step)
-        final = f"{self.checkpoints_path}/{name}"
-        if self.fs.get_file_info(final).type != pafs.FileType.NotFound:
+        final = f"{self.root}/{name}"
+        if self._io.fs.get_file_info(final).type != pafs.FileType.NotFound:
             # An older commit of the same step, from a previous attempt. latest.json must never name a folder that is
             # gone (a driver killed in between would leave a run that refuses to resume): first it names the newest
             # other committed checkpoint (or nothing), then the old folder goes.
-            others = [c for c in self.committed_checkpoints() if c.name != name]
-            pointer = f"{self.checkpoints_path}/{LATEST}"
+            others = [c for c in self.committed() if c.name != name]
+            pointer = f"{self.root}/{LATEST}"
             if others:
-                self._write(pointer, json.dumps({"name": others[-1].name, "step": others[-1].step}).encode())
-            elif self.fs.get_file_info(pointer).type != pafs.FileType.NotFound:
-                self.fs.delete_file(pointer)
-            self.fs.delete_dir(final)
-        if self._local:
+                self._io.write(pointer, json.dumps({"name": others[-1].name, "step": others[-1].step}).encode())
+            elif self._io.fs.get_file_info(pointer).type != pafs.FileType.NotFound:
+                self._io.fs.delete_file(pointer)
+            self._io.fs.delete_dir(final)
+        if self._io.local:
             # A folder rename is atomic: the checkpoint appears with its manifest.
-            self._write(f"{staging}/{MANIFEST}", manifest)
-            self.fs.move(staging, final)
+            self._io.write(f"{staging}/{MANIFEST}", manifest)
+            self._io.fs.move(staging, final)
         else:
             # Object stores cannot rename a folder: copy the files (server-side), then the
             # manifest, whose presence is the commit (a folder without one is never listed).
             for rel in files:
-                self.fs.copy_file(f"{staging}/{rel}", f"{final}/{rel}")
-            self._write(f"{final}/{MANIFEST}", manifest)
-        return CommittedCheckpoint(step, self._uri(final), name)
+                self._io.fs.copy_file(f"{staging}/{rel}", f"{final}/{rel}")
+            self._io.write(f"{final}/{MANIFEST}", manifest)
+        return CommittedCheckpoint(step, self._io.uri(final), name)
 
     def _point(self, staging: str, c: CommittedCheckpoint, keep: int) -> None:
         """After a commit (each part can be redone): its staging folder gone, ``latest.json`` naming it, the
         checkpoints beyond ``keep`` pruned."""
-        if self.fs.get_file_info(staging).type != pafs.FileType.NotFound:  # an object store's copies' sources
-            self.fs.delete_dir(staging)
-        self._write(f"{self.checkpoints_path}/{LATEST}", json.dumps({"name": c.name, "step": c.step}).encode())
+        if self._io.fs.get_file_info(staging).type != pafs.FileType.NotFound:  # an object store's copies' sources
+            self._io.fs.delete_dir(staging)
+        self._io.write(f"{self.root}/{LATEST}", json.dumps({"name": c.name, "step": c.step}).encode())
         self._prune(keep, latest=c.name)
 
-    def committed_checkpoints(self) -> list[CommittedCheckpoint]:
+    def committed(self) -> list[CommittedCheckpoint]:
         """Committed checkpoints, oldest first: real folders of ``checkpoints/`` whose manifest lists their files.
 
         A folder that is a symbolic link (to anywhere) or whose manifest lists no files was not committed by
         this run: it is never listed, counted, kept or loaded, and that is said once."""
         out = []
-        for info in self.fs.get_file_info(pafs.FileSelector(self.checkpoints_path, allow_not_found=True)):
+        for info in self._io.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
             base = info.base_name
             if info.type == pafs.FileType.Directory and is_checkpoint_name(base):
-                if self._local and os.path.islink(info.path):
-                    self._warn_once(f"raylaunch: {self._show(info.path)} is a symbolic link, not a folder this run "
-                                    "committed; that checkpoint is ignored")
+                if self._io.local and os.path.islink(info.path):
+                    self._io.warn_once(f"raylaunch: {self._io.show(info.path)} is a symbolic link, not a folder this "
+                                       "run committed; that checkpoint is ignored")
                     continue
                 try:
-                    manifest = self._read_json(f"{info.path}/{MANIFEST}")
+                    manifest = self._io.read_json(f"{info.path}/{MANIFEST}")
                     step = int(manifest["step"]) if manifest is not None else None
                     if manifest is not None and not manifest.get("files"):
-                        self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} lists no files; that "
-                                        "checkpoint is ignored")
+                        self._io.warn_once(f"raylaunch: {self._io.show(info.path)}/{MANIFEST} lists no files; "
+                                           "that checkpoint is ignored")
                         continue
                 except (ValueError, TypeError, KeyError):  # corrupted: as if never committed
-                    self._warn_once(f"raylaunch: {self._show(info.path)}/{MANIFEST} cannot be read; that "
-                                    "checkpoint is skipped")
+                    self._io.warn_once(f"raylaunch: {self._io.show(info.path)}/{MANIFEST} cannot be read; that "
+                                       "checkpoint is skipped")
                     continue
                 if step is not None:
-                    out.append(CommittedCheckpoint(step, self._uri(info.path), base))
+                    out.append(CommittedCheckpoint(step, self._io.uri(info.path), base))
         return sorted(out, key=lambda c: c.step)
 
-    def latest_checkpoint(self) -> CommittedCheckpoint | None:
+    def latest(self) -> CommittedCheckpoint | None:
         try:
-            pointer = self._read_json(f"{self.checkpoints_path}/{LATEST}")
+            pointer = self._io.read_json(f"{self.root}/{LATEST}")
             if pointer is not None and not isinstance(pointer.get("name"), str):
                 raise ValueError("no 'name'")
         except (ValueError, AttributeError) as exc:
-            committed = self.committed_checkpoints()
-            self._warn_once(f"raylaunch: {self._show(self.checkpoints_path)}/{LATEST} cannot be read ({exc}); "
-                            "using the newest committed checkpoint" + ("" if committed else ": there is none"))
+            committed = self.committed()
+            self._io.warn_once(f"raylaunch: {self._io.show(self.root)}/{LATEST} cannot be read ({exc}); "
+                               "using the newest committed checkpoint" + ("" if committed else ": there is none"))
             return committed[-1] if committed else None
         if pointer is None:
             return None
-        committed = {c.name: c for c in self.committed_checkpoints()}
+        committed = {c.name: c for c in self.committed()}
         if pointer["name"] not in committed:
             raise CheckpointError(
-                f"{self._show(self.checkpoints_path)}/{LATEST} names {pointer['name']}, which is not a committed "
+                f"{self._io.show(self.root)}/{LATEST} names {pointer['name']}, which is not a committed "
                 "checkpoint in this run directory. Restore that folder, or start over with --fresh."
             )
         return committed[pointer["name"]]
 
     def verify(self, checkpoint: CommittedCheckpoint) -> None:
         """Check every file against the manifest; ``CheckpointError`` names the first that differs."""
-        path = self._path(checkpoint.uri)
-        manifest = self._read_json(f"{path}/{MANIFEST}")
+        path = self._io.path(checkpoint.uri)
+        manifest = self._io.read_json(f"{path}/{MANIFEST}")
         if manifest is None:
-            raise CheckpointError(f"{self._show(path)} has no {MANIFEST}")
-        check_manifest(self.fs, path, manifest, self._show(path))
+            raise CheckpointError(f"{self._io.show(path)} has no {MANIFEST}")
+        check_manifest(self._io.fs, path, manifest, self._io.show(path))
 
-    def loadable_checkpoint(self, warn=print) -> CommittedCheckpoint | None:
+    def loadable(self, warn=print) -> CommittedCheckpoint | None:
         """The latest committed checkpoint whose files match its manifest; older ones if it does not."""
-        latest = self.latest_checkpoint()
+        latest = self.latest()
         if latest is None:
             return None
-        for c in reversed([c for c in self.committed_checkpoints() if c.step <= latest.step]):
+        for c in reversed([c for c in self.committed() if c.step <= latest.step]):
             try:
                 self.verify(c)
                 return c
             except CheckpointError as exc:
-                warn(f"raylaunch: not loading {self._show(self._path(c.uri))}: {exc}; "
+                warn(f"raylaunch: not loading {self._io.show(self._io.path(c.uri))}: {exc}; "
                      "trying the previous committed checkpoint")
         raise CheckpointError(
-            f"no committed checkpoint in {self._show(self.checkpoints_path)} matches its manifest. Restore the "
+            f"no committed checkpoint in {self._io.show(self.root)} matches its manifest. Restore the "
             "files, or start over with --fresh."
         )
 
     def _prune(self, keep: int, latest: str) -> None:
         """Keep the ``keep`` newest by step, and always the one just committed (``latest``): a script may save
         a step below one committed before (its folder names count something else)."""
-        committed = [c for c in self.committed_checkpoints() if c.name != latest]
+        committed = [c for c in self.committed() if c.name != latest]
         for old in committed[: max(0, len(committed) - (keep - 1))]:
-            self.fs.delete_dir(self._path(old.uri))
+            self._io.fs.delete_dir(self._io.path(old.uri))
 
-    def checkpoint_files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
+    def files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
         """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
-        return self.checkpoint_manifest(checkpoint).get("files", {})
+        return self.manifest(checkpoint).get("files", {})
 
-    def checkpoint_manifest(self, checkpoint: CommittedCheckpoint) -> dict:
+    def manifest(self, checkpoint: CommittedCheckpoint) -> dict:
         """A committed checkpoint's manifest: its step, attempt, files and (saves since issue 30) ``timing``."""
-        return self._read_json(f"{self._path(checkpoint.uri)}/{MANIFEST}") or {}
+        return self._io.read_json(f"{self._io.path(checkpoint.uri)}/{MANIFEST}") or {}

@@ -234,7 +234,7 @@ class Driver:
             latest = None
             try:
                 self.run_dir.clear_staging()
-                latest = self.run_dir.loadable_checkpoint(warn=self._say)
+                latest = self.run_dir.checkpoints.loadable(warn=self._say)
             except BaseException:  # no checkpoint it may load (latest.json names one that is gone): the attempt
                 r.attempts += 1  # counts, failed before any node was reserved
                 raise

@@ -190,7 +190,7 @@ class Recorder:
         if self.board is not None:
             self.board.goodput(self.result.goodput, self.result.last_step or 0)
         try:
-            self.result.checkpoints = [c.uri for c in self.run_dir.committed_checkpoints()]
+            self.result.checkpoints = [c.uri for c in self.run_dir.checkpoints.committed()]
         except OSError as exc:  # the outcome is still recorded, with the checkpoints last seen
             self.say(f"raylaunch: could not list the committed checkpoints: {exc}")
         data = dataclasses.asdict(self.result)

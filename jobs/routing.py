@@ -251,7 +251,7 @@ class AttemptRouter:
         asked = min(t for t, _ in times)
         timing = {"blocked_s": round(max(b for _, b in times), 4), "to_commit_s": round(time.time() - asked, 4)}
         rec.event(Saved(time=asked, attempt=a.number, step=step, held_s=timing["blocked_s"]))
-        c = self.run_dir.commit_checkpoint(
+        c = self.run_dir.checkpoints.commit(
             join_uri(a.staging, checkpoint_name(step)), step, a.number, a.world,
             self.keep, reported=_agreed(a.parts.pop(step).values()), timing=timing,
         )

@@ -229,10 +229,10 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
     lines.extend(_format_pace(records))
     if per_rank:
         lines.extend(_format_ranks(run, status))
-    checkpoints = run.committed_checkpoints()
+    checkpoints = run.checkpoints.committed()
     lines.append(f"  checkpoints ({len(checkpoints)} committed):")
     for c in checkpoints:
-        manifest = run.checkpoint_manifest(c)
+        manifest = run.checkpoints.manifest(c)
         size = sum(f["size"] for f in manifest.get("files", {}).values())
         timing = manifest.get("timing") or {}
         held = (f"  held {timing['blocked_s']:.2f} s, committed after {timing['to_commit_s']:.2f} s"

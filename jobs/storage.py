@@ -24,13 +24,10 @@ or an object-store URI (``s3://``, ``gs://``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import sys
 import time
-from typing import Any
 
 import yaml
 from pyarrow import fs as pafs
@@ -42,9 +39,10 @@ from cluster.layout import (
     stacks_file, staging_dir,
 )
 from cluster.metric_rows import numeric_metrics
-from cluster.storage_io import CheckpointError, is_local, open_uri, split_query, storage_credentials
+from cluster.storage_io import CheckpointError, open_uri, storage_credentials
 from jobs.appendlog import AppendLogs, read_rows
 from jobs.checkpoint_store import CheckpointCatalogue, CommittedCheckpoint
+from jobs.runfiles import RunFiles
 
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
@@ -56,9 +54,9 @@ class StorageError(RaylaunchError, RuntimeError):
     exit_code = 2
 
 
-class RunDir(CheckpointCatalogue):
-    """Every path of one run, and the only code that writes them (its committed checkpoints:
-    ``jobs.checkpoint_store.CheckpointCatalogue``)."""
+class RunDir:
+    """Every path of one run, and the only code that writes them; its committed checkpoints are ``checkpoints``
+    (``jobs.checkpoint_store.CheckpointCatalogue``)."""
 
     def __init__(self, storage: str, name: str) -> None:
         storage = os.path.expanduser(storage)
@@ -73,39 +71,20 @@ class RunDir(CheckpointCatalogue):
         except Exception as exc:  # pyarrow raises ArrowInvalid and friends
             raise StorageError(f"storage {storage!r} is not a path or a URI pyarrow can open: {exc}") from None
         self.storage = storage
-        self._warned: set[str] = set()  # damaged files already said (see _warn_once)
         self.name = name
         self.path = f"{base.rstrip('/')}/{name}"
-        self._local = is_local(self.fs)
-        self._scheme = "" if self._local else storage.split("://", 1)[0]
-        # Filesystem options (endpoint_override=..., scheme=...) travel with every URI
-        # handed to node actors and ranks, so they open the same store.
-        self._query = split_query(storage)[1]
-        self._logs = AppendLogs(self.fs, self.path, self._local)  # metrics, events and rank logs
+        self.files = RunFiles(self.fs, storage)  # its paths, URIs and whole-file writes
+        self._logs = AppendLogs(self.fs, self.path, self.files.local)  # metrics, events and rank logs
+        self.checkpoints = CheckpointCatalogue(self.files, f"{self.path}/{CHECKPOINTS}", flush=self.flush)
 
     # --- paths -----------------------------------------------------------------
 
     @property
     def uri(self) -> str:
-        return self._uri(self.path)
-
-    def _uri(self, path: str) -> str:
-        return path if self._local else f"{self._scheme}://{path}{self._query}"
-
-    def _path(self, uri: str) -> str:
-        """The inverse of ``_uri``: the path inside ``self.fs``."""
-        return uri if self._local else split_query(uri)[0].split("://", 1)[1]
-
-    def _show(self, path: str) -> str:
-        """A path as messages show it: the URI without its query string."""
-        return path if self._local else f"{self._scheme}://{path}"
-
-    @property
-    def checkpoints_path(self) -> str:
-        return f"{self.path}/{CHECKPOINTS}"
+        return self.files.uri(self.path)
 
     def staging_uri(self, attempt: int) -> str:
-        return self._uri(f"{self.path}/{staging_dir(attempt)}")
+        return self.files.uri(f"{self.path}/{staging_dir(attempt)}")
 
     def exists(self) -> bool:
         return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
@@ -120,12 +99,12 @@ class RunDir(CheckpointCatalogue):
         try:
             for sub in ("", f"/{CHECKPOINTS}", f"/{LOGS}"):
                 self.fs.create_dir(self.path + sub, recursive=True)
-            self._write(f"{self.path}/{SPEC}", yaml.safe_dump(spec, sort_keys=False).encode())
+            self.files.write(f"{self.path}/{SPEC}", yaml.safe_dump(spec, sort_keys=False).encode())
             token = secrets.token_hex(8)
-            self._write(f"{self.path}/{MARKER}", token.encode())
+            self.files.write(f"{self.path}/{MARKER}", token.encode())
         except OSError as exc:
             raise StorageError(
-                f"cannot write the run directory {self._show(self.path)}: {exc}. Set `storage` in the spec "
+                f"cannot write the run directory {self.files.show(self.path)}: {exc}. Set `storage` in the spec "
                 "(or --storage) to a folder every node can write, such as an NFS mount or s3://bucket/runs."
             ) from None
         self.clear_staging()
@@ -136,7 +115,7 @@ class RunDir(CheckpointCatalogue):
         self.fs.delete_dir_contents(f"{self.path}/{STAGING}", missing_dir_ok=True)
 
     def marker_uri(self) -> str:
-        return self._uri(f"{self.path}/{MARKER}")
+        return self.files.uri(f"{self.path}/{MARKER}")
 
     # --- metrics, logs, result -----------------------------------------------------
 
@@ -170,17 +149,17 @@ class RunDir(CheckpointCatalogue):
 
     def write_result(self, result: dict) -> None:
         self.flush()
-        self._write(f"{self.path}/{RESULT}", json.dumps(result, indent=2, default=str).encode())
+        self.files.write(f"{self.path}/{RESULT}", json.dumps(result, indent=2, default=str).encode())
 
     def read_result(self) -> dict | None:
         try:
-            result = self._read_json(f"{self.path}/{RESULT}")
+            result = self.files.read_json(f"{self.path}/{RESULT}")
         except ValueError:
             result = None
         if result is not None and not isinstance(result, dict):
             result = None
         if result is None and self.fs.get_file_info(f"{self.path}/{RESULT}").type == pafs.FileType.File:
-            self._warn_once(f"raylaunch: {self._show(self.path)}/{RESULT} cannot be read; treated as absent")
+            self.files.warn_once(f"raylaunch: {self.files.show(self.path)}/{RESULT} cannot be read; treated as absent")
         return result
 
     def write_stacks(self, attempt: int, text: str, flight_recorder: dict[int, bytes] | None = None) -> str:
@@ -188,16 +167,10 @@ class RunDir(CheckpointCatalogue):
         beside it, ``logs/nccl-trace-<attempt>-<time>-rank<R>``); returns the stacks file as shown."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = f"{self.path}/{stacks_file(attempt, stamp)}"
-        self._write(path, text.encode())
+        self.files.write(path, text.encode())
         for rank, data in sorted((flight_recorder or {}).items()):
-            self._write(f"{self.path}/{flight_recorder_log(attempt, stamp, rank)}", data)
-        return self._show(path)
-
-    def _warn_once(self, text: str) -> None:
-        """A damaged file of the run is said once on stderr, and what depends on it goes on without it."""
-        if text not in self._warned:
-            self._warned.add(text)
-            print(text, file=sys.stderr, flush=True)
+            self.files.write(f"{self.path}/{flight_recorder_log(attempt, stamp, rank)}", data)
+        return self.files.show(path)
 
     # --- reading a run back (raylaunch runs, show, plot) ------------------------------
 
@@ -231,16 +204,17 @@ class RunDir(CheckpointCatalogue):
     def _read_rows(self, rel: str) -> list[dict]:
         rows, bad = read_rows(self.fs, f"{self.path}/{rel}")
         if bad:
-            self._warn_once(f"raylaunch: {bad} line(s) of {self._show(self.path)}/{rel} cannot be read; skipped")
+            self.files.warn_once(f"raylaunch: {bad} line(s) of {self.files.show(self.path)}/{rel} cannot be read; "
+                                 "skipped")
         return rows
 
     def log_uris(self) -> list[str]:
         infos = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/{LOGS}", allow_not_found=True))
-        return sorted(self._show(i.path) for i in infos if i.type == pafs.FileType.File)
+        return sorted(self.files.show(i.path) for i in infos if i.type == pafs.FileType.File)
 
     def local_path(self, rel: str) -> str | None:
         """A folder of the run as a local path, or None on object storage."""
-        if not self._local:
+        if not self.files.local:
             return None
         os.makedirs(f"{self.path}/{rel}", exist_ok=True)
         return f"{self.path}/{rel}"
@@ -249,29 +223,3 @@ class RunDir(CheckpointCatalogue):
         """Copy a local file over ``<run>/<rel>`` (object storage: one PUT, seen whole or not at all)."""
         pafs.copy_files(local_file, f"{self.path}/{rel}", source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=self.fs)
-
-    # --- helpers ---------------------------------------------------------------------
-
-    def _write(self, path: str, data: bytes) -> None:
-        """Readers never see half a file: a temporary name and a rename on POSIX; on an
-        object store one PUT, which readers see whole or not at all."""
-        if not self._local:
-            with self.fs.open_output_stream(path) as f:
-                f.write(data)
-            return
-        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-        try:
-            with self.fs.open_output_stream(tmp) as f:
-                f.write(data)
-            self.fs.move(tmp, path)
-        except OSError:  # a full disk, say: no half-written file left beside the real one
-            with contextlib.suppress(OSError):
-                self.fs.delete_file(tmp)
-            raise
-
-    def _read_json(self, path: str) -> Any:
-        try:
-            with self.fs.open_input_stream(path) as f:
-                return json.loads(f.read())
-        except FileNotFoundError:
-            return None

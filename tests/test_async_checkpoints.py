@@ -103,7 +103,7 @@ def test_a_save_asked_for_while_one_is_in_flight_waits_for_it(ray_cluster, tmp_p
         assert second >= 1.4 > first, (rank, r)  # the second waited for the first's write: one in flight
         assert json.loads((tmp_path / "marks" / f"returned-a1-r{rank}-s1").read_text())["written"] is False
     run = RunDir(str(tmp_path), "quick")
-    assert [c.step for c in run.committed_checkpoints()] == [1, 2]
+    assert [c.step for c in run.checkpoints.committed()] == [1, 2]
     rows = [json.loads(l) for l in (tmp_path / "quick" / "metrics.jsonl").read_text().splitlines()]
     host = {(r["rank"], r["step"]): r["checkpoint_host_mb"] for r in rows if "checkpoint_host_mb" in r}
     assert sorted(host) == [(0, 1), (0, 2), (1, 1), (1, 2)]
@@ -119,7 +119,7 @@ def test_async_false_writes_before_the_save_returns(ray_cluster, tmp_path):
     assert result.status == "succeeded", result.error
     for rank in (0, 1):
         assert json.loads((tmp_path / "marks" / f"returned-a1-r{rank}-s1").read_text())["written"] is True
-    assert [c.step for c in RunDir(str(tmp_path), "sync").committed_checkpoints()] == [1, 2]
+    assert [c.step for c in RunDir(str(tmp_path), "sync").checkpoints.committed()] == [1, 2]
 
 
 def test_a_symlinked_checkpoint_or_an_empty_manifest_is_never_counted(tmp_path, capsys):
@@ -129,7 +129,7 @@ def test_a_symlinked_checkpoint_or_an_empty_manifest_is_never_counted(tmp_path, 
     staged = Path(run.staging_uri(1)) / "checkpoint-00000002"
     staged.mkdir(parents=True)
     (staged / "random_states_0.pkl").write_bytes(b"x")
-    run.commit_checkpoint(str(staged), 2, 1, 1, keep=5)  # a real commit
+    run.checkpoints.commit(str(staged), 2, 1, 1, keep=5)  # a real commit
     elsewhere = tmp_path / "elsewhere" / "checkpoint-00000009"
     elsewhere.mkdir(parents=True)
     (elsewhere / "manifest.json").write_text(json.dumps({"step": 9, "files": {"x": {"size": 1, "sha256": "0"}}}))
@@ -137,18 +137,18 @@ def test_a_symlinked_checkpoint_or_an_empty_manifest_is_never_counted(tmp_path, 
     empty = checkpoints / "checkpoint-00000007"
     empty.mkdir()
     (empty / "manifest.json").write_text(json.dumps({"step": 7, "files": {}}))
-    assert [c.step for c in run.committed_checkpoints()] == [2]
+    assert [c.step for c in run.checkpoints.committed()] == [2]
     err = capsys.readouterr().err
     assert "checkpoint-00000009 is a symbolic link, not a folder this run committed; that checkpoint is ignored" in err
     assert "checkpoint-00000007/manifest.json lists no files; that checkpoint is ignored" in err
-    assert run.loadable_checkpoint().step == 2
+    assert run.checkpoints.loadable().step == 2
     shown = format_show(str(tmp_path), "odd")
     assert "checkpoints (1 committed)" in shown and "step 2" in shown
     staged3 = Path(run.staging_uri(1)) / "checkpoint-00000003"
     staged3.mkdir(parents=True)
     (staged3 / "random_states_0.pkl").write_bytes(b"y")
-    run.commit_checkpoint(str(staged3), 3, 1, 1, keep=1)  # keep 1: prunes what it committed, nothing else
-    assert [c.step for c in run.committed_checkpoints()] == [3]
+    run.checkpoints.commit(str(staged3), 3, 1, 1, keep=1)  # keep 1: prunes what it committed, nothing else
+    assert [c.step for c in run.checkpoints.committed()] == [3]
     assert elsewhere.is_dir() and empty.is_dir()
 
 
@@ -160,10 +160,10 @@ def test_a_checkpoint_of_a_lower_step_committed_last_is_the_latest_and_never_pru
         staged = Path(run.staging_uri(1)) / f"checkpoint-{step:08d}"
         staged.mkdir(parents=True)
         (staged / "random_states_0.pkl").write_bytes(str(step).encode())
-        run.commit_checkpoint(str(staged), step, 1, 1, keep=2)
-    assert run.latest_checkpoint().step == 5
-    assert [c.step for c in run.committed_checkpoints()] == [5, 20]  # keep 2: the latest and the newest other
-    assert run.loadable_checkpoint().step == 5
+        run.checkpoints.commit(str(staged), step, 1, 1, keep=2)
+    assert run.checkpoints.latest().step == 5
+    assert [c.step for c in run.checkpoints.committed()] == [5, 20]  # keep 2: the latest and the newest other
+    assert run.checkpoints.loadable().step == 5
 
 
 def test_dcp_files_captured_in_memory_are_the_bytes_dcp_writes_and_load_back(tmp_path):

@@ -61,7 +61,7 @@ storage: {small_disk}
     assert json.loads((checkpoints / "latest.json").read_text()) == {"name": "checkpoint-00000010", "step": 10}
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-00000010", "latest.json"]
     run = RunDir(str(small_disk), "full")
-    assert run.loadable_checkpoint().step == 10  # every file matches its manifest
+    assert run.checkpoints.loadable().step == 10  # every file matches its manifest
     manifest = json.loads((checkpoints / "checkpoint-00000010" / "manifest.json").read_text())
     assert "model.safetensors" in manifest["files"] and not any(f.startswith("pytorch_model") for f in manifest["files"])
     # the half-written part is gone, and the result could be written
@@ -121,12 +121,12 @@ def _committed(tmp_path: Path, name: str):
     staged.mkdir(parents=True)
     (staged / "model.safetensors").write_bytes(b"weights")
     (staged / "random_states_0.pkl").write_bytes(b"rng 0")
-    return run, run.commit_checkpoint(str(staged), 5, 1, world_size=1, keep=2)
+    return run, run.checkpoints.commit(str(staged), 5, 1, world_size=1, keep=2)
 
 
 def test_a_rank_loads_nothing_from_a_file_altered_after_the_driver_checked_it(tmp_path):
     run, c = _committed(tmp_path, "r")
-    run.verify(c)  # what the driver checked before it started the attempt
+    run.checkpoints.verify(c)  # what the driver checked before it started the attempt
     accelerator = LoadsRecorded()
     assert rank_session(tmp_path, run, c.uri).restore(accelerator) == 5
     assert [path for path, _ in accelerator.loaded] == [c.uri]

@@ -108,13 +108,13 @@ def test_rows_of_a_poll_are_stored_before_its_checkpoint_commits(driver, tmp_pat
     staging = tmp_path / "rows" / ".staging" / "attempt-1" / "checkpoint-00000002"
     staging.mkdir(parents=True)
     lines_at_commit = []
-    commit = run.commit_checkpoint
+    commit = run.checkpoints.commit
 
     def watched(*args, **kwargs):
         lines_at_commit.append((tmp_path / "rows" / "metrics.jsonl").read_text().count("\n"))
         return commit(*args, **kwargs)
 
-    run.commit_checkpoint = watched
+    run.checkpoints.commit = watched
     batchers = [RowBatcher(1, 4, {0: 0, 1: 0}), RowBatcher(1, 4, {2: 1, 3: 1})]
     for n, batcher in enumerate(batchers):
         events = []
@@ -123,5 +123,5 @@ def test_rows_of_a_poll_are_stored_before_its_checkpoint_commits(driver, tmp_pat
             events += [_metrics(r, 1, 10.0, loss=1.0), _metrics(r, 2, 10.1, loss=0.5),
                        CheckpointPart(time=10.2, rank=r, step=2, uri=str(staging)).to_dict()]
         route.forward(n, _node_poll(batcher, events))
-    assert run.latest_checkpoint().step == 2
+    assert run.checkpoints.latest().step == 2
     assert lines_at_commit == [8]

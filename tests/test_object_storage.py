@@ -121,8 +121,8 @@ def test_commit_on_the_bucket_writes_manifest_then_latest_and_prunes(s3):
     run = RunDir(s3.uri("unit"), "commit")
     run.prepare({"name": "commit"})
     assert "?endpoint_override=" in run.staging_uri(1)  # every URI handed out opens the same server
-    run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=1)
-    c = run.commit_checkpoint(stage(s3, run, 1, 10, [0, 1]), 10, 1, world_size=2, keep=1)
+    run.checkpoints.commit(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=1)
+    c = run.checkpoints.commit(stage(s3, run, 1, 10, [0, 1]), 10, 1, world_size=2, keep=1)
     assert c.name == "checkpoint-00000010" and c.uri.endswith(f"?endpoint_override=127.0.0.1:{s3.port}&scheme=http&region=us-east-1")
     manifest = json.loads(s3.read("unit/commit/checkpoints/checkpoint-00000010/manifest.json"))
     assert sorted(manifest["files"]) == ["model.safetensors", "random_states_0.pkl", "random_states_1.pkl"]
@@ -132,21 +132,21 @@ def test_commit_on_the_bucket_writes_manifest_then_latest_and_prunes(s3):
     assert [k for k in s3.keys("unit/commit/checkpoints") if k.endswith("manifest.json")] == \
         ["unit/commit/checkpoints/checkpoint-00000010/manifest.json"]
     assert s3.keys("unit/commit/.staging") == []
-    assert run.loadable_checkpoint().step == 10
+    assert run.checkpoints.loadable().step == 10
 
 
 def test_an_uncommitted_or_tampered_checkpoint_on_the_bucket_is_never_loaded(s3):
     run = RunDir(s3.uri("unit"), "tamper")
     run.prepare({"name": "tamper"})
-    run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=3)
+    run.checkpoints.commit(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=3)
     with pytest.raises(CheckpointError, match=r"lacks the part of ranks \[1\]"):
-        run.commit_checkpoint(stage(s3, run, 1, 10, [0]), 10, 1, world_size=2, keep=3)
-    assert run.latest_checkpoint().step == 5
-    newest = run.commit_checkpoint(stage(s3, run, 2, 15, [0, 1]), 15, 2, world_size=2, keep=3)
+        run.checkpoints.commit(stage(s3, run, 1, 10, [0]), 10, 1, world_size=2, keep=3)
+    assert run.checkpoints.latest().step == 5
+    newest = run.checkpoints.commit(stage(s3, run, 2, 15, [0, 1]), 15, 2, world_size=2, keep=3)
     with s3.fs().open_output_stream(f"{BUCKET}/unit/tamper/checkpoints/{newest.name}/random_states_1.pkl") as f:
         f.write(b"rng 7")  # same size, other bytes
     said = []
-    assert run.loadable_checkpoint(warn=said.append).step == 5
+    assert run.checkpoints.loadable(warn=said.append).step == 5
     assert said and said[0].startswith(f"raylaunch: not loading s3://{BUCKET}/unit/tamper/checkpoints/checkpoint-00000015:")
     assert "random_states_1.pkl does not match the checksum in its manifest" in said[0]
 
@@ -156,8 +156,8 @@ def test_a_rank_loads_exactly_the_bytes_it_checked_and_nothing_altered_on_the_bu
     files against the manifest, and hands Accelerate the same local copy."""
     run = RunDir(s3.uri("unit"), "rankside")
     run.prepare({"name": "rankside"})
-    c = run.commit_checkpoint(stage(s3, run, 1, 5, [0]), 5, 1, world_size=1, keep=2)
-    run.verify(c)  # what the driver checked before it started the attempt
+    c = run.checkpoints.commit(stage(s3, run, 1, 5, [0]), 5, 1, world_size=1, keep=2)
+    run.checkpoints.verify(c)  # what the driver checked before it started the attempt
     accelerator = LoadsRecorded()
     assert rank_session(tmp_path, run, c.uri).restore(accelerator) == 5
     ((path, files),) = accelerator.loaded
@@ -170,7 +170,7 @@ def test_a_rank_loads_exactly_the_bytes_it_checked_and_nothing_altered_on_the_bu
     assert len(accelerator.loaded) == 1  # nothing unpickled from it
     theirs = RunDir(s3.uri("unit"), "theirs")
     theirs.prepare({"name": "theirs"})
-    other = theirs.commit_checkpoint(stage(s3, theirs, 1, 5, [0]), 5, 1, world_size=1, keep=2)
+    other = theirs.checkpoints.commit(stage(s3, theirs, 1, 5, [0]), 5, 1, world_size=1, keep=2)
     with pytest.raises(CheckpointError, match="is not a committed checkpoint of this run"):
         rank_session(tmp_path, run, other.uri).restore(accelerator)
 
@@ -204,7 +204,7 @@ def test_the_rows_of_a_committed_step_are_on_the_bucket_before_the_driver_could_
     route.events([Metrics(time=2.0, rank=0, step=2, values={"loss": 0.5}).to_dict(),  # one poll: the row, then the part
                   CheckpointPart(time=2.1, rank=0, step=2, uri=uri).to_dict()])
     # the driver is killed here: nothing is flushed after the commit
-    assert run.latest_checkpoint().step == 2
+    assert run.checkpoints.latest().step == 2
     assert [json.loads(line)["step"] for line in s3.read("unit/rowsfirst/metrics.jsonl").splitlines()] == [1, 2]
 
 
@@ -454,7 +454,7 @@ def test_a_restore_reads_the_checkpoint_once_per_node_however_many_ranks_it_has(
     for ranks in (1, 3):
         run = RunDir(s3.uri("unit"), f"pernode{ranks}")
         run.prepare({"name": f"pernode{ranks}"})
-        c = run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1, 2]), 5, 1, world_size=ranks, keep=2)  # same files
+        c = run.checkpoints.commit(stage(s3, run, 1, 5, [0, 1, 2]), 5, 1, world_size=ranks, keep=2)  # same files
         node_dir = tmp_path / f"node-{ranks}"
         sessions = [Session(WorkerPayload(
             context=ctx, attempt=2, train_fn="fns:steady", config={}, events_path=str(node_dir / f"events-rank{i}.jsonl"),
@@ -491,12 +491,12 @@ def test_a_commit_meeting_a_store_that_refuses_for_some_seconds_is_tried_again(s
                          "run")
         proxy.start("refuse", 12.0)  # every request answered 503 for 12 s (the client's own retries give up)
         began = time.monotonic()
-        c = through.commit_checkpoint(uri.replace(f"127.0.0.1:{s3.port}", f"127.0.0.1:{proxy.port}"), 5, 1,
+        c = through.checkpoints.commit(uri.replace(f"127.0.0.1:{s3.port}", f"127.0.0.1:{proxy.port}"), 5, 1,
                                       world_size=2, keep=2)
         assert time.monotonic() - began >= 11.5 and proxy.counts["503"] + proxy.counts["reset"] > 0
     finally:
         proxy.close()
-    assert c.step == 5 and [k.step for k in staged.committed_checkpoints()] == [5]
+    assert c.step == 5 and [k.step for k in staged.checkpoints.committed()] == [5]
     assert "committing the checkpoint of step 5 failed" in capsys.readouterr().err
 
 
@@ -507,8 +507,8 @@ def test_a_commit_whose_latest_pointer_the_store_refuses_is_finished_not_redone(
     ranks [0, 1]") and the run ended failed, latest.json naming step 15. A retry now only finishes what is left."""
     run = RunDir(s3.uri("pointer"), "run")
     run.prepare({"name": "run"})
-    run.commit_checkpoint(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
-    write, refused = run._write, []
+    run.checkpoints.commit(stage(s3, run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    write, refused = run.files.write, []
 
     def refusing(path: str, data: bytes) -> None:  # the store's 503s, on the pointer's first two writes
         if path.endswith("latest.json") and len(refused) < 2:
@@ -516,11 +516,11 @@ def test_a_commit_whose_latest_pointer_the_store_refuses_is_finished_not_redone(
             raise OSError("When uploading 'latest.json': AWS Error SLOW_DOWN (HTTP status 503) during PutObject")
         write(path, data)
 
-    monkeypatch.setattr(run, "_write", refusing)
-    c = run.commit_checkpoint(stage(s3, run, 1, 10, [0, 1]), 10, 1, world_size=2, keep=2)
+    monkeypatch.setattr(run.files, "write", refusing)
+    c = run.checkpoints.commit(stage(s3, run, 1, 10, [0, 1]), 10, 1, world_size=2, keep=2)
     assert c.step == 10 and len(refused) == 2
     assert json.loads(s3.read("pointer/run/checkpoints/latest.json")) == {"name": "checkpoint-00000010", "step": 10}
-    assert [k.step for k in run.committed_checkpoints()] == [5, 10] and run.loadable_checkpoint().step == 10
+    assert [k.step for k in run.checkpoints.committed()] == [5, 10] and run.checkpoints.loadable().step == 10
     assert not [k for k in s3.keys("pointer/run") if "/.staging/" in k], "the staged parts were removed"
     assert "committing the checkpoint of step 10 failed" in capsys.readouterr().err
 

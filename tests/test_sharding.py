@@ -210,14 +210,14 @@ def test_a_sharded_checkpoint_commits_only_with_every_ranks_shards_and_its_metad
     assert missing_shards(["m/__0_0.distcp", "m/__1_0.distcp"], 2) == ["m/.metadata"]
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
-    staging = Path(run._path(run.staging_uri(1))) / "checkpoint-00000004"
+    staging = Path(run.files.path(run.staging_uri(1))) / "checkpoint-00000004"
     for rel in ["random_states_0.pkl", "random_states_1.pkl", "pytorch_model_fsdp_0/__0_0.distcp",
                 "pytorch_model_fsdp_0/.metadata"]:
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
         (staging / rel).write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"lacks pytorch_model_fsdp_0/__1_\*.distcp; it was not committed"):
-        run.commit_checkpoint(run.staging_uri(1) + "/checkpoint-00000004", 4, 1, 2, keep=2)
-    assert run.committed_checkpoints() == []
+        run.checkpoints.commit(run.staging_uri(1) + "/checkpoint-00000004", 4, 1, 2, keep=2)
+    assert run.checkpoints.committed() == []
 
 
 # --- real FSDP on two Ray nodes ------------------------------------------------------------------
@@ -275,7 +275,7 @@ def test_fsdp_from_the_spec_shards_commits_every_shard_and_resumes_exactly(whole
     files = manifest(storage, "whole", 12)["files"]
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(files)
-    assert RunDir(str(storage), "whole").loadable_checkpoint().step == 12  # every byte matches its manifest
+    assert RunDir(str(storage), "whole").checkpoints.loadable().step == 12  # every byte matches its manifest
 
     # killed after the commit of step 4, resumed there: the same weights and optimizer state, bit for bit
     cut, _ = run("cut", tmp_path, steps=12, extra=", fail_at: 4")
@@ -336,7 +336,7 @@ def test_fsdp_shards_are_written_in_the_background_and_a_rank_killed_meanwhile_r
     files = manifest(tmp_path, "held", 12)["files"]
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert {f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp", f"{folder}/.metadata"} <= set(files)
-    assert RunDir(str(tmp_path), "held").loadable_checkpoint().step == 12
+    assert RunDir(str(tmp_path), "held").checkpoints.loadable().step == 12
     rows = [json.loads(l) for l in (tmp_path / "held" / "metrics.jsonl").read_text().splitlines()]
     held = {(r["rank"], r["step"]): r for r in rows if "checkpoint_blocked_s" in r and r["attempt"] == 2}
     assert sorted(held) == [(0, 8), (0, 12), (1, 8), (1, 12)]
@@ -372,7 +372,7 @@ def test_fsdp1_shards_saves_its_full_state_and_resumes_exactly_on_cpu_nodes(ray_
     assert sum(r["local_params"] for r in ranks.values()) == total
     assert "rank 1: model sharded with FSDP over 2 ranks" in log
     assert ranks["0"]["gathered"] is not None and ranks["1"]["gathered"] is None  # rank 0 gets the whole model
-    assert RunDir(str(tmp_path), "v1").loadable_checkpoint().step == 8
+    assert RunDir(str(tmp_path), "v1").checkpoints.loadable().step == 8
     for state in ("full", "sharded"):
         cut, _ = run(f"v1-cut-{state}", tmp_path, steps=8, accelerate=acc.replace("full", state),
                      extra=", gather: true, fail_at: 4")

@@ -24,21 +24,21 @@ def stage(run: RunDir, attempt: int, step: int, ranks: list[int]) -> str:
 def test_commit_writes_manifest_moves_in_then_points_latest(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
-    c = run.commit_checkpoint(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    c = run.checkpoints.commit(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
     manifest = json.loads((Path(c.uri) / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["files"]["model.safetensors"]["size"] == len(b"weights 5")
     assert len(manifest["files"]["random_states_1.pkl"]["sha256"]) == 64
-    assert run.latest_checkpoint().step == 5
+    assert run.checkpoints.latest().step == 5
 
 
 def test_a_missing_rank_part_is_never_committed(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
-    run.commit_checkpoint(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    run.checkpoints.commit(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
     with pytest.raises(CheckpointError, match=r"lacks the part of ranks \[1\]"):
-        run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=2, keep=2)
-    assert [c.step for c in run.committed_checkpoints()] == [5]
-    assert run.latest_checkpoint().step == 5
+        run.checkpoints.commit(stage(run, 1, 10, [0]), 10, 1, world_size=2, keep=2)
+    assert [c.step for c in run.checkpoints.committed()] == [5]
+    assert run.checkpoints.latest().step == 5
     # the next start clears the staging folder a crash left behind
     run.prepare({"name": "r"})
     assert not list((tmp_path / "r" / ".staging").iterdir())
@@ -48,9 +48,9 @@ def test_keep_one_always_leaves_the_latest(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
     for step in (1, 2, 3):
-        run.commit_checkpoint(stage(run, 1, step, [0]), step, 1, world_size=1, keep=1)
-        assert [c.step for c in run.committed_checkpoints()] == [step]
-        assert run.latest_checkpoint().step == step
+        run.checkpoints.commit(stage(run, 1, step, [0]), step, 1, world_size=1, keep=1)
+        assert [c.step for c in run.checkpoints.committed()] == [step]
+        assert run.checkpoints.latest().step == step
 
 
 @pytest.mark.parametrize("older", [True, False])
@@ -61,34 +61,34 @@ def test_a_driver_killed_while_it_commits_a_step_again_leaves_a_run_that_resumes
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
     if older:
-        run.commit_checkpoint(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
-    run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
+        run.checkpoints.commit(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
+    run.checkpoints.commit(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
 
-    write = run._write
+    write = run.files.write
 
     def killed(path: str, data: bytes) -> None:  # the new checkpoint's manifest: after the old folder went
         if path.endswith("manifest.json"):
             raise KeyboardInterrupt("the driver was killed here")
         write(path, data)
 
-    monkeypatch.setattr(run, "_write", killed)
+    monkeypatch.setattr(run.files, "write", killed)
     with pytest.raises(KeyboardInterrupt):
-        run.commit_checkpoint(stage(run, 2, 10, [0]), 10, 2, world_size=1, keep=3)
+        run.checkpoints.commit(stage(run, 2, 10, [0]), 10, 2, world_size=1, keep=3)
     monkeypatch.undo()
     again = RunDir(str(tmp_path), "r")  # the rerun
-    assert again.loadable_checkpoint() == (again.committed_checkpoints()[-1] if older else None)
-    assert [c.step for c in again.committed_checkpoints()] == ([5] if older else [])
-    again.commit_checkpoint(stage(again, 3, 10, [0]), 10, 3, world_size=1, keep=3)
-    assert again.loadable_checkpoint().step == 10
+    assert again.checkpoints.loadable() == (again.checkpoints.committed()[-1] if older else None)
+    assert [c.step for c in again.checkpoints.committed()] == ([5] if older else [])
+    again.checkpoints.commit(stage(again, 3, 10, [0]), 10, 3, world_size=1, keep=3)
+    assert again.checkpoints.loadable().step == 10
 
 
 def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
-    c = run.commit_checkpoint(stage(run, 1, 7, [0]), 7, 1, world_size=1, keep=2)
+    c = run.checkpoints.commit(stage(run, 1, 7, [0]), 7, 1, world_size=1, keep=2)
     shutil.rmtree(c.uri)
     with pytest.raises(CheckpointError, match="names checkpoint-00000007, which is not a committed checkpoint.*--fresh"):
-        run.latest_checkpoint()
+        run.checkpoints.latest()
 
 
 def test_unwritable_storage_says_what_to_set(tmp_path):
@@ -100,23 +100,23 @@ def test_unwritable_storage_says_what_to_set(tmp_path):
 def test_a_tampered_or_truncated_file_is_refused_and_the_previous_checkpoint_used(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
-    run.commit_checkpoint(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
-    newest = run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
+    run.checkpoints.commit(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
+    newest = run.checkpoints.commit(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
     (Path(newest.uri) / "model.safetensors").write_bytes(b"weights 99")  # same size, other bytes
     said = []
-    assert run.loadable_checkpoint(warn=said.append).step == 5
+    assert run.checkpoints.loadable(warn=said.append).step == 5
     assert "model.safetensors does not match the checksum in its manifest" in said[0]
     (Path(newest.uri) / "model.safetensors").write_bytes(b"weights 10")  # restored
     (Path(newest.uri) / "random_states_0.pkl").write_bytes(b"rn")  # truncated
     with pytest.raises(CheckpointError, match="random_states_0.pkl has 2 bytes; its manifest says 5"):
-        run.verify(newest)
+        run.checkpoints.verify(newest)
 
 
 def two_checkpoints(tmp_path):
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
-    run.commit_checkpoint(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
-    return run, run.commit_checkpoint(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
+    run.checkpoints.commit(stage(run, 1, 5, [0]), 5, 1, world_size=1, keep=3)
+    return run, run.checkpoints.commit(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
 
 
 @pytest.mark.parametrize("damage, said", [
@@ -135,7 +135,7 @@ def test_a_checkpoint_holds_exactly_its_manifest_files(tmp_path, damage, said):
     (Path(newest.uri).parent / "elsewhere").write_bytes(b"weights 10")
     damage(Path(newest.uri))
     warned = []
-    assert run.loadable_checkpoint(warn=warned.append).step == 5  # the previous one, with the reason
+    assert run.checkpoints.loadable(warn=warned.append).step == 5  # the previous one, with the reason
     assert said in warned[0], warned
 
 
@@ -145,16 +145,16 @@ def test_the_checkpoint_folder_itself_may_not_be_a_link(tmp_path):
     shutil.move(newest.uri, real)
     Path(newest.uri).symlink_to(real)
     with pytest.raises(CheckpointError, match="checkpoint-00000010 is a symbolic link"):
-        run.verify(newest)
+        run.checkpoints.verify(newest)
 
 
 def test_corrupted_manifest_latest_and_metrics_lines_fall_back_with_a_warning(tmp_path, capsys):
     run, newest = two_checkpoints(tmp_path)
     (Path(newest.uri) / "manifest.json").write_text('{"step": 10, "fil')  # torn
-    assert [c.step for c in run.committed_checkpoints()] == [5]
+    assert [c.step for c in run.checkpoints.committed()] == [5]
     assert "checkpoint-00000010/manifest.json cannot be read; that checkpoint is skipped" in capsys.readouterr().err
     (tmp_path / "r" / "checkpoints" / "latest.json").write_text("\x00garbage")
-    assert run.latest_checkpoint().step == 5
+    assert run.checkpoints.latest().step == 5
     assert "latest.json cannot be read" in capsys.readouterr().err
     (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1, "rank": 0, "loss": 1.0}\n{"step": 2, "ra\n[1, 2]\n'
                                                   '{"step": 3, "rank": 0, "loss": 0.5}\n')
@@ -288,18 +288,18 @@ def test_a_commit_meeting_a_full_disk_is_tried_again_until_there_is_space(tiny_d
 
     run = RunDir(str(tiny_disk), "r")
     run.prepare({"name": "r"})
-    run.commit_checkpoint(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
+    run.checkpoints.commit(stage(run, 1, 5, [0, 1]), 5, 1, world_size=2, keep=2)
     uri = stage(run, 1, 10, [0, 1])
     filler = _fill(tiny_disk)
     freed = threading.Timer(3.0, filler.unlink)
     freed.start()
     began = time.monotonic()
     try:
-        c = run.commit_checkpoint(uri, 10, 1, world_size=2, keep=2)
+        c = run.checkpoints.commit(uri, 10, 1, world_size=2, keep=2)
     finally:
         freed.join()
     assert c.step == 10 and time.monotonic() - began >= 2.5
-    assert run.loadable_checkpoint().step == 10 and [k.step for k in run.committed_checkpoints()] == [5, 10]
+    assert run.checkpoints.loadable().step == 10 and [k.step for k in run.checkpoints.committed()] == [5, 10]
     said = capsys.readouterr().err
     assert said.count("committing the checkpoint of step 10 failed (no space left on the device)") == 1, said
     assert not [p for p in tiny_disk.rglob("*") if ".tmp-" in p.name], "a half-written manifest or pointer was left"
@@ -308,9 +308,9 @@ def test_a_commit_meeting_a_full_disk_is_tried_again_until_there_is_space(tiny_d
     uri = stage(run, 1, 15, [0, 1])
     _fill(tiny_disk)
     with pytest.raises(CheckpointError) as failed:
-        run.commit_checkpoint(uri, 15, 1, world_size=2, keep=2)
+        run.checkpoints.commit(uri, 15, 1, world_size=2, keep=2)
     assert "could not commit the checkpoint of step 15" in str(failed.value)
     assert "The previous committed checkpoint is still the latest. Free space on the storage's device" in \
         str(failed.value)
-    assert run.loadable_checkpoint().step == 10
+    assert run.checkpoints.loadable().step == 10
     assert not [p for p in tiny_disk.rglob("*") if ".tmp-" in p.name]
