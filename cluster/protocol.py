@@ -117,6 +117,22 @@ class RunStatus(StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
 
+    @classmethod
+    def of(cls, result: dict | None, missing: RunStatus | None = None) -> RunStatus | None:
+        """The status a ``result.json`` read back holds: ``missing`` when there is none (no file, no ``status``);
+        None for a spelling this version does not know.
+
+        >>> RunStatus.of({"status": "running"}) is RunStatus.RUNNING, RunStatus.of({"status": "?"}), RunStatus.of(None)
+        (True, None, None)
+        """
+        value = (result or {}).get("status")
+        if value is None:
+            return missing
+        try:
+            return cls(value)
+        except ValueError:
+            return None
+
 
 class FailureCause(StrEnum):
     """Why a rank failed, set where the fact first enters (the rank's error file, its exit, the driver's clock);

@@ -14,7 +14,7 @@ from typing import Iterable
 
 from cluster.errors import RaylaunchError
 from cluster.group import NodeGroup
-from cluster.protocol import RankFailure
+from cluster.protocol import RankFailure, RunStatus
 from cluster.stacks import find_stragglers, format_full, group_stacks, stack_from_traceback, where_ranks
 from jobs.storage import RunDir
 
@@ -76,7 +76,7 @@ def live_stacks(storage: str, name: str, address: str | None = None, full: bool 
     if result is None:
         raise StacksError(f"no run {name!r} in {storage} (see `raylaunch runs --storage {storage}`)")
     live = result.get("live") or {}
-    if result.get("status") != "running" or not live.get("node_actors"):
+    if RunStatus.of(result) is not RunStatus.RUNNING or not live.get("node_actors"):
         raise StacksError(f"run {name!r} is not running (status {result.get('status')}): it has no ranks to read; "
                           f"`raylaunch show {name}` shows how it ended")
     target = address or live["ray_address"]

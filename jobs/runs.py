@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from cluster.errors import RaylaunchError
 from cluster.layout import LOGS, METRICS, TENSORBOARD
 from cluster.protocol import RunStatus
-from jobs.events import RanksPlaced, decode
+from jobs.events import RanksPlaced, SessionStarted, decode
 from jobs.ledger import CATEGORIES, Ledger, ledger, suggestion
 from jobs.pace import judge, pace_of_records
 from jobs.spec import run_name_problem
@@ -260,10 +260,10 @@ def _format_ranks(run: RunDir, status: str) -> list[str]:
 def _format_books(run: RunDir) -> list[str]:
     """Where the wall clock went: seconds, share and a bar per category, and what the books suggest."""
     events = [e for e in map(decode, run.read_events()) if e is not None]
-    b = ledger(events, live=(run.read_result() or {}).get("status", "running") == "running")
+    b = ledger(events, live=RunStatus.of(run.read_result(), missing=RunStatus.RUNNING) is RunStatus.RUNNING)
     if b.wall_s <= 0:
         return []
-    sessions = sum(1 for e in events if e.kind == "session")
+    sessions = sum(1 for e in events if isinstance(e, SessionStarted))
     lines = [f"  goodput     {100 * b.ratio:.0f}% of {_dur(b.wall_s)} trained the model that came out "
              f"(training / wall clock{f', {sessions} commands' if sessions > 1 else ''}):"]
     for cat in CATEGORIES:
@@ -346,7 +346,7 @@ def plot_goodput(storage: str, name: str, out: str) -> Ledger:
     b = ledger(events)
     if not b.segments:
         raise RunNotFound(f"run {name!r} has no events to draw (it ran before raylaunch kept them, or not yet)")
-    starts = [e.time for e in events if e.kind == "session"]
+    starts = [e.time for e in events if isinstance(e, SessionStarted)]
     fig, ax = plt.subplots(figsize=(11, 1.8 + 0.6 * len(starts)), dpi=100)
     for row, t0 in enumerate(starts):
         t1 = starts[row + 1] if row + 1 < len(starts) else float("inf")
