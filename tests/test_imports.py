@@ -49,3 +49,17 @@ def test_the_spec_modules_import_each_other_without_a_circle():
         return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
 
     assert len(graph) >= 5 and not [m for m in graph if reaches(m, m, {m})], graph
+
+
+def test_cluster_never_imports_jobs():
+    """The layering (docs/architecture.md): ``jobs`` (spec, driver, run directory) uses ``cluster`` (placement,
+    node actors, ranks), never the reverse: not at the top of a module, not inside a function."""
+    import ast
+
+    back = []
+    for path in sorted((ROOT / "cluster").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            back += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "jobs"]
+    assert len(list((ROOT / "cluster").rglob("*.py"))) > 20 and back == [], back
