@@ -107,7 +107,7 @@ class SimNode:
                 out.events.append({"time": self._at(step, r), "kind": "metrics", "rank": r, "step": step,
                                    "values": {"loss": 1.0 / step, "lr": 1e-4, "samples_per_s": 512.0}})
             if step % CHECKPOINT_EVERY == 0:
-                self.due.append(step)  # its parts written off the actor's event loop (``SimNodes.poll``)
+                self.due.append(step)  # its parts written off the actor's event loop (``SimNodes._polled``)
         self.step = max(self.step, target)
         if now - self.resources_at >= RESOURCES_EVERY_S:
             self.resources_at = now

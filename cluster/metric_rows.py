@@ -19,12 +19,25 @@ from math import isfinite
 from cluster.context import RECORD_KEYS
 from cluster.protocol import EventKind
 
-__all__ = ["PER_RANK", "RowBatch", "RowBatcher", "numeric_metrics"]
+__all__ = ["PER_RANK", "RowBatch", "RowBatcher", "keep_latest", "metrics_row", "numeric_metrics"]
 
 # Metrics TensorBoard also shows per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/pace.py.
 PER_RANK = frozenset({"steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb", "data_wait", "sync_wait"})
 _RECORD_KEYS = frozenset(RECORD_KEYS)
 _METRICS = str(EventKind.METRICS)
+
+
+def metrics_row(step, rank: int, node: int | None, attempt: int, world_size: int, at, values: dict) -> dict:
+    """A ``metrics.jsonl`` row: the record keys (``cluster.context.RECORD_KEYS``), then the values."""
+    return {"step": step, "rank": rank, "node": node, "attempt": attempt, "world_size": world_size, "time": at,
+            **values}
+
+
+def keep_latest(into: dict[int, int], steps: dict[int, int]) -> None:
+    """Each rank's step in ``into`` raised to its step in ``steps`` where that is later."""
+    for rank, step in steps.items():
+        if into.get(rank, step - 1) < step:
+            into[rank] = step
 
 
 def numeric_metrics(record: dict) -> dict[str, float]:
@@ -146,8 +159,7 @@ def _line(step, rank, node, attempt: int, world: int, at, values: dict) -> str:
                 f'"node": {"null" if node is None else node}, "attempt": {attempt}, "world_size": {world}, '
                 f'"time": {at!r}')
         return f"{head}, {json.dumps(values)[1:]}\n" if values else head + "}\n"
-    return json.dumps({"step": step, "rank": rank, "node": node, "attempt": attempt, "world_size": world,
-                       "time": at, **values}) + "\n"
+    return json.dumps(metrics_row(step, rank, node, attempt, world, at, values)) + "\n"
 
 
 class RowBatcher:
@@ -180,10 +192,7 @@ class RowBatcher:
                     if prev is not None and at > prev[1]:
                         extra = ("steps_per_s", (step - prev[0]) / (at - prev[1]))
                     seen[rank] = (step, at)
-            lead = None
-            if rank == 0:
-                lead = {"step": step, "rank": rank, "node": node, "attempt": attempt, "world_size": world, "time": at,
-                        **values}
+            lead = metrics_row(step, rank, node, attempt, world, at, values) if rank == 0 else None
             batch.add(rank, step, at, values.items(), lead, extra)
         batch.seal(lines)
         return rest, batch

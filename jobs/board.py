@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 
 from cluster.layout import TENSORBOARD
-from cluster.metric_rows import PER_RANK, RowBatch
+from cluster.metric_rows import PER_RANK, RowBatch, keep_latest
 from jobs.appendlog import rewrite_due
 from jobs.storage import RunDir
 
@@ -152,10 +152,7 @@ class Board:
                     held[1] += count
         for name, ranks in batch.ranks.items():
             self._ranks_of[name].update(ranks)
-        rank_step = self._rank_step
-        for rank, step in batch.steps.items():
-            if rank_step.get(rank, step - 1) < step:
-                rank_step[rank] = step
+        keep_latest(self._rank_step, batch.steps)
         for name, values in batch.latest.items():
             self._latest[name].update(values)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.storage_io import join_uri
 from cluster.layout import checkpoint_name
-from cluster.metric_rows import RowBatch, RowBatcher
+from cluster.metric_rows import RowBatch, RowBatcher, keep_latest, metrics_row
 from cluster.node import NodeInfo
 from cluster.protocol import (
     Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, NodePoll, NodeState, Pace,
@@ -110,10 +110,7 @@ class AttemptRouter:
         if not batch:
             return
         rec.rows(batch)
-        steps = a.steps
-        for rank, step in batch.steps.items():
-            if steps.get(rank, step - 1) < step:
-                steps[rank] = step
+        keep_latest(a.steps, batch.steps)
         if batch.steps and a.pending:
             rec.metrics(self._pending(final=False))  # measured before the first step: now at it
         if batch.first is not None:
@@ -173,10 +170,9 @@ class AttemptRouter:
         rec.metrics(records)
 
     def row(self, rank: int, at: float, step: int | None, values: dict) -> dict:
-        """A metrics.jsonl row: the record keys (cluster.context.RECORD_KEYS), then the values."""
+        """A metrics.jsonl row of this attempt (``cluster.metric_rows.metrics_row``)."""
         a = self.a
-        return {"step": step, "rank": rank, "node": a.node_of.get(rank), "attempt": a.number, "world_size": a.world,
-                "time": at, **values}
+        return metrics_row(step, rank, a.node_of.get(rank), a.number, a.world, at, values)
 
     def _measured(self, rank: int, at: float, values: dict) -> list[dict]:
         """A rank's measurement (pace, peak memory) as a row at its step; held while no step is known yet."""

@@ -47,7 +47,6 @@ from jobs.runfiles import RunFiles
 __all__ = ["CheckpointError", "CommittedCheckpoint", "RECORD_KEYS", "RunDir", "StorageError", "numeric_metrics"]
 
 
-
 class StorageError(RaylaunchError, RuntimeError):
     """The storage path cannot hold a run; the message says what to fix."""
 
