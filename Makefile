@@ -71,10 +71,10 @@ CHAOS_S ?= 600
 chaos: install
 	CHAOS_S=$(CHAOS_S) CHAOS_SEED=$(CHAOS_SEED) $(BIN)/python bench/chaos.py
 
-# SOAK_JOBS jobs (24: about 9 minutes here) back to back on one warm 2-node `ray start` cluster; what each leaves.
+# SOAK_JOBS jobs (45: about 15 minutes here) back to back on one warm 2-node `ray start` cluster; what each leaves.
 # Writes bench/results-soak.md; exits 1 when a job's outcome is wrong or raylaunch's disk, processes, open files or
 # warm hosts' memory grow. See docs/faults.md#long-lived-clusters.
-SOAK_JOBS ?= 24
+SOAK_JOBS ?= 45
 soak: install
 	SOAK_JOBS=$(SOAK_JOBS) $(BIN)/python bench/soak.py
 

@@ -62,7 +62,7 @@ STORE_KINDS = ("store_stall", "store_refuse")  # only for a job whose storage is
 LINK_KINDS = ("link_down",)  # only on the namespace hosts
 DISK_KINDS = ("disk_full",)  # only for a job whose storage is the small local disk
 MOMENTS = ("training", "recovery", "commit")
-ACTOR_NAMESPACE = "raylaunch"  # cluster.group.ACTOR_NAMESPACE, without importing Ray at module import
+ACTOR_NAMESPACE = "raylaunch"  # cluster.nodes.group.ACTOR_NAMESPACE, without importing Ray at module import
 
 DIGITS = """
 name: {name}
@@ -149,9 +149,9 @@ class JobRun:
 
     @property
     def reader(self):
-        """A ``jobs.storage.RunDir`` of the run, reading where ``reads`` says."""
+        """A ``jobs.run.storage.RunDir`` of the run, reading where ``reads`` says."""
         if self._reader is None:
-            from jobs.storage import RunDir
+            from jobs.run.storage import RunDir
 
             self._reader = RunDir(str(self.reads or self.storage), self.name)
         return self._reader
@@ -620,7 +620,7 @@ class Chaos:
         due = [t for t in self.returning if t <= time.monotonic()]
         for t in due:
             self.returning.remove(t)
-            from cluster.connect import embedded_node
+            from cluster.nodes.connect import embedded_node
 
             with self.lock:
                 self.cluster.add_node(**embedded_node(**self.node_args))
@@ -795,7 +795,7 @@ class LinkHosts:
         """Ray's processes ended by PID, then whatever is left in the namespaces, the namespaces and links removed;
         returns what could not be."""
         import nshosts
-        from cluster.connect import stop_processes_under
+        from cluster.nodes.connect import stop_processes_under
 
         stop_processes_under(str(self.temp), timeout_s=5)
         for pid in self.pids():  # only ours can be in these namespaces
@@ -825,7 +825,7 @@ class LinkChaos:
                 cmd = " ".join(parent.cmdline()) if parent is not None else ""
             except psutil.Error:
                 continue
-            if "forkserver" in cmd or "cluster.hostproc" in cmd:
+            if "forkserver" in cmd or "cluster.hosting.hostproc" in cmd:
                 out[len(out)] = (pid, "namespace host")
                 chaos._note(pid)
         return out
@@ -838,7 +838,7 @@ def storage_checks(storage: Path | str, name: str) -> list[str]:
     ``storage``: a folder, or the object store's URI (read directly, not through the proxy)."""
     from pyarrow import fs as pafs
 
-    from jobs.storage import RunDir
+    from jobs.run.storage import RunDir
 
     problems = []
     run = RunDir(str(storage), name)
@@ -864,7 +864,7 @@ def storage_checks(storage: Path | str, name: str) -> list[str]:
 
 
 def metric_rows(storage: Path | str, name: str) -> list[dict]:
-    from jobs.storage import RunDir
+    from jobs.run.storage import RunDir
 
     return RunDir(str(storage), name).read_metrics()
 
@@ -1085,7 +1085,7 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import embedded_node
+    from cluster.nodes.connect import embedded_node
 
     work = Path(tempfile.mkdtemp(prefix="raylaunch-chaos-"))
     disk = work / "disk"

@@ -3,7 +3,8 @@ in the same ranks, alternating (`make bench-checkpoint`, and the last part of `m
 
 A model with about 600 MB of state a rank (50M parameters and AdamW's two moments, fp32), world size 2 on two
 simulated nodes of one ``ray.cluster_utils.Cluster`` (1 CPU each), the real driver in this process
-(``jobs.driver.Driver``). Each repetition saves once each way, the order alternating (BENCH_CKPT_REPS, default 3).
+(``jobs.driver.driver.Driver``). Each repetition saves once each way, the order alternating (BENCH_CKPT_REPS,
+default 3).
 Figures: the seconds the call held training (median and range, and the ratio of the medians), the seconds
 from ``session.save`` to its commit (the manifests' ``timing``), the step time while a background write runs
 against the steps before any save, the host memory an in-flight save holds, and with ``checkpoint.async:
@@ -48,9 +49,9 @@ def _summary(values: list[float]) -> str:
 
 
 def _one(background: bool, storage: str) -> dict:
-    from jobs.driver import Driver
+    from jobs.driver.driver import Driver
+    from jobs.run.storage import RunDir
     from jobs.spec import load_spec_text
-    from jobs.storage import RunDir
 
     name = f"ckpt-{'async' if background else 'sync'}-{int(time.time())}"
     spec = load_spec_text(SPEC.format(name=name, reps=REPS, background=str(background).lower(), storage=storage))
@@ -73,7 +74,7 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import embedded_node
+    from cluster.nodes.connect import embedded_node
 
     storage = os.environ.get("BENCH_CKPT_STORAGE") or str(work / "runs")
     node_args = {"num_cpus": 1, "temp_dir": str(work / "ray")}

@@ -12,7 +12,7 @@ BENCH_GROW_S, default 45 s), then stops the job through its stop file and waits 
 
 Both sides run ``bench.elastic_fn.elastic_train`` (the same model, 0.1 s per step, a checkpoint
 every 5 steps) and are measured from the same record: the steps file its rank 0 writes.
-raylaunch: the real driver in this process (``jobs.driver.Driver``, as ``raylaunch run`` runs it),
+raylaunch: the real driver in this process (``jobs.driver.driver.Driver``, as ``raylaunch run`` runs it),
 ``min_nodes: 1``, ``timeouts.resize_s: 1``. Ray Train: ``TorchTrainer`` with
 ``num_workers=(1, 2)``, checkpoints through ``ray.train.report``.
 
@@ -162,7 +162,7 @@ def _node_of(cluster, pid: int):
 
 
 def _raylaunch(job: Job, work: Path) -> None:
-    from jobs.driver import Driver
+    from jobs.driver.driver import Driver
     from jobs.spec import load_spec_text
 
     spec = load_spec_text(SPEC.format(name=f"elastic-{job.rep}", config=json.dumps(job.config), resize_s=RESIZE_S,
@@ -235,7 +235,7 @@ def _raytrain(job: Job, work: Path) -> None:
 
 def _repetition(side: str, rep: int, cluster, work: Path, node_args: dict, grow_s: float | None) -> dict:
     """Start, lose rank 1's node, measure, add a node, optionally measure growing back, stop."""
-    from cluster.connect import embedded_node
+    from cluster.nodes.connect import embedded_node
 
     job = Job(side, rep, work)
     began = time.time()
@@ -404,7 +404,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from ray.train.v2._internal.constants import is_v2_enabled
 
-    from cluster.connect import embedded_node
+    from cluster.nodes.connect import embedded_node
 
     node_args = {"num_cpus": 1, "temp_dir": str(work / "ray")}
     cluster, rows = None, []

@@ -7,7 +7,7 @@ One run measures everything a launcher is compared on:
 - steady step times, with metrics logged in alternating blocks of ``log_block``
   steps (``accelerator.log`` + ``session.log`` every step) and not at all, so the
   cost of metrics is a ratio within one run;
-- under raylaunch, the cost of measuring each rank's pace (``cluster/pace.py``) the same way:
+- under raylaunch, the cost of measuring each rank's pace (``cluster/rank/pace.py``) the same way:
   blocks that read the batch through the prepared dataloader (timed) and train the prepared
   DDP model (its all-reduce timed), alternating with blocks that read it through Accelerate's
   own untimed iterator and train an identical DDP model without the timing hook;

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cluster.connect import stop_processes_under  # noqa: E402
+from cluster.nodes.connect import stop_processes_under  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -90,7 +90,7 @@ def _label(p: psutil.Process) -> str:
     cmd = p.cmdline()
     if cmd and cmd[0].startswith("ray::"):
         return cmd[0].split()[0]
-    if "cluster.hostproc" in cmd:
+    if "cluster.hosting.hostproc" in cmd:
         return "raylaunch warm rank host"
     if cmd and "python" in os.path.basename(cmd[0]):
         args = [c for c in cmd[1:] if not c.startswith("-")]

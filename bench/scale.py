@@ -1,11 +1,11 @@
 """The driver at scale: `make bench-scale`, the real driver against simulated nodes, no torch.
 
-The driver code that runs is the one `raylaunch run` runs (``jobs.driver.Driver``: its attempt
+The driver code that runs is the one `raylaunch run` runs (``jobs.driver.driver.Driver``: its attempt
 loop, event routing, metrics.jsonl, TensorBoard, heartbeat and liveness checks, checkpoint
-commits, progress line), and so is the polling (``cluster.group.NodeGroup.poll`` and ``stop``,
+commits, progress line), and so is the polling (``cluster.nodes.group.NodeGroup.poll`` and ``stop``,
 over real Ray calls). Only the nodes are simulated: each node is a ``SimNode`` hosted by one
 of a few ``SimNodes`` Ray actors (128 node actors would be 128 processes, more than this
-machine holds), and answers the driver's calls as ``cluster.node.NodeActor`` does: a
+machine holds), and answers the driver's calls as ``cluster.nodes.node.NodeActor`` does: a
 ``NodePoll`` with the events its ranks wrote since the last poll (arrived, joined, metrics at
 every step, resources every 5 s, a checkpoint report every ``CHECKPOINT_EVERY`` steps with its
 part written to staging), their log lines and their heartbeats' ages; the metrics rows rendered
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 RANKS_PER_NODE = 8
 STEPS_PER_S = 10.0
 CHECKPOINT_EVERY = 100  # steps: a checkpoint report from every rank every 10 s
-RESOURCES_EVERY_S = 5.0  # as cluster.worker's heartbeat thread
+RESOURCES_EVERY_S = 5.0  # as cluster.rank.worker's heartbeat thread
 BEAT_EVERY_S = 0.5
 LOG_EVERY_S = 10.0  # one line of output per rank
 SIM_PROCESSES = 4  # Ray actors hosting the simulated nodes
@@ -151,12 +151,12 @@ class SimNodes:
         self.nodes[node_rank] = SimNode(node_rank, ranks, staging_uri, self.total, attempt, world_size)
 
     async def poll(self, node_rank: int, hold_s: float = 0.0, max_age_s: float | None = None):
-        """A node's news, held as ``cluster.node.NodeActor.poll`` holds it (an async actor: one node's held poll
+        """A node's news, held as ``cluster.nodes.node.NodeActor.poll`` holds it (an async actor: one node's held poll
         does not hold the others'): read every ``POLL_TICK_S``, answered on news other than routine rows
         (``needs_driver``), once its oldest row waited ``max_age_s`` or when the hold ends (``next_look``)."""
         import asyncio
 
-        from cluster.node import needs_driver, next_look, oldest_time
+        from cluster.nodes.node import needs_driver, next_look, oldest_time
         from cluster.protocol import NodePoll, NodeState
 
         node = self.nodes.get(node_rank)
@@ -231,8 +231,8 @@ def _sim_group(placement, total_steps: int):
     import ray
 
     from cluster.context import assign_ranks
-    from cluster.group import NodeGroup
-    from cluster.node import NodeInfo
+    from cluster.nodes.group import NodeGroup
+    from cluster.nodes.node import NodeInfo
     from cluster.protocol import NodeState
 
     class SimGroup(NodeGroup):
@@ -304,8 +304,8 @@ def _trace_memory(seconds: float, ranks: int):
 def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> None:
     import ray
 
-    import jobs.driver
-    from jobs.driver import Driver
+    import jobs.driver.driver
+    from jobs.driver.driver import Driver
     from jobs.spec import load_spec_text
 
     ray.init(address=ray_address, logging_level="ERROR", log_to_driver=False)
@@ -322,7 +322,7 @@ def run_size(ranks: int, seconds: float, ray_address: str, out_json: str) -> Non
         return _sim_group(placement, total)
 
     # Where the nodes come from is the one thing replaced: everything after is the driver's own.
-    jobs.driver.reserve = reserve
+    jobs.driver.driver.reserve = reserve
 
     metrics = os.path.join(storage, spec.name, "metrics.jsonl")
     ctx = multiprocessing.get_context("spawn")

@@ -2,13 +2,15 @@
 
 One cluster started as a user starts theirs (`ray start --head` and a second `ray start` on this machine: two
 nodes of 2 CPUs, token authentication, Ray's temporary folders and the nodes' TMPDIR in one ``mkdtemp`` folder of
-this run), then ``SOAK_JOBS`` jobs (24 by default, about 9 minutes here) submitted through the Jobs API
+this run), then ``SOAK_JOBS`` jobs (45 by default, about 15 minutes here) submitted through the Jobs API
 (`raylaunch submit --follow`), in a cycle of the kinds a real cluster sees (``KINDS``): the digits example
 succeeding, the digits script (`raylaunch submit ... SCRIPT.py`), a function failing in every rank, a rank
 SIGKILLed after a commit (restarted, then succeeding), a job stopped (`raylaunch stop`), the driver SIGKILLed and
 the job submitted again (resuming), the digits example with an `env.vars` value of its own (a warm rank host made
-for it, the previous one retired), and the digits example on an object store (moto's S3 server). Every job's own
-outcome is checked (its status and exit code, committed checkpoints verify, nothing left in ``.staging``).
+for it, the previous one retired), the digits example on an object store (moto's S3 server), and a package the
+project lacks in `env.pip` (Ray builds its environment once and reuses it; a job with its own Python starts its
+ranks from its node actor's fork server, not a warm host). Every job's own outcome is checked (its status and exit
+code, committed checkpoints verify, nothing left in ``.staging``).
 
 After every job, on this machine: the bytes raylaunch leaves in the nodes' temporary folder (node actors' scratch,
 warm hosts' folders, checkpoint copies) and the bytes of Ray's session folder (Ray's own logs: each job's driver
@@ -43,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from bench.chaos import ObjectStore, dummy_aws_credentials, storage_checks  # noqa: E402
-from cluster.connect import stop_processes_under  # noqa: E402
+from cluster.nodes.connect import stop_processes_under  # noqa: E402
 
-KINDS = ("ok", "script", "fail", "rank_kill", "stop", "driver_kill", "env", "s3")
+KINDS = ("ok", "script", "fail", "rank_kill", "stop", "driver_kill", "env", "s3", "pip")
 SMALL = ["--set", "config.epochs=1", "--set", "config.train_samples=256", "--set", "scaling.num_nodes=2"]
 # The spec a job submits must be in the uploaded folder: the example's, its training function and config replaced.
 EXAMPLE = "jobs/examples/digits.yaml"
@@ -140,7 +142,7 @@ def sample(cluster: WarmCluster) -> dict:
     hosts, actors, ranks = [], [], []
     for p in psutil.process_iter(["cmdline"]):
         line = " ".join(p.info["cmdline"] or [])
-        if "cluster.hostproc" in line and cluster.ours(p):
+        if "cluster.hosting.hostproc" in line and cluster.ours(p):
             hosts.append(p)
             ranks.extend(p.children(recursive=True))
         elif line.startswith("ray::NodeActor") and p.pid in under:
@@ -229,7 +231,7 @@ class Soak:
             job.problems.append(f"exit {done.returncode}, expected {code}: {(done.stdout + done.stderr)[-800:]}")
         store = storage or str(self.storage)
         job.problems.extend(storage_checks(store, job.name))
-        from jobs.storage import RunDir
+        from jobs.run.storage import RunDir
 
         result = RunDir(store, job.name).read_result() or {}
         job.driver_rss_mb = (result.get("driver") or {}).get("peak_rss_mb", job.driver_rss_mb)
@@ -244,6 +246,19 @@ class Soak:
         done = self.submit(["jobs/examples/digits.yaml", "--name", job.name, *SMALL,
                             "--set", f"env.vars.SOAK_MARK=job-{job.index}"])
         self._expect(job, done, 0, "succeeded")
+
+    def _pip(self, job: Job) -> None:
+        """A package the project lacks (`humanize`, from the package index) in `env.pip`: Ray builds its environment
+        once and reuses it; the ranks start from the node actor's own fork server (a warm host holds the cluster's
+        Python, not the job's). One node of two ranks: the simulated nodes of this machine share one Ray session
+        folder, where two nodes building it at once collide."""
+        done = self.submit([EXAMPLE, "--name", job.name, "--set", "train_fn=tests.fns:env_probe",
+                            "--set", "config.package=humanize", "--set", "env.pip=[humanize]",
+                            "--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2"])
+        result = self._expect(job, done, 0, "succeeded")
+        files = [seen.get("package_file", "") for seen in (result.get("rank_results") or {}).values()]
+        if len(files) != 2 or not all("site-packages/humanize" in f and str(ROOT) not in f for f in files):
+            job.problems.append(f"humanize not imported from the job's own environment on both ranks: {files}")
 
     def _s3(self, job: Job) -> None:
         uri = ObjectStore.uri("soak", self.store.port)
@@ -369,7 +384,7 @@ def report(jobs: list[Job], samples: list[dict], took_s: float, out: Path) -> in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=int(os.environ.get("SOAK_JOBS", "24")))
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("SOAK_JOBS", "45")))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results-soak.md"))
     args = parser.parse_args()
     dummy_aws_credentials()

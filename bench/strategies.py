@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.run import BIN, ROOT, free_port  # noqa: E402
-from cluster.connect import stop_processes_under  # noqa: E402
+from cluster.nodes.connect import stop_processes_under  # noqa: E402
 
 GPU = "--gpu" in sys.argv
 REPS = 1 if GPU else 2

@@ -1,7 +1,7 @@
 """How often to checkpoint: Young and Daly's interval, from what a save costs and how often the run fails.
 
 Used by ``session.checkpoint_due`` in the ranks (``checkpoint.every: auto``) and by the goodput ledger's
-suggestion (``jobs.ledger``).
+suggestion (``jobs.run.ledger``).
 """
 
 from __future__ import annotations

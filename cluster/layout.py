@@ -1,6 +1,6 @@
 """The names of things on storage and on a node: the one place that spells them.
 
-A run directory (``jobs.storage.RunDir`` reads and writes it) holds committed
+A run directory (``jobs.run.storage.RunDir`` reads and writes it) holds committed
 checkpoints under ``checkpoints/checkpoint-<step>`` and an attempt's checkpoints
 being written under ``.staging/attempt-<N>/checkpoint-<step>``; a rank of that
 attempt writes there, and a rank checks that what it restores lies under
@@ -18,7 +18,7 @@ __all__ = [
     "rank_log_file", "rank_part_file", "run_of_staging", "stack_dump_file", "stacks_file", "staging_dir",
 ]
 
-# --- the run directory's own files (``jobs.storage.RunDir`` writes them) ------------------
+# --- the run directory's own files (``jobs.run.storage.RunDir`` writes them) ------------------
 
 # The resolved spec that ran; its presence makes a folder a run (``raylaunch runs``).
 SPEC = "spec.yaml"
@@ -32,7 +32,7 @@ LOGS = "logs"
 TENSORBOARD = "tensorboard"
 # Written by the driver at start; every node must read it back (shared storage check).
 MARKER = ".marker"
-# The run's own events (jobs/events.py), every command that drove it: the goodput ledger's books.
+# The run's own events (jobs/run/events.py), every command that drove it: the goodput ledger's books.
 RUN_EVENTS = "events.jsonl"
 
 # Committed checkpoints, under the run directory.

@@ -21,7 +21,7 @@ from cluster.protocol import EventKind
 
 __all__ = ["PER_RANK", "RowBatch", "RowBatcher", "keep_latest", "metrics_row", "numeric_metrics"]
 
-# Metrics TensorBoard also shows per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/pace.py.
+# Metrics TensorBoard also shows per rank (``rank_<R>/<name>``): throughput, memory, and the waits of jobs/driver/pace.py.
 PER_RANK = frozenset({"steps_per_s", "samples_per_s", "peak_rss_mb", "peak_gpu_mb", "data_wait", "sync_wait"})
 _RECORD_KEYS = frozenset(RECORD_KEYS)
 _METRICS = str(EventKind.METRICS)

@@ -70,7 +70,7 @@ class WorkerPayload:
     # checkpoint.mtbf_s, or the run's own (its books' wall clock per failed attempt) once it has failed.
     checkpoint_every: float | str | None = None
     mtbf_s: float = 86400.0
-    # The rank's whole environment, set when it forks from a warm rank host (``cluster.rankhost``), whose own
+    # The rank's whole environment, set when it forks from a warm rank host (``cluster.hosting.rankhost``), whose own
     # environment is not the job's. Not shown: it holds the job's secrets.
     environ: dict[str, str] | None = field(default=None, repr=False)
 
@@ -82,7 +82,7 @@ class EventKind(StrEnum):
     JOINED = "joined"  # in the process group
     METRICS = "metrics"  # ``step``, ``values``: one log call
     RESOURCES = "resources"  # ``peak_*``: the rank's peak memory
-    # ``data_wait``, ``sync_wait``, ``batch_s``: where its step time went (cluster/pace.py); ``span_s`` and
+    # ``data_wait``, ``sync_wait``, ``batch_s``: where its step time went (cluster/rank/pace.py); ``span_s`` and
     # ``batches``: the window's length and batches; ``first_batch`` (once) and ``last_batch``: when its first
     # batch was asked for and its latest handed over
     PACE = "pace"
@@ -282,7 +282,7 @@ class Resources(RankEvent):
 
 @dataclass(frozen=True)
 class Pace(RankEvent):
-    """Where a window of the rank's step time went (``cluster.pace``): shares waiting for data and for the other
+    """Where a window of the rank's step time went (``cluster.rank.pace``): shares waiting for data and for the other
     ranks, the window's length and batches, and when its batches were asked for and handed over (Unix times)."""
 
     kind: ClassVar[EventKind] = EventKind.PACE

@@ -1,6 +1,6 @@
 """Which training strategy a job asked for, as ``accelerate launch`` would tell its processes: FSDP or DeepSpeed
 chosen by configuration, never in the code. Pure (no torch import): the driver's ``validate`` and the commit of a
-sharded checkpoint use it, and each rank's ``cluster.sharding`` installs what it resolves.
+sharded checkpoint use it, and each rank's ``cluster.rank.sharding`` installs what it resolves.
 
 ``accelerate launch`` tells its processes the strategy through environment variables
 (``ACCELERATE_USE_FSDP``, ``FSDP_*``, ``ACCELERATE_USE_DEEPSPEED``, ``ACCELERATE_DEEPSPEED_*``),

@@ -15,7 +15,7 @@ from cluster.protocol import RunStatus
 from jobs.spec import JobSpec, SpecError, json_schema, load_spec, spec_from_dict
 
 if TYPE_CHECKING:
-    from jobs.driver import Driver
+    from jobs.driver.driver import Driver
 
 __all__ = ["main"]
 
@@ -50,10 +50,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if script is not None:
         print(script.describe())
     if s.elastic_min < s.num_nodes:
-        from jobs.policy import world_sizes
+        from jobs.driver.policy import world_sizes
 
         per_node = s.workers_per_node if isinstance(s.workers_per_node, int) else None
-        from jobs.strategy import read_accelerate_config
+        from jobs.spec.strategy import read_accelerate_config
 
         # the accumulation at num_nodes: the spec's, or a DeepSpeed config file's
         sizes = world_sizes(s, per_node or 1, read_accelerate_config(spec).gradient_accumulation_steps)
@@ -72,7 +72,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
               + (f" (not set in this shell: {', '.join(unset)})" if unset else " (set in this shell)")
               + f"; packages {', '.join(env.requirements) or '-'}")
     if spec.accelerate.fsdp is not None or spec.accelerate.config_file:
-        from jobs.strategy import read_accelerate_config
+        from jobs.spec.strategy import read_accelerate_config
 
         accelerate = read_accelerate_config(spec)
         if note := accelerate.note():
@@ -82,8 +82,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cluster.connect import connect
-    from jobs.driver import Driver
+    from cluster.nodes.connect import connect
+    from jobs.driver.driver import Driver
 
     spec = _spec_from_args(args)
     address = args.address or os.environ.get("RAY_ADDRESS") or None
@@ -98,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     driver.preflight()  # train_fn and storage are checked before Ray starts
     upload = None
     if address is not None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
-        from cluster.upload import plan_upload
+        from cluster.nodes.upload import plan_upload
 
         upload = plan_upload(os.getcwd(), storage=spec.storage)  # checked before anything is packaged
     s = spec.scaling
@@ -182,7 +182,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print(f"run directory: {join_uri(meta['raylaunch_storage'], meta.get('raylaunch_run', ''))}")
     if not info.status.is_terminal():
-        from jobs.events import RanksPlaced, decode_line
+        from jobs.run.events import RanksPlaced, decode_line
 
         text = submit.call(jobs.get_job_logs, address, args.job)
         placed = [e for e in map(decode_line, text.splitlines()) if isinstance(e, RanksPlaced)]
@@ -200,7 +200,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if args.follow:
         return submit.follow(address, args.job, quiet=args.quiet)
     jobs = submit.client(address)
-    from jobs.events import EVENT_PREFIX
+    from jobs.run.events import EVENT_PREFIX
 
     text = submit.call(jobs.get_job_logs, address, args.job)
     print("".join(line for line in text.splitlines(keepends=True) if not line.startswith(EVENT_PREFIX)), end="")
@@ -232,7 +232,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_stacks(args: argparse.Namespace) -> int:
-    from jobs.hangs import job_stacks, live_stacks
+    from jobs.driver.hangs import live_stacks
+    from jobs.submit import job_stacks
 
     address = args.address or None
     if address and address.startswith(("http://", "https://")):
@@ -291,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job; the driver runs in this process")
     spec_args(run)
     run.add_argument("--spec-json", help=argparse.SUPPRESS)  # the spec `submit` built from a launch command
-    # Under `submit`: the run's events as lines of the job's log, for `submit --follow` (jobs/events.py).
+    # Under `submit`: the run's events as lines of the job's log, for `submit --follow` (jobs/run/events.py).
     run.add_argument("--event-lines", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--address", help="an existing Ray cluster (ray://host:10001 or auto); default: RAY_ADDRESS, "
                                        "else an embedded local cluster")
@@ -362,7 +363,7 @@ def _parser() -> argparse.ArgumentParser:
     val.set_defaults(func=cmd_validate)
     sub.add_parser("schema", help="print the job spec's JSON Schema, for editors (a copy ships as "
                                   "jobs/spec.schema.json)").set_defaults(func=cmd_schema)
-    # Listed for --help; main() reads a launch command with Accelerate's own parser (jobs.launch).
+    # Listed for --help; main() reads a launch command with Accelerate's own parser (jobs.spec.launch).
     sub.add_parser("launch", help="run an `accelerate launch` script unchanged: raylaunch launch [raylaunch options] "
                                   "[accelerate launch options] SCRIPT.py [script args]", add_help=False)
     return p
@@ -381,7 +382,7 @@ def _set_path(command: str) -> None:
     sys.path[:] = [p for p in sys.path if p not in ("", cwd)]
     if command in _USER_CODE_VERBS:
         import cluster  # noqa: F401  (pinned before the folder joins the path)
-        import jobs.storage  # noqa: F401
+        import jobs.run.storage  # noqa: F401
         import train_fn  # noqa: F401
 
         # The project's modules are what every node gets (uploaded with the job, or on the
@@ -392,7 +393,7 @@ def _set_path(command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = argv[0] if argv else ""
-    from jobs.launch import is_script_command, verb_args
+    from jobs.spec.launch import is_script_command, verb_args
 
     if verb == "launch" or (verb in ("submit", "validate") and is_script_command(argv[1:])):
         try:

@@ -1,6 +1,6 @@
 """What a person sees while a job runs: a live bar on a terminal, plain lines elsewhere.
 
-The driver states the run's course as typed events (``jobs.events``: an attempt began or ended, rank 0's
+The driver states the run's course as typed events (``jobs.run.events``: an attempt began or ended, rank 0's
 progress at most once a second): ``raylaunch run`` hands them to its ``ProgressView`` directly (``event``);
 under ``raylaunch submit`` the driver runs on the cluster with a ``relay`` view that prints each as one
 ``raylaunch-event {json}`` line of the job's log, which the view of ``submit --follow`` decodes. No line of
@@ -20,11 +20,11 @@ import time
 from typing import TextIO
 
 from cluster.protocol import Progress
-from jobs.events import AttemptEnded, AttemptStarted, ProgressShown, Reserved, RunEvent, decode_line, encode_line
+from jobs.run.events import AttemptEnded, AttemptStarted, ProgressShown, Reserved, RunEvent, decode_line, encode_line
 
 __all__ = ["ProgressView"]
 
-# Ranks named by the driver's pace verdict (jobs/pace.py): the ranks the others wait for, those starved for data.
+# Ranks named by the driver's pace verdict (jobs/driver/pace.py): the ranks the others wait for, those starved for data.
 PACE = ("straggler", "starved")
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from cluster.errors import RaylaunchError
 from cluster.layout import LOGS, METRICS, TENSORBOARD
 from cluster.protocol import RunStatus
-from jobs.events import RanksPlaced, SessionStarted, decode
-from jobs.ledger import CATEGORIES, Ledger, ledger, suggestion
-from jobs.pace import judge, pace_of_records
+from jobs.driver.pace import judge, pace_of_records
+from jobs.run.events import RanksPlaced, SessionStarted, decode
+from jobs.run.ledger import CATEGORIES, Ledger, ledger, suggestion
+from jobs.run.storage import RunDir, numeric_metrics
 from jobs.spec import run_name_problem
-from jobs.storage import RunDir, numeric_metrics
 
 __all__ = ["RunNotFound", "Series", "format_runs", "format_show", "plot", "plot_goodput", "series",
            "summaries"]

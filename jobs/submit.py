@@ -23,18 +23,19 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster.errors import RaylaunchError
+from cluster.nodes.connect import AuthTokenMissing, check_auth_token
+from cluster.nodes.upload import UploadPlan, plan_upload
 from cluster.storage_io import join_uri
-from cluster.connect import AuthTokenMissing, check_auth_token
-from cluster.upload import UploadPlan, plan_upload
 from jobs.spec import JobSpec, SpecError, load_spec, spec_to_dict
-from jobs.environment import Secrets
-from jobs.strategy import read_accelerate_config
+from jobs.spec.environment import Secrets
+from jobs.spec.strategy import read_accelerate_config
 
 __all__ = [
     "JobsError",
     "SubmitRequest",
     "client",
     "follow",
+    "job_stacks",
     "plan_submit",
     "send",
 ]
@@ -101,7 +102,7 @@ def plan_submit(
                          "run submit from the project folder"], spec_path) from None
     # An argument list; Ray Jobs takes one string, so it is quoted by shlex, never
     # pasted together from user input.
-    # --event-lines: the run's events reach `submit --follow` as lines of the job's log (jobs/events.py).
+    # --event-lines: the run's events reach `submit --follow` as lines of the job's log (jobs/run/events.py).
     entrypoint = ["python", "-m", "jobs.cli", "run", "--event-lines", str(spec_rel)]
     for item in overrides:
         entrypoint += ["--set", item]
@@ -281,3 +282,33 @@ def follow(address: str, job_id: str, out: TextIO = sys.stdout, jobs=None, quiet
         status = str(call(jobs.get_job_status, address, job_id)).split(".")[-1]
     print(f"raylaunch: job {job_id} {status.lower()}", file=out)
     return _TERMINAL.get(status, 1)
+
+
+def job_stacks(address: str, job_id: str, full: bool = False, samples: int = 1, timeout_s: float = 120.0) -> str:
+    """``live_stacks`` for a submitted job, from outside the cluster: a short helper job on the
+    cluster (with the job's own uploaded code) reads the stacks and prints them."""
+    from jobs.driver.hangs import StacksError
+
+    jobs = client(address)
+    info = call(jobs.get_job_info, address, job_id)
+    meta = info.metadata or {}
+    if "raylaunch_run" not in meta:
+        raise StacksError(f"job {job_id} was not submitted by raylaunch (its metadata names no run)")
+    argv = ["python", "-m", "jobs.cli", "stacks", meta["raylaunch_run"], "--storage", meta["raylaunch_storage"],
+            "--samples", str(samples)]
+    helper = f"{job_id}-stacks-{secrets.token_hex(2)}"
+    env = {k: v for k, v in (info.runtime_env or {}).items() if k in ("working_dir", "py_modules", "env_vars")}
+    call(jobs.submit_job, address, entrypoint=shlex.join(argv + (["--full"] if full else [])),
+                submission_id=helper, runtime_env=env, metadata={"raylaunch_stacks_of": job_id})
+    deadline = time.monotonic() + timeout_s
+    while not (status := jobs.get_job_status(helper)).is_terminal():
+        if time.monotonic() > deadline:
+            jobs.stop_job(helper)
+            raise StacksError(f"the helper job {helper} did not finish within {timeout_s:g} s")
+        time.sleep(0.5)
+    # The helper is not deleted: Ray keeps listing a deleted job's driver, without the metadata
+    # by which `raylaunch list` leaves helpers out.
+    logs = jobs.get_job_logs(helper).rstrip()
+    if str(status).split(".")[-1] != "SUCCEEDED":
+        raise StacksError(f"the helper job {helper} that reads the stacks on the cluster failed:\n{logs}")
+    return logs

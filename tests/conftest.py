@@ -35,7 +35,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import embedded_node
+    from cluster.nodes.connect import embedded_node
 
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
     # A runtime environment that cannot be built (env.pip's failing-node test) is tried once, not three times.
@@ -81,7 +81,7 @@ def free_ports(n: int, consecutive: bool = False) -> list[int]:
 def our_processes() -> list:
     """This test process's descendants (the shared cluster's raylets, their workers and actors), and the warm rank
     hosts of those raylets with the ranks they forked: a host leaves the actor that started it (its parent is
-    init), so it is found by the raylet it is tied to (``cluster.rankhost``)."""
+    init), so it is found by the raylet it is tied to (``cluster.hosting.rankhost``)."""
     import psutil
 
     mine = psutil.Process().children(recursive=True)
@@ -89,7 +89,7 @@ def our_processes() -> list:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         try:
-            if "cluster.hostproc" in cmd and json.loads(cmd[-1])["anchor"].split(".")[0] in pids:
+            if "cluster.hosting.hostproc" in cmd and json.loads(cmd[-1])["anchor"].split(".")[0] in pids:
                 mine += [p, *p.children(recursive=True)]
         except (ValueError, KeyError, psutil.Error):
             continue
@@ -215,7 +215,7 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
-    """The warm hosts' folder of each PID namespace the tests made (``cluster.rankhost``) goes once empty: the
+    """The warm hosts' folder of each PID namespace the tests made (``cluster.hosting.rankhost``) goes once empty: the
     namespace is gone, so nothing will use it again. Only on the controller (xdist's workers finish one by one, and
     a folder left empty by one may be about to get a host of the other's)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -396,7 +396,7 @@ def sharded(config: dict) -> dict:
     from accelerate.utils import set_seed
     from torch.distributed.tensor import DTensor
 
-    from cluster.sharding import shard_info
+    from cluster.rank.sharding import shard_info
 
     session = get_session()
     accelerator = Accelerator(**session.accelerator_kwargs())
@@ -478,7 +478,7 @@ def _slow_background_writes(delay_s: float, marks: Path) -> None:
     import threading
     import time
 
-    from cluster.ckptwriter import CheckpointWriter
+    from cluster.checkpoint.writer import CheckpointWriter
 
     session = get_session()
     real_torch_save, real_save, real_write = torch.save, session.save, CheckpointWriter.write
@@ -565,7 +565,7 @@ def only_reads(config: dict) -> dict:
 
 def dcp_captured(rank: int, world: int, port: int, base: str) -> None:
     """One rank of a 2-process gloo group: an FSDP2 model's state saved with DCP directly and through
-    ``cluster.snapshot.capture`` (nothing on disk until the snapshot is written, after the model changed), then the
+    ``cluster.checkpoint.snapshot.capture`` (nothing on disk until the snapshot is written, after the model changed), then the
     same shard file on both sides and the captured checkpoint loaded back into the state it was saved from."""
     import filecmp
 
@@ -573,7 +573,7 @@ def dcp_captured(rank: int, world: int, port: int, base: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    from cluster.snapshot import capture
+    from cluster.checkpoint.snapshot import capture
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 
 from conftest import committed_step, wait_for
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
+from jobs.run.storage import RunDir
 from jobs.runs import format_show
 from jobs.spec import load_spec_text
-from jobs.storage import RunDir
 
 DIGITS = """
 name: {name}
@@ -185,8 +185,8 @@ def test_a_rank_whose_background_write_fails_removes_only_its_own_files_from_sha
     import pytest
     import torch
 
-    from cluster.checkpoints import CheckpointSaveError, _Write
-    from cluster.snapshot import capture
+    from cluster.checkpoint.snapshot import capture
+    from cluster.checkpoint.staged import CheckpointSaveError, _Write
 
     folder = tmp_path / "staging" / "checkpoint-00000004"
     folder.mkdir(parents=True)

@@ -18,9 +18,9 @@ import pytest
 
 from cluster.runtime import CheckpointError
 from conftest import LoadsRecorded, rank_session
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
+from jobs.run.storage import RunDir
 from jobs.spec import load_spec_text
-from jobs.storage import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,9 +184,9 @@ def test_every_load_of_a_checkpoint_under_the_runner_follows_its_checksum_check(
     ``weights_only=True`` and nothing calls pickle itself."""
     loads = []
     # An accelerate-launch script has no line of raylaunch: the folder it loads under the runner is the copy
-    # cluster.restore.node_copy made inside node_verified, of a checkpoint that check_manifest passed.
+    # cluster.checkpoint.restore.node_copy made inside node_verified, of a checkpoint that check_manifest passed.
     scripts = {ROOT / "train_fn" / "digits_script.py"}
-    node_copy = ast.unparse(next(n for n in ast.walk(ast.parse((ROOT / "cluster" / "restore.py").read_text()))
+    node_copy = ast.unparse(next(n for n in ast.walk(ast.parse((ROOT / "cluster" / "checkpoint" / "restore.py").read_text()))
                                  if isinstance(n, ast.FunctionDef) and n.name == "node_copy"))
     assert "with node_verified(" in node_copy and "copytree(ready" in node_copy
     for folder in ("cluster", "jobs", "train_fn", "bench"):
@@ -203,13 +203,13 @@ def test_every_load_of_a_checkpoint_under_the_runner_follows_its_checksum_check(
                     continue
                 outside_runner = "self.payload is None" in tests
                 checked = i > 0 and "check_manifest(" in ast.unparse(block[i - 1])
-                # or inside cluster.restore.node_verified, which yields only what check_manifest passed
+                # or inside cluster.checkpoint.restore.node_verified, which yields only what check_manifest passed
                 in_verified = any(t.startswith("with ") and "node_verified(" in t for t in tests)
                 assert outside_runner or checked or in_verified, \
                     f"{where}: {func} without check_manifest just before it"
     # the scan sees the loads there are: one outside the runner, one verified once per node
     assert loads.count("accelerator.load_state") == 2, loads
-    verified = ast.parse((ROOT / "cluster" / "restore.py").read_text())
+    verified = ast.parse((ROOT / "cluster" / "checkpoint" / "restore.py").read_text())
     fn = next(n for n in verified.body if isinstance(n, ast.FunctionDef) and n.name == "node_verified")
     body = ast.unparse(fn)
     assert body.index("check_manifest(") < body.index("yield"), "node_verified yields before it checks"
@@ -222,7 +222,7 @@ def test_every_load_of_a_checkpoint_under_the_runner_follows_its_checksum_check(
 def test_a_resume_at_another_accumulation_counts_micro_batches_from_the_checkpoint(saved, accumulation, after):
     from types import SimpleNamespace
 
-    from cluster.checkpoints import align_accumulation
+    from cluster.checkpoint.staged import align_accumulation
 
     accelerator = SimpleNamespace(step=saved, gradient_accumulation_steps=accumulation)
     align_accumulation(accelerator)

@@ -68,7 +68,7 @@ def test_every_node_uses_the_prepared_security_group_never_one_ray_creates():
 def test_the_copied_folder_leaves_out_what_uploads_leave_out(path):
     """`.rsync-filter` is the upload exclusion list; rsync_exclude holds only names that cannot be
     one of Ray's single-file copies (Ray applies it to the token and the SSH key too)."""
-    from cluster.connect import UPLOAD_EXCLUDES
+    from cluster.nodes.connect import UPLOAD_EXCLUDES
 
     c = load(path)
     assert c["rsync_filter"] == [".rsync-filter"]

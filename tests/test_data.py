@@ -15,7 +15,7 @@ import pytest
 
 from conftest import wait_for
 from datafns import write_samples
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 
 N = 96  # samples: 12 batches of 4 per rank and epoch at world size 2, 6 at world size 4: no padding

@@ -138,7 +138,7 @@ def test_every_raylaunch_command_in_the_docs_parses_as_the_text_means():
     import shlex
 
     from jobs.cli import _parser
-    from jobs.launch import is_script_command, parse
+    from jobs.spec.launch import is_script_command, parse
 
     commands = _commands("raylaunch")
     assert len(commands) > 30
@@ -160,7 +160,7 @@ def test_every_raylaunch_command_in_the_docs_parses_as_the_text_means():
 
 
 def test_the_submit_that_follows_follows():
-    from jobs.launch import parse
+    from jobs.spec.launch import parse
 
     for where, line in _commands("raylaunch"):
         if line.startswith("raylaunch submit") and "--follow" in line and ".py" in line:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.connect import embedded_node
+from cluster.nodes.connect import embedded_node
 from conftest import wait_for
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.runs import format_show, series
 from jobs.spec import load_spec_text
 

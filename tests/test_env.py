@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, cli_env
-from jobs.driver import Driver
-from jobs.environment import runner_versions, with_runner_pins
+from jobs.driver.driver import Driver
 from jobs.spec import SpecError, load_spec_text
+from jobs.spec.environment import runner_versions, with_runner_pins
 
 SECRET_NAME = "RAYLAUNCH_TEST_HF_TOKEN"
 SPEC = """

@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import ray
 
-from cluster.connect import embedded_node
+from cluster.nodes.connect import embedded_node
 from cluster.protocol import RankFailure
 from conftest import wait_for
-from jobs.driver import Driver, group_failures
+from jobs.driver.driver import Driver, group_failures
 from jobs.spec import load_spec_text
 
 STEADY = """

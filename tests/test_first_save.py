@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from cluster.checkpoints import PREPARE_SHARE, StagedCheckpoints
+from cluster.checkpoint.snapshot import SegmentPool, capture
+from cluster.checkpoint.staged import PREPARE_SHARE, StagedCheckpoints
 from cluster.context import WorkerContext
-from cluster.snapshot import SegmentPool, capture
 
 
 def model_and_optimizer():
@@ -65,7 +65,7 @@ def test_without_it_the_first_save_makes_every_segment_itself(tmp_path):
 
 
 def test_a_state_over_the_bound_is_not_prepared_and_says_so(tmp_path, monkeypatch, capfd):
-    import cluster.checkpoints as checkpoints_module
+    import cluster.checkpoint.staged as checkpoints_module
 
     monkeypatch.setattr(checkpoints_module, "_available_bytes", lambda: 100_000)  # a node with 100 kB to spare
     ctx = WorkerContext(world_rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2, num_nodes=2)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, cli_env
-from jobs.driver import Driver
-from jobs.ledger import CATEGORIES
+from jobs.driver.driver import Driver
+from jobs.run.ledger import CATEGORIES
 from jobs.spec import load_spec_text
 from test_faults import rows, start
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TESTS
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -25,7 +25,7 @@ def gpu_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from cluster.connect import embedded_node
+    from cluster.nodes.connect import embedded_node
 
     cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=4, num_gpus=2))
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False,

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from cluster.nodes.connect import embedded_node
+from cluster.nodes.group import NodeGroup, resolve_placement
 from cluster.protocol import WorkerPayload
-from cluster.group import NodeGroup, resolve_placement
-from cluster.connect import embedded_node
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 import time
 
 from conftest import ROOT, cli_env, free_ports
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 from test_faults import start, wait_for
 
@@ -71,7 +71,7 @@ def test_raylaunch_stacks_reads_a_live_run_which_then_succeeds(ray_cluster, tmp_
 
 
 def test_raylaunch_stacks_of_a_run_whose_cluster_is_gone_says_so_at_once(tmp_path):
-    from jobs.storage import RunDir
+    from jobs.run.storage import RunDir
 
     run = RunDir(str(tmp_path), "orphan")
     run.prepare({"name": "orphan"})

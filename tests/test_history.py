@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, cli_env
-from jobs.driver import Driver
-from jobs.events import AttemptEnded, AttemptStarted, ProgressShown, RunEvent
+from jobs.driver.driver import Driver
 from jobs.progress import ProgressView
+from jobs.run.events import AttemptEnded, AttemptStarted, ProgressShown, RunEvent
+from jobs.run.storage import RunDir
 from jobs.runs import format_runs, format_show, plot
 from jobs.spec import load_spec_text
-from jobs.storage import RunDir
 
 STEADY = """
 name: steady
@@ -407,7 +407,7 @@ def test_the_last_progress_line_shows_the_newest_metrics_and_the_last_step(tmp_p
     by the evaluation of the same step) showed the loss of a second earlier: 0.018 against the 0.044 that
     metrics.jsonl and `raylaunch runs` show. And a run whose last rows came within that second ended its
     output on an earlier step."""
-    from jobs.record import Recorder
+    from jobs.driver.record import Recorder
 
     shown: list[RunEvent] = []
     rec = Recorder(RunDir(str(tmp_path), "r"), on_event=shown.append)
@@ -428,8 +428,8 @@ def test_tensorboard_files_of_a_killed_driver_are_removed_by_the_next_driver(tmp
     import sys
     import tempfile
 
-    from cluster.hostproc import pid_namespace
-    from jobs.board import _scratch
+    from cluster.hosting.hostproc import pid_namespace
+    from jobs.run.board import _scratch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

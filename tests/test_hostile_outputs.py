@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from conftest import ROOT, cli_env
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.connect import stop_processes_under
+from cluster.nodes.connect import stop_processes_under
 from conftest import ROOT, cli_env, free_ports, interruptible, wait_for
-from cluster.upload import UploadError, plan_upload
+from cluster.nodes.upload import UploadError, plan_upload
 
 SMALL = ["--set", "scaling.num_nodes=1", "--set", "scaling.workers_per_node=2", "--set", "config.epochs=1",
          "--set", "config.train_samples=256"]

@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from conftest import ROOT, cli_env, free_ports, our_processes, our_stacks, wait_for
-from jobs.driver import Driver
-from jobs.launch import parse
+from jobs.driver.driver import Driver
+from jobs.spec.launch import parse
 
 SCRIPT = "train_fn/digits_script.py"
 # A save_state every 3 steps (3, 6, and 8 at the end), never at an epoch's end: a script of Accelerate's examples'
@@ -312,7 +312,7 @@ def test_the_runners_save_leaves_accelerates_automatic_checkpoint_naming_as_the_
         import torch
         from accelerate import Accelerator
         from accelerate.utils import ProjectConfiguration
-        from cluster.checkpoints import _save_state
+        from cluster.checkpoint.staged import _save_state
         config = ProjectConfiguration(project_dir=sys.argv[1], automatic_checkpoint_naming=True, total_limit=5)
         accelerator = Accelerator(cpu=True, project_config=config)
         model = torch.nn.Linear(2, 2)

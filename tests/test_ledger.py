@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from jobs.events import (
+from jobs.run.events import (
     AttemptEnded, AttemptStarted, Committed, FirstStep, Outcome, Reserved, Restored, Saved, SessionEnded,
     SessionStarted, Waiting, Work, decode,
 )
-from jobs.ledger import CATEGORIES, checkpoint_interval, ledger, suggestion
+from jobs.run.ledger import CATEGORIES, checkpoint_interval, ledger, suggestion
 
 
 def books(events):

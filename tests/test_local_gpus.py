@@ -14,15 +14,15 @@ import sys
 import pytest
 from conftest import ROOT, cli_env
 
-from cluster.connect import GPUS_VAR, divide_gpus, machine_gpus
 from cluster.errors import RaylaunchError
+from cluster.nodes.connect import GPUS_VAR, divide_gpus, machine_gpus
 
 # Connects an embedded cluster of 2 local nodes and reports, per node, the GPU ids Ray gives a task there.
 NODES = """
 import json, os, sys
 import ray
-from cluster.connect import connect
-from cluster.placement import cpu_beside_gpus, resolve_placement
+from cluster.nodes.connect import connect
+from cluster.nodes.placement import cpu_beside_gpus, resolve_placement
 
 said = []
 with connect(None, local_nodes=2, cpus_per_node=1.0, say=said.append):

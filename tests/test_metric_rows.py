@@ -14,9 +14,9 @@ import pytest
 
 from cluster.metric_rows import RowBatcher
 from cluster.protocol import CheckpointPart, Metrics, NodePoll
-from jobs.record import Recorder
-from jobs.routing import AttemptRouter, AttemptState
-from jobs.storage import RunDir
+from jobs.driver.record import Recorder
+from jobs.driver.routing import AttemptRouter, AttemptState
+from jobs.run.storage import RunDir
 
 
 def _node_poll(batcher: RowBatcher, events: list[dict]) -> NodePoll:

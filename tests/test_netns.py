@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.connect import stop_processes_under
+from cluster.nodes.connect import stop_processes_under
 from conftest import ROOT, cli_env
 from nshosts import add_host, clear_abandoned, ip, left_behind, make_bridge, remove_host
 

@@ -19,10 +19,10 @@ from pyarrow import fs as pafs
 
 from cluster.storage_io import join_uri, open_uri
 from conftest import LoadsRecorded, dummy_aws_credentials, rank_session
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
+from jobs.run import appendlog as storage  # the growing files: their flush and segment bounds
+from jobs.run.storage import CheckpointError, RunDir
 from jobs.spec import load_spec_text
-from jobs import appendlog as storage  # the growing files: their flush and segment bounds
-from jobs.storage import CheckpointError, RunDir
 
 BUCKET = "raylaunch-test"
 
@@ -181,7 +181,7 @@ def test_the_rows_of_a_committed_step_are_on_the_bucket_before_the_driver_could_
     poll as its part of the checkpoint, and was added to metrics.jsonl after the commit's flush; the killed driver never
     wrote it, the rerun resumed past that step, and the row (8 sample ids of epoch 0) was lost for good."""
     from cluster.protocol import CheckpointPart, Metrics
-    from jobs.routing import AttemptRouter, AttemptState
+    from jobs.driver.routing import AttemptRouter, AttemptState
 
     run = RunDir(s3.uri("unit"), "rowsfirst")
     run.prepare({"name": "rowsfirst"})
@@ -535,7 +535,7 @@ def test_a_part_waiting_for_its_upload_waits_in_the_nodes_folder_of_the_attempt(
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from cluster.checkpoints import StagedCheckpoints
+    from cluster.checkpoint.staged import StagedCheckpoints
     from cluster.context import WorkerContext
 
     AcceleratorState._reset_state(True)

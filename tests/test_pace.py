@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 from conftest import ROOT, cli_env
-from jobs.events import ProgressShown
-from jobs.pace import PaceTracker, judge, pace_of_records
+from jobs.driver.pace import PaceTracker, judge, pace_of_records
 from jobs.progress import ProgressView
+from jobs.run.events import ProgressShown
 from test_faults import rows, start
 
 
@@ -139,7 +139,7 @@ class StreamTimer:
 def gpu_rank(step_s: float, compute_s: float, steps: int, lag: int) -> dict:
     """One rank's window: each step's last gradient at ``compute_s`` on its stream, its reduction done at ``step_s``
     (the slowest rank's pace); the stream runs ``lag`` steps behind the host, as a GPU does."""
-    from cluster.pace import PaceMeter
+    from cluster.rank.pace import PaceMeter
 
     timer = StreamTimer()
     meter = PaceMeter(timer)
@@ -173,7 +173,7 @@ def test_on_a_gpu_the_wait_is_the_streams_and_the_verdict_names_the_slow_gpu():
 def test_only_the_parameters_computed_last_keep_a_gradient_hook():
     import torch
 
-    from cluster.pace import PaceMeter, _LastGradients
+    from cluster.rank.pace import PaceMeter, _LastGradients
 
     meter = PaceMeter()
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.protocol import FailureCause, RankFailure
-from jobs.hangs import is_hang
-from jobs.policy import (
+from jobs.driver.hangs import is_hang
+from jobs.driver.policy import (
     Action, AttemptOutcome, Failure, RunState, WorldSize, decide, failure_kind, fit, grow_to, next_step, resize_note,
     resize_reason, world_sizes,
 )

@@ -1,4 +1,4 @@
-"""Warm rank hosts (`env.warm_host`, `cluster.rankhost`) on a real two-node Ray cluster: the ranks of every job
+"""Warm rank hosts (`env.warm_host`, `cluster.hosting.rankhost`) on a real two-node Ray cluster: the ranks of every job
 fork from a host that imported torch, Accelerate and transformers once, and each job still sees only its own
 environment, secrets and modules; a host is not reused after the packages change, and ends when idle."""
 
@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 from conftest import ROOT, TESTS, cli_env, wait_for
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 
 SECRET = "RAYLAUNCH_TEST_HOST_SECRET"
@@ -161,13 +161,13 @@ def test_hosts_in_another_pid_namespace_are_never_seen(tmp_path):
     (a node in a namespace of its own, sharing the temporary folder) looks for hosts in a folder of its own."""
     import pytest
 
-    from cluster.rankhost import _base
+    from cluster.hosting.rankhost import _base
 
     if shutil.which("unshare") is None or os.getuid() != 0:
         pytest.skip("needs root and unshare(1) to make a PID namespace")
     here = str(_base())
     there = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                            "from cluster.rankhost import _base; print(_base())"], capture_output=True, text=True,
+                            "from cluster.hosting.rankhost import _base; print(_base())"], capture_output=True, text=True,
                            timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert there.returncode == 0, there.stderr
     theirs = Path(there.stdout.strip())
@@ -180,7 +180,7 @@ def test_a_job_whose_folder_holds_a_module_the_host_imported_uses_the_host_only_
     """A job's own module of a name the warm host has imported would be shadowed by the host's in a forked rank:
     such a job forks from its actor's own server, unless its module is the host's to the byte (raylaunch's own
     `cluster` package in a job run from raylaunch's checkout)."""
-    from cluster.rankhost import PROJECT_VAR, Claim, ready
+    from cluster.hosting.rankhost import PROJECT_VAR, Claim, ready
 
     host = tmp_path / "host"
     host.mkdir()
@@ -191,10 +191,24 @@ def test_a_job_whose_folder_holds_a_module_the_host_imported_uses_the_host_only_
     monkeypatch.setattr(sys, "path", [str(job), *sys.path])
     claim = Claim(address=str(host / "sock"), pid=os.getpid(), folder=str(host), note="")
     assert ready(claim) is None
-    with open(job / "cluster" / "worker.py", "a") as f:
+    with open(job / "cluster" / "rank" / "worker.py", "a") as f:
         f.write("# the job's own change\n")
     assert ready(claim) == ("the job's own folders hold modules the warm rank host imported (cluster): "
                             "its ranks import their own instead")
-    (job / "cluster" / "worker.py").unlink()  # a file fewer is another source too
-    shutil.copy(ROOT / "cluster" / "worker.py", job / "cluster" / "extra.py")
+    (job / "cluster" / "rank" / "worker.py").unlink()  # a file fewer is another source too
+    shutil.copy(ROOT / "cluster" / "rank" / "worker.py", job / "cluster" / "rank" / "extra.py")
     assert ready(claim) is not None
+
+
+def test_a_host_started_from_another_layout_of_raylaunch_is_not_reused(tmp_path, monkeypatch):
+    """The host key holds raylaunch's code by place as well as bytes: a host started before a module moved folder
+    (the #45 move, a release's) is never claimed by the code after it; it is retired as any unclaimed host is."""
+    from cluster.hosting import hostproc
+
+    code = tmp_path / "cluster"
+    shutil.copytree(ROOT / "cluster", code, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(hostproc, "_RAYLAUNCH", code)
+    before = hostproc._code_digest()
+    assert hostproc._code_digest() == before
+    (code / "rank" / "worker.py").rename(code / "worker.py")  # the same bytes, one folder up
+    assert hostproc._code_digest() != before

@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 
 SPEC = """

@@ -18,9 +18,9 @@ import ray
 from safetensors.torch import load_file
 
 from conftest import ROOT, cli_env, free_ports
-from cluster.group import PlacementError, resolve_placement
-from cluster.node import NodeActor, RendezvousError
-from jobs.driver import Driver
+from cluster.nodes.group import PlacementError, resolve_placement
+from cluster.nodes.node import NodeActor, RendezvousError
+from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 from train_fn.digits import weights_digest
 
@@ -136,7 +136,7 @@ def test_the_rank_fork_server_and_its_folder_go_with_the_last_node_actor():
     probe = """
 import os, sys, time
 from multiprocessing import forkserver, process
-from cluster.node import NodeActor
+from cluster.nodes.node import NodeActor
 first, second = NodeActor(0), NodeActor(1)
 deadline = time.monotonic() + 120
 while forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:
@@ -364,7 +364,7 @@ def test_a_node_actor_that_dies_before_its_ranks_start_is_a_lost_node_not_the_dr
     """Found by `make chaos` (seed 3: a rank killed, then a node actor killed and a node lost during the recovery):
     an actor that died between the reservation and the start raised ActorDiedError out of the driver ("the driver
     failed"). Starting names the node that is gone, so the driver restarts on the nodes there are."""
-    from cluster.group import NodeGroup, NodeLostError
+    from cluster.nodes.group import NodeGroup, NodeLostError
     from cluster.protocol import WorkerPayload
 
     group = NodeGroup.create(resolve_placement(2, 1, False, 1.0), timeout_s=60, can_grow=False)
@@ -389,7 +389,7 @@ def test_a_node_actor_whose_folder_is_gone_is_a_lost_node_not_the_drivers_failur
     (multiprocessing asks for the current folder), and the driver failed the run. A node whose actor cannot start
     processes (its folder gone, out of memory or processes) fails the attempt as a lost node does: the next attempt
     reserves new actors."""
-    from cluster.group import NodeGroup, NodeLostError
+    from cluster.nodes.group import NodeGroup, NodeLostError
     from cluster.protocol import WorkerPayload
 
     group = NodeGroup.create(resolve_placement(2, 1, False, 1.0), timeout_s=60, can_grow=False)

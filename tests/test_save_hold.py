@@ -13,8 +13,8 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
-import cluster.snapshot as snapshot_module
-from cluster.checkpoints import StagedCheckpoints
+import cluster.checkpoint.snapshot as snapshot_module
+from cluster.checkpoint.staged import StagedCheckpoints
 from cluster.context import WorkerContext
 from cluster.layout import checkpoint_name
 

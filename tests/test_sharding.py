@@ -21,11 +21,11 @@ import pytest
 
 from cluster.strategy import missing_shards, resolve, strategy_env
 from conftest import ROOT, cli_env, committed_step, wait_for
-from jobs.driver import Driver
+from jobs.driver.driver import Driver
+from jobs.driver.policy import world_sizes
+from jobs.run.storage import CheckpointError, RunDir
 from jobs.spec import SpecError, load_spec, load_spec_text
-from jobs.storage import CheckpointError, RunDir
-from jobs.policy import world_sizes
-from jobs.strategy import read_accelerate_config
+from jobs.spec.strategy import read_accelerate_config
 
 MINIMAL = "name: t\ntrain_fn: fns:sharded\n"
 

@@ -21,7 +21,7 @@ SITE = "/venv/lib/python3.11/site-packages"
 
 def _rank(rank: int, frames: list[tuple[str, str, int]], **kw) -> RankStack:
     main = ThreadStack("MainThread", tuple(Frame(*f) for f in frames), main=True)
-    beat = ThreadStack("raylaunch-heartbeat", (Frame("beat", "/proj/cluster/worker.py", rank),))
+    beat = ThreadStack("raylaunch-heartbeat", (Frame("beat", "/proj/cluster/rank/worker.py", rank),))
     return RankStack(rank, rank // 2, 100 + rank, (beat, main), **kw)
 
 
@@ -29,7 +29,7 @@ IN_ALL_REDUCE = [("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py",
                  ("wrapper", f"{SITE}/torch/distributed/c10d_logger.py", 81),
                  ("Accelerator.backward", f"{SITE}/accelerate/accelerator.py", 2400),
                  ("train", "/proj/train.py", 57),
-                 ("run_worker", "/proj/cluster/worker.py", 120),
+                 ("run_worker", "/proj/cluster/rank/worker.py", 120),
                  ("wrapper", f"{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", 367)]
 IN_DATA = [("__getitem__", "/proj/data.py", 12),
            ("fetch", f"{SITE}/torch/utils/data/_utils/fetch.py", 52),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.storage import CheckpointError, RunDir, StorageError
+from jobs.run.storage import CheckpointError, RunDir, StorageError
 
 
 def stage(run: RunDir, attempt: int, step: int, ranks: list[int]) -> str:
@@ -217,7 +217,7 @@ def test_metrics_a_full_disk_refused_are_written_once_there_is_space(tiny_disk, 
 def test_rows_held_for_a_full_disk_are_bounded_and_the_loss_is_said(tiny_disk, monkeypatch, capsys):
     """A disk full for hours must not grow the driver's memory without end: past the bound the oldest held
     rows go, whole, and the run's output says how many."""
-    monkeypatch.setattr("jobs.appendlog.BACKLOG_BYTES", 1000)
+    monkeypatch.setattr("jobs.run.appendlog.BACKLOG_BYTES", 1000)
     run = RunDir(str(tiny_disk), "r")
     run.prepare({"name": "r"})
     filler = _fill(tiny_disk)
@@ -238,7 +238,7 @@ def test_more_rank_logs_than_files_held_open_lose_no_line(tmp_path, monkeypatch)
     log is closed for room and opened again when its rank next prints; every line lands, in order."""
     import os
 
-    monkeypatch.setattr("jobs.appendlog._open_files_cap", lambda: 3)
+    monkeypatch.setattr("jobs.run.appendlog._open_files_cap", lambda: 3)
     run = RunDir(str(tmp_path), "r")
     run.prepare({"name": "r"})
     for line in range(4):
@@ -259,7 +259,7 @@ def test_tensorboard_files_that_cannot_be_written_never_fail_the_run(tiny_disk, 
     """Found by `make chaos` (seed 3): the driver's TensorBoard flush raised ENOSPC, failed the run, and its close
     then kept the final result.json from being written."""
     from cluster.metric_rows import RowBatch
-    from jobs.board import Board
+    from jobs.run.board import Board
 
     run = RunDir(str(tiny_disk), "r")
     run.prepare({"name": "r"})
@@ -304,7 +304,7 @@ def test_a_commit_meeting_a_full_disk_is_tried_again_until_there_is_space(tiny_d
     assert said.count("committing the checkpoint of step 10 failed (no space left on the device)") == 1, said
     assert not [p for p in tiny_disk.rglob("*") if ".tmp-" in p.name], "a half-written manifest or pointer was left"
 
-    monkeypatch.setattr("jobs.checkpoint_store.COMMIT_RETRY_S", 2.0)  # a disk that stays full
+    monkeypatch.setattr("jobs.run.checkpoints.COMMIT_RETRY_S", 2.0)  # a disk that stays full
     uri = stage(run, 1, 15, [0, 1])
     _fill(tiny_disk)
     with pytest.raises(CheckpointError) as failed:

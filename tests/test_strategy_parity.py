@@ -27,7 +27,7 @@ PRECISIONS = ("no", "bf16", "fp16")
 
 def section(version: int, precision: str) -> dict:
     """The spec's ``accelerate`` section for ``accelerate: {mixed_precision: P, fsdp: {version: V}}``, as ranks get it."""
-    from jobs.spec_load import load_spec_text
+    from jobs.spec.load import load_spec_text
 
     spec = load_spec_text(f"name: p\ntrain_fn: fns:probe\naccelerate: {{mixed_precision: '{precision}', "
                           f"fsdp: {{version: {version}}}}}\n")
@@ -75,7 +75,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZ
 sys.path[:0] = [os.environ["RL_ROOT"], os.environ["RL_TESTS"]]
 from test_strategy_parity import launcher_env, section
 if mode == "ours":  # what a rank of a spec's job does before the function's Accelerator()
-    from cluster import sharding
+    from cluster.rank import sharding
     sharding.install(section(version, precision), use_gpu=False)
 else:  # accelerate launch's variables; on a GPU-like device its state keeps the plugin and sets its precision
     os.environ.update(launcher_env(version, precision))
@@ -144,8 +144,8 @@ def test_the_fsdp2_line_states_both_defaults_as_they_are():
     """The line rank 0 says names the spec's default version (2) and accelerate launch's (1): both read from the code."""
     from accelerate.commands.launch import launch_command_parser
 
-    from cluster.sharding import fsdp2_precision_note
-    from jobs.spec_load import load_spec_text
+    from cluster.rank.sharding import fsdp2_precision_note
+    from jobs.spec.load import load_spec_text
 
     spec_default = load_spec_text("name: p\ntrain_fn: fns:probe\naccelerate: {fsdp: {}}\n").accelerate.fsdp.version
     theirs = launch_command_parser().parse_args(["--use_fsdp", "x.py"]).fsdp_version

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.upload import SECRET_PATTERNS, UPLOAD_EXCLUDES, UploadError, plan_upload
+from cluster.nodes.upload import SECRET_PATTERNS, UPLOAD_EXCLUDES, UploadError, plan_upload
 from conftest import cli_env, free_ports
 
 SECRET = "AKIAQQQQ-very-secret-value-7f3a"

@@ -1,0 +1,159 @@
+"""What a resume puts back in a rank beside Accelerate's ``load_state``: each rank's own dataloader position, the
+random states of the first batch, a defined RNG for a rank the checkpoint has none for, and under FSDP1 an
+optimizer state to load into.
+
+Each rank's own dataloader position, for exact resume of a stream:
+
+With ``use_stateful_dataloader`` Accelerate's ``save_state`` writes every rank's
+StatefulDataLoader state to one file, ``dl_state_dict.bin``: all ranks write the same path
+and the last one wins. That is harmless when every rank is at the same place of the same
+sampler, but not for a stream: sharded across ranks (each reads its own files) every rank's
+position differs, and with ``dispatch_batches`` only rank 0 reads at all (a rank 1 that
+writes last would send rank 0 back to the start of the stream on resume).
+
+So the session also writes each rank's state as ``dl_state_rank<R>.bin`` (``_<i>`` for the
+i-th prepared dataloader after the first) and loads it back after ``load_state``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Iterable
+
+from cluster.layout import rank_part_file
+
+__all__ = ["at_next_batch", "init_optimizers_for_load", "keep_random_states_for_the_first_batch",
+           "load_loader_states", "next_batch", "save_loader_states", "seed_missing_rng"]
+
+
+def _stateful(accelerator: Any) -> list[tuple[int, Any]]:
+    # The prepared dataloaders, in the order Accelerate saves them.
+    return [(i, dl) for i, dl in enumerate(getattr(accelerator, "_dataloaders", []))
+            if getattr(dl, "use_stateful_dataloader", False)]
+
+
+def _file(path: str, index: int, rank: int) -> str:
+    return os.path.join(path, f"dl_state_rank{rank}" + (f"_{index}" if index else "") + ".bin")
+
+
+def save_loader_states(accelerator: Any, path: str) -> None:
+    """Write this rank's stateful dataloaders' positions into the checkpoint folder ``path``."""
+    import torch
+
+    for i, dl in _stateful(accelerator):
+        torch.save(dl.state_dict(), _file(path, i, accelerator.process_index))
+
+
+def load_loader_states(accelerator: Any, path: str) -> None:
+    """After ``load_state``: put back this rank's own positions, where the checkpoint has them.
+
+    A position is a place in the rank's own share of the data at the world size that saved it; at
+    another world size (an elastic resize) the shares differ and no position maps onto them, which
+    rank 0 says (the samples of the resumed epoch may repeat or be skipped)."""
+    import sys
+
+    import torch
+
+    loaders = _stateful(accelerator)
+    if not loaders:
+        return
+    saved = len([f for f in os.listdir(path) if f.startswith("dl_state_rank") and "_" not in f[len("dl_state_rank"):]])
+    if saved and saved != accelerator.num_processes and accelerator.is_main_process:
+        print(f"raylaunch: the checkpoint's data loader positions were saved by {saved} ranks and this attempt has "
+              f"{accelerator.num_processes}: each is a place in one rank's share of the data, which differs now, so "
+              "samples of the resumed epoch may repeat or be skipped (the stateful data loader cannot carry a "
+              "position to another world size; a seedable sampler with skip_first_batches can, see "
+              "train_fn/digits.py)", file=sys.stderr, flush=True)
+    for i, dl in loaders:
+        f = _file(path, i, accelerator.process_index)
+        if os.path.exists(f):
+            dl.load_state_dict(torch.load(f, weights_only=True))
+
+
+def keep_random_states_for_the_first_batch() -> None:
+    """After ``load_state``: the random states it restored (Python's, NumPy's, torch's, every CUDA device's) are put
+    back once more just before the first batch of a resumed epoch reaches the training code.
+
+    A checkpoint saved mid-epoch is resumed by a loader that skips the batches already seen
+    (``skip_first_batches``); starting it draws from those states (``iter`` of a shuffling sampler takes a seed from
+    torch's generator), which the uninterrupted run never did at that point: so dropout masks and every other draw of
+    the resumed steps differed, and a resumed model with dropout did not end equal to an uninterrupted one, under
+    ``accelerate launch`` either. Put back there, they are the uninterrupted run's (the digits script with dropout 0.3
+    resumed mid-epoch under ``accelerate launch``: equal bit for bit, against a different model before). A resume at
+    an epoch's start (its first loader skips nothing) is left alone: the uninterrupted run drew there too."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def put_back(loader: Any) -> None:
+        # skip_first_batches skips in the loader, or in a SkipBatchSampler it gives the loader
+        if not any(getattr(part, "skip_batches", 0) for part in (loader, getattr(loader, "batch_sampler", None))):
+            return
+        python, numpy_state, torch_state, cuda = states
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    at_next_batch(put_back)
+
+
+# Called once, with the dataloader, just before the next batch any prepared dataloader hands the training code.
+_NEXT_BATCH: list[Callable[[Any], None]] = []
+
+
+def at_next_batch(call: Callable[[Any], None]) -> None:
+    """Run ``call(dataloader)`` once, just before the next batch of any prepared dataloader reaches the training
+    code (the random states a resume restored, put back there); ``next_batch`` runs them."""
+    _NEXT_BATCH.append(call)
+
+
+def next_batch(loader: Any) -> None:
+    """Called by the prepared dataloaders' iteration (``cluster.rank.pace``) before each batch it hands over."""
+    while _NEXT_BATCH:
+        _NEXT_BATCH.pop(0)(loader)
+
+
+def seed_missing_rng(files: Iterable[str], rank: int, step: int) -> int | None:
+    """A defined RNG state for a rank that the checkpoint has none for (it was saved by fewer ranks).
+
+    Accelerate's ``load_state`` then leaves the rank's RNGs as they were; this seeds Python's,
+    NumPy's and torch's with ``step * 1000 + rank`` (``accelerate.utils.set_seed``) and says so.
+    Returns the seed, or None when the checkpoint holds the rank's own state.
+    """
+    if rank_part_file(rank) in set(files):
+        return None
+    from accelerate.utils import set_seed
+
+    seed = step * 1000 + rank
+    set_seed(seed)
+    print(f"raylaunch: rank {rank}: the checkpoint of step {step} has no RNG state for this rank (it was saved by "
+          f"fewer ranks); its RNGs are seeded with {seed} (step * 1000 + rank)", file=sys.stderr, flush=True)
+    return seed
+
+
+def init_optimizers_for_load(accelerator: Any) -> None:
+    """Before ``load_state`` under FSDP1 with sharded checkpoints: give every optimizer its state.
+
+    Accelerate reads an FSDP1 sharded optimizer checkpoint into ``FSDP.optim_state_dict(model,
+    optimizer)`` of the optimizer as it is; one that never stepped (every resume) has no state
+    there, so nothing of it was loaded and training went on with fresh Adam moments, without a word
+    (a resumed run diverged from an uninterrupted one). torch's own initialisation for its
+    state-dict API (a step with zero gradients and learning rate 0) makes the state to load into.
+    FSDP2 and full checkpoints load without it."""
+    from accelerate.utils import DistributedType
+
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if (getattr(accelerator, "distributed_type", None) != DistributedType.FSDP or plugin is None
+            or getattr(plugin, "fsdp_version", 1) != 1 or "FULL" in str(plugin.state_dict_type)):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    for optimizer in accelerator._optimizers:
+        _init_optim_state(getattr(optimizer, "optimizer", optimizer))

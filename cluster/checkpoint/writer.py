@@ -1,0 +1,265 @@
+"""A rank's checkpoint writer: a process of its own that writes the tensor files of a snapshot held in shared memory.
+
+Serialising with ``torch.save`` or safetensors' ``save_file`` holds the Python interpreter's lock for tens of
+milliseconds a tensor (measured here: 33-98 ms for a 200 MB tensor with ``torch.save`` to a path, 75 ms with
+``save_file``), so a thread of the rank that writes them stalls the training thread's Python between its
+operators, and a thread at a lower CPU priority that holds the lock while it waits for a core stalls it longer.
+A process of its own, at the lowest CPU priority, writes instead: the snapshot's tensors live in memfd segments
+(``cluster.checkpoint.snapshot``) which it maps by the rank's descriptors (no copy), and nothing it does takes the
+training thread's interpreter. The rank starts it on its first background save, from the training thread, and it
+ends with that thread (``PR_SET_PDEATHSIG``) or when the rank closes its pipe. Imports nothing from Ray.
+
+Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable)``;
+a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride,
+nbytes)`` naming the rank's memfd descriptors; the answer is ``{"files": {path: {"size", "sha256"}}}`` (hashed when
+asked, after a flush to the disk when ``durable``) or ``{"error": str, "errno": int | None}`` (``"unmapped": True``
+when it could not map the segments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, BinaryIO
+
+__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "describe_written"]
+
+# The writer's niceness: it uses the cores training leaves, and yields them at once when training wants them.
+WRITER_NICE = 19
+_LEN = struct.Struct("<Q")
+
+# (path, obj, safetensors, kwargs): one file, as ``cluster.checkpoint.snapshot`` keeps it.
+WriteRequest = tuple[str, Any, bool, dict]
+
+
+_BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('raylaunch_ckptwriter', "
+         "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); module.main()")
+
+
+def describe_written(path: str, durable: bool = False) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of a file this process just wrote, hashed from the page cache. ``durable``: first
+    flushed to its disk from this process, so the kernel's write-back of it runs here, at this process's priority
+    and within the save's time, rather than in the kernel's flusher threads beside training up to 30 s later; its
+    pages then leave the page cache (the next checkpoint does not evict the project's own files to make room)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    size = 0
+    # Read in pieces into one buffer that stays in the CPU's cache, not mapped: some of save_state's files are
+    # written by every rank to one shared path (dl_state_dict.bin), so another rank may rewrite this file while
+    # it is hashed; a mapping then failed ("mmap length is greater than file size") or would fault (SIGBUS).
+    # What is read is hashed; ranks that disagree on a file leave it to the commit (``jobs.driver.routing._agreed``).
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    try:
+        if durable:
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := os.readv(fd, [buf]):
+            h.update(view[:n])
+            size += n
+        if durable:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+class WriterGone(RuntimeError):
+    """The writer process is not there to answer (killed, out of memory): the rank's thread writes instead."""
+
+
+def _send(stream: BinaryIO, obj: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> None:
+    buf = io.BytesIO()
+    pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    data = buf.getvalue()
+    stream.write(_LEN.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO, unpickler: Any = None) -> Any:
+    head = stream.read(_LEN.size)
+    if len(head) < _LEN.size:
+        raise EOFError("the other end closed the pipe")
+    data = stream.read(_LEN.unpack(head)[0])
+    return (unpickler or pickle.Unpickler)(io.BytesIO(data)).load()
+
+
+class CheckpointWriter:
+    """The rank's side: one writer process, started on the training thread, used by one write at a time."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # one request at a time (one save in flight a rank, but be plain about it)
+        self.broken: str | None = None  # why the writer cannot be used (the rank's thread writes instead)
+        self._ready = False  # the writer said it is ready
+
+    def ensure(self) -> bool:
+        """Start the writer if it is not running; False (and ``broken`` says why) if it cannot be."""
+        if self._proc is not None and self._proc.poll() is None:
+            return True
+        if self.broken is not None:
+            return False
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            # Loaded from this file, not as ``cluster.checkpoint.writer``: a project's own ``cluster`` package may come
+            # first on its path (this module imports nothing of raylaunch's).
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, __file__, str(os.getpid())], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, env=env, close_fds=True)
+        except OSError as exc:
+            self.broken = f"the checkpoint writer process could not start ({exc})"
+            return False
+        self._ready = False
+        return True
+
+    def ready(self) -> bool:
+        """Whether the writer has its torch imported and answers (it says so once, first): until then a save is
+        written by the rank's thread, so the first checkpoint is not held back by the writer's start."""
+        if self._ready:
+            return True
+        proc = self._proc
+        if proc is None or proc.stdout is None or proc.poll() is not None:
+            return False
+        import select
+
+        if select.select([proc.stdout], [], [], 0)[0]:
+            try:
+                self._ready = _receive(proc.stdout) == {"ready": True}
+            except (OSError, EOFError):
+                return False
+        return self._ready
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def write(self, writes: list[WriteRequest], segments: dict[int, tuple], *, hash_files: bool,
+              durable: bool = False) -> dict[str, dict]:
+        """Write ``writes`` (tensors in ``segments``: id(tensor) -> (fd, nbytes, ...)) and return what it hashed
+        (``describe_written``: ``durable``, flushed to the disk first)."""
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdout is None:
+            raise WriterGone("the checkpoint writer is not running")
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, obj: Any) -> Any:
+                seg = segments.get(id(obj))
+                if seg is None:
+                    return None
+                return (seg[0], str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()), seg[1])
+
+        with self._lock:
+            try:
+                if not self._ready:  # its first word: it is ready
+                    self._ready = _receive(proc.stdout) == {"ready": True}
+                _send(proc.stdin, (os.getpid(), writes, hash_files, durable), Pickler)
+                answer = _receive(proc.stdout)
+            except (OSError, EOFError) as exc:
+                code = proc.poll()
+                raise WriterGone(f"the checkpoint writer (pid {proc.pid}) ended"
+                                   f"{f' with exit code {code}' if code is not None else ''}: {exc}") from exc
+        if "error" in answer:
+            if answer.get("unmapped"):
+                raise WriterGone(f"the checkpoint writer cannot read this rank's memory ({answer['error']})")
+            if answer.get("errno") is not None:
+                raise OSError(answer["errno"], answer["error"])
+            raise RuntimeError(f"the checkpoint writer failed: {answer['error']}")
+        return answer["files"]
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the writer ends at the end of its input
+            proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+# ---------------------------------------------------------------- the writer process
+
+
+def _die_with_parent(parent: int) -> None:
+    """Killed when the rank's training thread ends (Linux); a writer whose rank is already gone ends now."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _serve(parent: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but answers on the pipe
+    _send(stdout, {"ready": True})
+
+    def tensor(pid: tuple) -> Any:
+        fd, dtype, size, stride, nbytes = pid
+        storage = torch.UntypedStorage.from_file(f"/proc/{parent}/fd/{fd}", shared=True, nbytes=nbytes)
+        return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, 0, size, stride)
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return tensor(pid)
+
+    def handle(writes: list[WriteRequest], hash_files: bool, durable: bool) -> dict:
+        files = {}
+        for path, obj, safetensors, kwargs in writes:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if safetensors:
+                save_file(obj, path, **kwargs)
+            else:
+                torch.save(obj, path, **kwargs)
+            if hash_files:
+                files[path] = describe_written(path, durable)
+        return {"files": files}  # the segments are unmapped on return, before the rank closes them
+
+    while True:
+        try:
+            _pid, writes, hash_files, durable = _receive(stdin, Unpickler)
+        except EOFError:
+            return
+        except Exception as exc:  # the rank's segments cannot be mapped here: its own thread writes instead
+            _send(stdout, {"error": f"{type(exc).__name__}: {exc}", "errno": None, "unmapped": True})
+            continue
+        try:
+            answer = handle(writes, hash_files, durable)
+        except Exception as exc:  # said to the rank, which fails this save and keeps the previous checkpoint
+            answer = {"error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)}
+        del writes
+        _send(stdout, answer)
+
+
+def main() -> None:
+    parent = int(sys.argv[-1])
+    os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)  # before torch starts any thread: they all inherit it
+    with contextlib.suppress(AttributeError, OSError):  # and Linux's idle class: a core only when no one else wants it
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _die_with_parent(parent)
+    _serve(parent)
+
+
+if __name__ == "__main__":
+    main()

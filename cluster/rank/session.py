@@ -1,0 +1,398 @@
+"""The session inside a rank: what ``cluster.runtime`` (the public face a training function imports) hands out.
+
+Under the runner its calls reach the driver and the run directory; outside it (plain ``python`` or ``accelerate
+launch``) metrics go to ``./raylaunch-local/metrics-rank<R>.jsonl`` and checkpoints to
+``./raylaunch-local/checkpoints`` (``RAYLAUNCH_LOCAL_DIR`` moves that folder). Saving, uploading and restoring under
+the runner is ``cluster.checkpoint.staged``'s; the worker entry point (``cluster.rank.worker``) drives the session's
+runner side (``install``, ``emit``, ``handle_sigterm``, ``stopped_for_preemption``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from accelerate.tracking import GeneralTracker
+
+from cluster.checkpoint.resume import init_optimizers_for_load, load_loader_states, save_loader_states
+from cluster.checkpoint.staged import CheckpointError, CheckpointSaveError, ScriptSave, StagedCheckpoints
+from cluster.context import RECORD_KEYS, WorkerContext
+from cluster.layout import CHECKPOINTS, LOCAL_LATEST, checkpoint_name, checkpoint_step
+from cluster.protocol import (
+    SAID_ONCE, CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
+)
+from cluster.rank.metric_caps import capped
+from cluster.strategy import Resolved
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
+
+
+# Outside the runner, the same defaults as the spec's, so a function gives the
+# same data order under ``accelerate launch`` as under the runner.
+_LOCAL_ACCELERATE = {"dataloader": {"even_batches": True, "use_seedable_sampler": True}}
+
+
+class RunnerTracker(GeneralTracker):
+    """An Accelerate tracker that logs on every rank, not only the main one."""
+
+    name = "raylaunch"
+    requires_logging_directory = False
+    main_process_only = False
+
+    def __init__(self, session: "Session") -> None:
+        super().__init__()
+        self._session = session
+
+    @property
+    def tracker(self) -> "Session":
+        return self._session
+
+    def store_init_configuration(self, values: dict) -> None:
+        """The run's configuration is its spec.yaml already: nothing more is recorded."""
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        # Accelerate calls this on the main process only; Session.log is per rank.
+        self._session.log(values, step)
+
+
+def _holds_device_values(values: Any) -> bool:
+    """Whether a log call's values hold a tensor on a device other than the CPU (reading it waits for the device)."""
+    return isinstance(values, dict) and any(
+        getattr(getattr(v, "device", None), "type", "cpu") != "cpu" and callable(getattr(v, "item", None))
+        for v in values.values())
+
+
+class _DeviceRows:
+    """Rows whose values are read off the device by a thread of their own, in the order they were logged; one the
+    thread cannot write (a value that fails to read) is written as far as it can be, by the same caps as any."""
+
+    def __init__(self, write: Any) -> None:
+        import queue
+
+        self._write = write
+        self._rows: Any = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="raylaunch-device-metrics").start()
+
+    def put(self, values: dict, step: int | None, at: float) -> None:
+        self._rows.put((values, step, at))
+
+    def flush(self) -> None:
+        self._rows.join()
+
+    def _run(self) -> None:
+        while True:
+            values, step, at = self._rows.get()
+            try:
+                self._write(values, step, at)
+            except Exception as exc:  # noqa: BLE001 - a metric never fails the rank
+                print(f"raylaunch: metrics of step {step} not written: {exc}", file=sys.stderr, flush=True)
+            finally:
+                self._rows.task_done()
+
+
+class Session:
+    """This process's link to the runner (or to a local folder outside it)."""
+
+    def __init__(self, payload: WorkerPayload | None, local_dir: Path | None = None) -> None:
+        self.payload = payload
+        self._local_dir = local_dir
+        if payload is not None:
+            self._events_path = Path(payload.events_path)
+        else:
+            assert local_dir is not None
+            rank = int(os.environ.get("RANK", "0"))
+            self._events_path = local_dir / f"metrics-rank{rank}.jsonl"
+        self._events_path.parent.mkdir(parents=True, exist_ok=True)
+        self._events = open(self._events_path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self._cooperative = False  # the function calls preempted()
+        # checkpoint_due(): when the last save returned (or training began), how long the last save held
+        # training (None before the first), and the interval last announced
+        self._since_save: float | None = None
+        self._save_s: float | None = None
+        self._interval_said: float | None = None
+        self._stop_requested = False  # this rank got SIGTERM
+        self._stopped_for_preemption = False  # every rank agreed to stop
+        self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
+                                               context=payload.context, node_dir=str(Path(payload.events_path).parent),
+                                               background=payload.checkpoint_async, log=self.log)
+                             if payload is not None else None)
+        self._said: set[str] = set()  # what _clean has said about the values (once each)
+        self._device_rows: _DeviceRows | None = None  # from the first row with a value on a GPU: the thread reading
+        self.strategy: Resolved | None = None  # set by the worker (cluster.rank.sharding.install)
+
+    @property
+    def under_runner(self) -> bool:
+        return self.payload is not None
+
+    @property
+    def context(self) -> WorkerContext | None:
+        return self.payload.context if self.payload else None
+
+    def accelerator_kwargs(self, **overrides: Any) -> dict:
+        """Keyword arguments for ``Accelerator(...)`` that apply the spec's ``accelerate`` section.
+
+        ``Accelerator(**session.accelerator_kwargs())`` gets the runner's
+        tracker, mixed precision, gradient accumulation and dataloader
+        configuration; ``overrides`` win over all of them.
+        """
+        from accelerate import DataLoaderConfiguration
+
+        opts = self.payload.accelerate if self.payload else _LOCAL_ACCELERATE
+        kwargs: dict[str, Any] = {
+            "log_with": [self.tracker()],
+            # "auto" in the spec is Accelerate's None: its own default.
+            "dataloader_config": DataLoaderConfiguration(
+                **{k: None if v == "auto" else v for k, v in opts.get("dataloader", {}).items()}),
+        }
+        if self.strategy is not None:  # the spec merged over its accelerate config file
+            kwargs["mixed_precision"] = self.strategy.mixed_precision
+            if self.strategy.distributed_type != "DEEPSPEED":  # DeepSpeed takes it from its own config
+                kwargs["gradient_accumulation_steps"] = self.strategy.gradient_accumulation_steps
+        kwargs.update(overrides)
+        return kwargs
+
+    def _clean(self, values: Any, what: str) -> dict:
+        """``values`` within the caps, metric names apart from a row's own keys; each change said once."""
+        notes: list[str] = []
+        if not isinstance(values, dict):
+            notes.append(f"a {type(values).__name__} instead of a dict, logged as {{'value': ...}}")
+            values = {"value": values}
+        out = capped(values, notes)
+        if what == "metrics":
+            for key in [k for k in out if k in RECORD_KEYS]:
+                out[f"logged_{key}"] = out.pop(key)
+                notes.append(f"'{key}' is a key of every metrics row: stored as 'logged_{key}'")
+        for note in dict.fromkeys(notes):
+            if note not in self._said:
+                self._said.add(note)
+                print(f"raylaunch: {what}: {note} {SAID_ONCE}", file=sys.stderr, flush=True)
+        return out
+
+    def log(self, values: dict, step: int | None = None) -> None:
+        """Metrics of this rank; unlike ``accelerator.log`` this runs on every rank.
+
+        A value still on a GPU (a tensor such as ``loss``, not ``loss.item()``) is read by a thread of the rank's
+        own, which waits for the GPU in its stead: the training thread never synchronizes with the device to log. From
+        the first such call on, every row of the rank goes through that thread, in order; the worker waits for the
+        rows in it when the function returns (``flush_metrics``)."""
+        at = time.time()
+        if self._device_rows is None and not _holds_device_values(values):
+            self.emit(Metrics(step=step, values=self._clean(values, "metrics")), at=at)
+            return
+        if self._device_rows is None:
+            self._device_rows = _DeviceRows(
+                lambda v, s, t: self.emit(Metrics(step=s, values=self._clean(v, "metrics")), at=t))
+        self._device_rows.put(values, step, at)
+
+    def flush_metrics(self) -> None:
+        """Wait until every row logged so far is written (those with values a thread reads off the device)."""
+        if self._device_rows is not None:
+            self._device_rows.flush()
+
+    def preempted(self, accelerator: Any) -> bool:
+        """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
+
+        A collective: call it on every rank at the same point, after an optimizer
+        step. A function that calls it opts in to checkpointing within the grace
+        period: save with ``session.save`` and return; the runner then restarts the
+        run from that checkpoint without using up ``failure.max_restarts``. Ranks of a
+        function that never calls it simply end on SIGTERM.
+        """
+        import torch
+
+        self._cooperative = True
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=accelerator.device)
+        if accelerator.reduce(flag, "sum").item() > 0:
+            self._stopped_for_preemption = True
+        return self._stopped_for_preemption
+
+    def checkpoint_due(self, accelerator: Any) -> bool:
+        """True on every rank when the spec's ``checkpoint.every`` says a save is due: that many seconds of
+        training since the last save, or with ``auto`` Young and Daly's interval, about sqrt(2 x the time a save
+        holds training x the time between failures), revised after each save as the cost is measured (before the
+        first, a save is assumed to cost ``ASSUMED_SAVE_S``). Always False when ``checkpoint.every`` is unset.
+
+        A collective when it is set: call it on every rank at the same point, when ``accelerator.sync_gradients``
+        is true, and save with ``session.save`` when it answers True.
+        """
+        every = self.payload.checkpoint_every if self.payload is not None else None
+        if every is None:
+            return False
+        now = time.monotonic()
+        if self._since_save is None:
+            self._since_save = now
+        interval = float(every) if every != "auto" else None
+        elapsed = now - self._since_save
+        import torch
+
+        # Every rank agrees: due if any rank's clock says so, and the cost of a save is the slowest rank's.
+        facts = torch.tensor([elapsed, self._save_s if self._save_s is not None else -1.0], dtype=torch.float64,
+                             device=accelerator.device)
+        if accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(facts, op=dist.ReduceOp.MAX)
+        elapsed, save_s = float(facts[0]), float(facts[1])
+        if interval is None:
+            from cluster.interval import ASSUMED_SAVE_S, checkpoint_interval
+
+            cost = save_s if save_s >= 0 else ASSUMED_SAVE_S
+            interval = checkpoint_interval(max(cost, 1e-3), self.payload.mtbf_s)
+            said = self._interval_said
+            if self.payload.context.world_rank == 0 and (said is None or abs(interval - said) > 0.1 * said):
+                self._interval_said = interval
+                self.emit(CheckpointInterval(seconds=round(interval, 3), save_s=round(cost, 4), measured=save_s >= 0,
+                                             mtbf_s=self.payload.mtbf_s))
+        return elapsed >= interval
+
+    @property
+    def stopped_for_preemption(self) -> bool:
+        """Every rank agreed to stop (``preempted`` answered True): the worker reports it."""
+        return self._stopped_for_preemption
+
+    def handle_sigterm(self, signum: int, frame: Any) -> None:
+        """The rank's SIGTERM handler: a function that calls ``preempted`` checkpoints and stops;
+        one that never does ends as SIGTERM ends a process."""
+        import signal
+
+        if not self._cooperative:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._stop_requested = True
+        self.emit(PreemptNotice())
+
+    def tracker(self) -> RunnerTracker:
+        """Pass to ``Accelerator(log_with=[...])``; ``accelerator.log`` then reaches the driver."""
+        return RunnerTracker(self)
+
+    # --- checkpoints ---------------------------------------------------------
+
+    def save(self, accelerator: Any, step: int) -> str:
+        """Save ``accelerator``'s state as the checkpoint of ``step``; every rank must call it.
+
+        Call it only when ``accelerator.sync_gradients`` is true. Under the
+        runner the checkpoint is written to staging and committed by the
+        driver once every rank has reported its part; outside it, it is
+        written to the local checkpoints folder.
+
+        With ``checkpoint.async`` (the default) training waits only while the
+        state is copied into host memory; writing it (on an object store, then
+        uploading it) runs in the background, and the rank reports its part
+        when that is done. The next ``save`` waits for the previous one (one in
+        flight at a time: at most one copy of the state in memory), and the
+        runner waits for the last one before the function counts as finished.
+        Storage that is full fails the save (or the next one, or the end) with
+        ``CheckpointSaveError``; the previous committed checkpoint is kept.
+        """
+        began = time.monotonic()
+        try:
+            return self._save(accelerator, step)
+        finally:  # for checkpoint_due: the save's hold, and training starts again now
+            self._save_s = time.monotonic() - began
+            self._since_save = time.monotonic()
+
+    def _save(self, accelerator: Any, step: int) -> str:
+        if self._checkpoints is None:
+            target = self._local_dir / CHECKPOINTS / checkpoint_name(step)
+            accelerator.save_state(str(target), safe_serialization=True)
+            save_loader_states(accelerator, str(target))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                (self._local_dir / CHECKPOINTS / LOCAL_LATEST).write_text(target.name)
+            return str(target)
+        return self._checkpoints.save(accelerator, step)
+
+    def save_script_state(self, accelerator: Any, step: int, mirror: str | None, folder: str,
+                          safe_serialization: bool, kwargs: dict) -> str:
+        """A script's ``save_state(mirror)`` under the runner: the checkpoint of ``step``, committed as ``save``'s
+        are, and (``mirror`` not None) the script's folder filled with the same files."""
+        assert self._checkpoints is not None, "scripts run only under the runner"
+        return self._checkpoints.save(accelerator, step, ScriptSave(folder, mirror, safe_serialization, kwargs))
+
+    def resume_folder(self) -> tuple[str, dict] | None:
+        """For a script under the runner: the latest committed checkpoint in a folder of this node, and its
+        manifest; None when the attempt starts from the beginning."""
+        return self._checkpoints.resume_folder() if self._checkpoints is not None else None
+
+    def wait_for_upload(self) -> None:
+        """Block until this rank's last checkpoint is uploaded; raise if the upload failed.
+
+        The runner calls it when the training function returns, so a run never
+        finishes before its last checkpoint is committed.
+        """
+        if self._checkpoints is not None:
+            self._checkpoints.wait_for_upload()
+
+    def restore(self, accelerator: Any) -> int | None:
+        """Load the latest committed checkpoint into ``accelerator``; its step, or None.
+
+        Accelerate unpickles the RNG, sampler and registered states
+        (``weights_only=False``), so nothing is loaded unless it is this run's
+        committed checkpoint and every file matches its manifest's sha256; a mismatch
+        raises ``CheckpointError``. From an object store the downloaded copy is checked
+        and loaded; on a shared path the check and the load are two reads of the files.
+        """
+        if self.payload is None:  # outside the runner: the local folder this function wrote itself
+            latest = self._local_dir / CHECKPOINTS / LOCAL_LATEST
+            if not latest.exists():
+                return None
+            name = latest.read_text().strip()
+            init_optimizers_for_load(accelerator)
+            accelerator.load_state(str(self._local_dir / CHECKPOINTS / name))
+            load_loader_states(accelerator, str(self._local_dir / CHECKPOINTS / name))
+            return checkpoint_step(name)
+        began = time.monotonic()
+        step = self._checkpoints.restore(accelerator)
+        if step is not None:
+            self.restored(step, time.monotonic() - began)
+        return step
+
+    def restored(self, step: int, seconds: float) -> None:
+        """This rank loaded the checkpoint of ``step`` in ``seconds`` (for the goodput ledger's ``restore``)."""
+        self.emit(RestoredPart(step=step, seconds=round(seconds, 4)))
+
+    # --- events --------------------------------------------------------------
+
+    def _saved(self, step: int, uri: str, files: dict[str, dict] | None, requested: float | None = None,
+               blocked_s: float = 0.0, script_folder: str | None = None) -> None:
+        """This rank's part of a checkpoint is on storage: the driver commits on the last rank's report.
+        ``requested``: when the save was asked for; ``blocked_s``: how long it held training; ``script_folder``:
+        the folder a script's ``save_state`` named."""
+        self.emit(CheckpointPart(step=step, uri=uri, requested=requested, blocked_s=blocked_s, files=files,
+                                 script_folder=script_folder))
+
+    def emit(self, event: RankEvent, at: float | None = None) -> None:
+        """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file. ``at``:
+        when it happened (now when not given)."""
+        rank = self.payload.context.world_rank if self.payload is not None else 0
+        line = json.dumps(dataclasses.replace(event, time=time.time() if at is None else at, rank=rank).to_dict())
+        with self._lock:
+            self._events.write(line + "\n")
+            self._events.flush()
+
+
+_SESSION: Session | None = None
+
+
+def install(payload: WorkerPayload) -> Session:
+    """Called once by the worker entry point in each rank process."""
+    global _SESSION
+    _SESSION = Session(payload)
+    return _SESSION
+
+
+def get_session() -> Session:
+    """This process's session: the runner's, or a local one outside the runner."""
+    global _SESSION
+    if _SESSION is None:
+        local = Path(os.environ.get("RAYLAUNCH_LOCAL_DIR", "raylaunch-local")).resolve()
+        _SESSION = Session(None, local_dir=local)
+    return _SESSION

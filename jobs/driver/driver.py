@@ -1,0 +1,441 @@
+"""The driver: the loop over attempts of one run, and the loop over polls within one attempt.
+
+Each attempt starts every rank with a fresh rendezvous and restores the latest
+committed checkpoint; the driver polls the node actors, hands what they report to
+``jobs.driver.routing`` (which records it through ``jobs.driver.record`` and commits checkpoints),
+and ends the attempt as soon as any rank fails (stopping every other rank on every
+node), or when all succeed. After a failed attempt ``jobs.driver.policy`` says whether to
+restart; ``jobs.driver.preflight`` reserves the nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+import psutil
+
+from cluster.context import WorkerContext
+from cluster.nodes.connect import holds_embedded_cluster, job_workdir, machine_gpus
+from cluster.nodes.group import NodeGroup, NodeLostError, RendezvousError
+from cluster.nodes.placement import Placement, PlacementError, cpu_beside_gpus, fitting_nodes, resolve_placement
+from cluster.protocol import NodeState, RankFailure, RunStatus, ScriptCall, WorkerPayload
+from cluster.train_function import check_entry
+from jobs.driver.hangs import is_hang, where_ranks_are
+from jobs.driver.policy import (
+    AttemptOutcome, Failure, RunState, WorldSize, failure_kind, grow_to, next_step, resize_reason, world_sizes,
+)
+from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
+from jobs.driver.record import Recorder, RunResult
+from jobs.driver.routing import AttemptRouter, AttemptState, group_failures
+from jobs.run.events import AttemptEnded, AttemptStarted, Outcome, RunEvent, SessionEnded
+from jobs.run.storage import CheckpointError, RunDir, StorageError
+from jobs.spec import JobSpec, spec_to_dict
+from jobs.spec.environment import Secrets, check_requirements
+from jobs.spec.strategy import AccelerateConfig, read_accelerate_config
+
+__all__ = ["Driver", "RunResult", "group_failures"]
+
+# How long a node's actor holds the driver's poll while its ranks report only metrics and log lines: it answers
+# at once when a rank ends or says anything else (``cluster.nodes.node.NodeActor.poll``), so this is the lag of metrics
+# rows and log lines, and each node is called about once a second instead of four times (bench/results.md: the
+# CPU beside the ranks).
+POLL_HOLD_S = 1.0
+# How long a node holds its ranks' routine rows (metrics, pace, resources) before answering a held poll. On a job of
+# FRESH_ROWS_NODES nodes or fewer, the whole hold: one poll a second per node, what keeps raylaunch's CPU beside the
+# ranks at torchrun's + 0.012 cores (make bench, world size 2; answering at 0.5 s doubled the driver's and the node
+# actor's share). On larger jobs ROW_AGE_S, so a row reaches metrics.jsonl within a second at 1,024 ranks
+# (make bench-scale: p99 3.3 s when every node held its rows a second and the driver polled every n / 128 s).
+ROW_AGE_S = 0.5
+FRESH_ROWS_NODES = 8
+# How long the other ranks get to report their own failure once one rank failed.
+FAILURE_GRACE_S = 2.0
+# How often the TensorBoard files are brought up to date while an attempt runs.
+BOARD_FLUSH_S = 2.0
+# How often, at most, where training stands goes to events.jsonl (what a killed driver's books can miss).
+WORK_EVERY_S = 5.0
+# How often an elastic run below num_nodes looks for nodes to grow back onto.
+GROW_CHECK_S = 2.0
+
+
+class Driver:
+    """Runs one job spec on the connected Ray cluster.
+
+    >>> # result = Driver(spec, can_grow=False).run()   # needs ray.init() first
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        can_grow: bool = True,
+        fresh: bool = False,
+        out: TextIO | None = None,
+        poll_interval_s: float = 0.25,
+        on_event: Callable[[RunEvent], None] | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        self.spec = spec
+        self.can_grow = can_grow
+        self.fresh = fresh
+        # Why the run is being stopped, set by whoever stops it from outside (the CLI's SIGTERM handler) before the
+        # KeyboardInterrupt it raises reaches ``run``; None: Ctrl-C.
+        self.stop_reason: str | None = None
+        self.poll_interval_s = poll_interval_s
+        # When the command began (the CLI gives its process's start); the books count from there, else from run().
+        self.started_at = started_at
+        self.run_dir = RunDir(spec.storage, spec.name)
+        self.recorder = Recorder(self.run_dir, out, on_event)
+        self._token: str | None = None
+        self.group: NodeGroup | None = None  # the nodes of the current attempt
+        # An elastic run's world sizes, largest first (one size when it is not elastic), and the current one.
+        self.sizes: list[WorldSize] = []
+        self.size: WorldSize | None = None
+        self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
+        self.node_request: NodeRequest | None = None  # an elastic run's ask to the autoscaler while below num_nodes
+        self._open: int | None = None  # the attempt begun and not yet ended (for its AttemptEnded)
+        self._route: AttemptRouter | None = None  # the running attempt's router
+
+    @property
+    def secrets(self) -> Secrets:
+        """env.secrets' values, read in preflight."""
+        return self.recorder.secrets
+
+    def _say(self, text: str) -> None:
+        self.recorder.say(text)
+
+    def _say_idle_gpus(self, placement: Placement) -> None:
+        """A run on CPUs where GPUs are (on the cluster's nodes, or on this machine) says so once, and why."""
+        here = len(machine_gpus(override=False))
+        if note := cpu_beside_gpus(placement, self.spec.scaling.use_gpu, here, holds_embedded_cluster()):
+            self._say(note)
+
+    # --- the whole run ------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Check the train_fn and prepare the run directory; no cluster needed.
+
+        Raises ``ImportError``/``AttributeError`` for a train_fn that does not
+        exist and ``StorageError`` for storage that cannot be written.
+        """
+        if self._token is not None:
+            return
+        # before anything is written: a missing one is a spec error
+        self.recorder.secrets = Secrets.read(self.spec.env)
+        if (script := check_entry(self.spec)) is not None:
+            self._say(f"raylaunch: script {script.path}: {script.describe()}")
+        self.accelerate = read_accelerate_config(self.spec)
+        if note := self.accelerate.note():
+            self._say(note)
+        if warning := check_requirements(self.spec.env.requirements):
+            self._say(warning)
+        if self.fresh and self.run_dir.exists():
+            name = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            self._say(f"raylaunch: --fresh: starting a new run directory {name} (the old one is kept)")
+            self.spec = dataclasses.replace(self.spec, name=name)
+            self.run_dir = self.recorder.run_dir = RunDir(self.spec.storage, name)
+            self.recorder.result.run_dir = self.run_dir.uri
+        self._token = self.run_dir.prepare(spec_to_dict(self.spec))
+
+    def run(self) -> RunResult:
+        """Run to the end; returns the result, which is also in ``result.json``."""
+        self.preflight()
+        rec = self.recorder
+        r = rec.result
+        r.start_time = time.time()
+        r.timeline = {"process_start": psutil.Process().create_time(), "driver_ready": r.start_time}
+        started = self.started_at or r.start_time
+        # A rerun of the same run continues its attempt numbers, so metrics.jsonl
+        # rows from before and after the resume stay apart, and its books.
+        r.attempts = int((self.run_dir.read_result() or {}).get("attempts") or 0)
+        rec.begin_session(started)
+        rec.open_board()
+        try:
+            s = self.spec.scaling
+            placement = resolve_placement(s.num_nodes, s.workers_per_node, s.use_gpu, s.cpus_per_worker)
+            r.num_nodes, r.world_size = placement.num_nodes, placement.world_size
+            self._say(
+                f"raylaunch: {self.spec.name}: {placement.num_nodes} nodes x {placement.workers_per_node} "
+                f"workers = world size {placement.world_size} ({'GPU, nccl' if placement.use_gpu else 'CPU, gloo'})"
+            )
+            if not placement.use_gpu:
+                self._say_idle_gpus(placement)
+            self._say(f"raylaunch: run directory {self.run_dir.uri}")
+            if refused := self.accelerate.device_problem(placement.use_gpu):  # DeepSpeed on CPU nodes
+                r.status, r.error = RunStatus.FAILED, refused
+            else:
+                self._attempts(placement)
+        except (PlacementError, RendezvousError, StorageError, CheckpointError) as exc:
+            r.status, r.error = RunStatus.FAILED, str(exc)
+        except KeyboardInterrupt as exc:
+            r.status, r.error = RunStatus.STOPPED, self.stop_reason or str(exc) or "interrupted (Ctrl-C)"
+            self._say(f"raylaunch: {r.error}: stopping every rank")
+            if self.group is not None and self.group.contexts:
+                # A run is usually stopped because it looks stuck: say where it was.
+                where = where_ranks_are(self.group, self.run_dir, r.attempts)
+                r.error += "\n" + where
+                self._say(f"raylaunch: {where}")
+        except Exception as exc:  # the runner's own failure: the run still ends recorded, never "running"
+            import traceback
+
+            r.status = RunStatus.FAILED
+            r.error = f"the driver failed: {type(exc).__name__}: {str(exc)[:2000]}"
+            print(self.secrets.mask(f"raylaunch: {r.error}; every rank is stopped, what was committed stays. The driver's "
+                  f"traceback (a bug in raylaunch, please report it):\n{traceback.format_exc()}"),
+                  file=sys.stderr)
+        finally:
+            r.live = {}
+            if self._open is not None:
+                self._end_attempt(Outcome.STOPPED if r.status == RunStatus.STOPPED else Outcome.FAILED)
+            if self.group is not None:
+                self.group.shutdown()
+                self.group = None
+            if self.node_request is not None:
+                self.node_request.withdraw()
+            rec.event(SessionEnded(time=time.time(), status=str(r.status)))
+            r.end_time = time.time()
+            # What the ranks returned or raised is written and printed with env.secrets masked.
+            r.error, r.return_value, r.rank_results = rec.mask((r.error, r.return_value, r.rank_results))
+            # Each of these on its own: storage that refuses one (full, say) must not keep result.json from the end.
+            try:
+                self.run_dir.clear_staging()  # no rank runs now: what a failed save left goes
+            except OSError as exc:
+                self._say(f"raylaunch: could not clear the staging folder of {self.run_dir.uri}: {exc}")
+            rec.board.close()  # says, never raises, when its files cannot be written
+            try:
+                rec.write_result()
+            except OSError as exc:
+                self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
+            try:
+                self.run_dir.close()
+            except OSError as exc:
+                self._say(f"raylaunch: metrics, events or logs held while {self.run_dir.uri} refused writes are "
+                          f"lost: {exc}")
+        return r
+
+    def _attempts(self, placement: Placement) -> None:
+        rec = self.recorder
+        r = rec.result
+        s = self.spec.scaling
+        self.sizes = world_sizes(s, placement.workers_per_node, self.accelerate.gradient_accumulation_steps)
+        elastic = len(self.sizes) > 1 or s.elastic_min < s.num_nodes
+        if elastic:
+            self._say("raylaunch: elastic: can run at " + ", ".join(w.describe() for w in self.sizes)
+                      + ("" if s.keep_global_batch else " (scaling.keep_global_batch is false: the global batch "
+                         "changes with the world size)"))
+        state, step = RunState.RESERVING, None
+        while True:
+            self._open = r.attempts + 1
+            began = time.time()
+            # Every rank of the previous attempt is stopped (and no commit comes while nodes are reserved): what it
+            # left half-saved goes, and the checkpoint this attempt resumes from is known before it is announced.
+            latest = None
+            try:
+                self.run_dir.clear_staging()
+                latest = self.run_dir.checkpoints.loadable(warn=self._say)
+            except BaseException:  # no checkpoint it may load (latest.json names one that is gone): the attempt
+                r.attempts += 1  # counts, failed before any node was reserved
+                raise
+            finally:
+                rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
+                                         max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
+                                         resume_step=latest.step if latest else None))
+            if state is RunState.RESERVING:
+                old = self.size
+                if elastic:
+                    if self.can_grow and self.node_request is None:  # an autoscaler adds what the run is short of
+                        self.node_request = NodeRequest(placement)
+                    self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
+                                                            can_grow=self.can_grow,
+                                                            wait_full_s=step.wait_full_s if step else 0.0,
+                                                            request=self.node_request)
+                    if self.node_request is not None and self.size == self.sizes[0]:
+                        self.node_request.withdraw()
+                else:
+                    self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
+                    self.size = self.sizes[0]
+                r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
+                if old is not None and old != self.size:
+                    rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
+            r.attempts += 1
+            if r.resizes and r.resizes[-1]["attempt"] == r.attempts:
+                r.resizes[-1]["step"] = latest.step if latest else 0
+            if latest is not None:
+                self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})"
+                          + (f" on world size {self.size.world_size}" if elastic else ""))
+            r.status = RunStatus.RUNNING
+            rec.write_result()
+            rec.board.start_attempt(latest.step if latest else None)
+            outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, latest.step if latest else 0)
+            # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
+            step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
+                             self.spec.timeouts.resize_s)
+            state = step.state
+            r.restarts, r.preemptions = step.restarts, step.preemptions
+            r.error = None if outcome.ok or step.grew else outcome.error
+            if state is RunState.RESERVING:  # the bundles of lost nodes are gone; growing needs a larger group
+                self.group.shutdown()
+                self.group = None
+            self._end_attempt(step.ended)
+            if state is RunState.SUCCEEDED:
+                r.status = RunStatus.SUCCEEDED
+                return
+            if state is RunState.FAILED:
+                r.status = RunStatus.FAILED
+                return
+            if step.message:
+                self._say(step.message)
+
+    def _end_attempt(self, outcome: Outcome) -> None:
+        """Say how the open attempt ended (and where its training stood), and write result.json's books."""
+        rec, number = self.recorder, self._open
+        self._open = None
+        route, self._route = self._route, None
+        if route is not None:
+            route.finish()
+        rec.event(AttemptEnded(time=time.time(), attempt=number or 0, outcome=outcome,
+                               restarts=rec.result.restarts))
+        try:
+            rec.write_result()
+        except OSError as exc:
+            self._say(f"raylaunch: could not write result.json to {self.run_dir.uri}: {exc}")
+
+    def _grown(self, group: NodeGroup) -> WorldSize | None:
+        """A larger size the cluster's nodes allow now, if this elastic run is below num_nodes."""
+        if self.size is None or len(self.sizes) < 2 or self.size == self.sizes[0]:
+            return None
+        held = {i.node_id for i in group.infos}
+        return grow_to(self.sizes, self.size, fitting_nodes(group.placement, held=held))
+
+    # --- one attempt ------------------------------------------------------------------
+
+    def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None, resume_step: int) -> AttemptOutcome:
+        spec = self.spec
+        staging = self.run_dir.staging_uri(attempt)
+        use_gpu = group.placement.use_gpu
+        accumulation = self.size.accumulation if self.size else self.accelerate.gradient_accumulation_steps
+        script = None
+        if spec.script is not None:
+            script = ScriptCall(spec.script, tuple(spec.args), spec.resume_arg, workdir=job_workdir(),
+                                accumulation=accumulation,
+                                full_accumulation=self.accelerate.gradient_accumulation_steps)
+
+        # checkpoint.every auto: the time between failures of this run's own books once it has failed
+        books = self.recorder.ledger()
+        mtbf_s = books.wall_s / books.failures if books.failures else spec.checkpoint.mtbf_s
+
+        def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
+            return WorkerPayload(
+                context=ctx,
+                attempt=attempt,
+                train_fn=spec.train_fn,
+                config=dict(spec.config),
+                events_path=events_path,
+                staging_uri=staging,
+                restore_uri=restore_uri,
+                backend="nccl" if use_gpu else "gloo",
+                collective_timeout_s=spec.timeouts.collective_s,
+                accelerate=self.accelerate.at(accumulation),
+                script=script,
+                checkpoint_async=spec.checkpoint.async_,
+                checkpoint_every=spec.checkpoint.every,
+                mtbf_s=mtbf_s,
+            )
+
+        try:
+            contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
+        except NodeLostError as exc:  # a node lost between its reservation and its ranks' start
+            self._say(f"raylaunch: attempt {attempt}: {exc}")
+            return AttemptOutcome(False, str(exc), tuple(exc.nodes))
+        rec = self.recorder
+        rec.mark("ranks_started")
+        a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
+        route = self._route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s,
+                                            hosts={i: (n.hostname, n.ip) for i, n in enumerate(group.infos)})
+        started = last_board = last_grow_check = last_work = time.monotonic()
+        grow: WorldSize | None = None
+        grow_seen = 0.0  # when nodes to grow onto were first seen
+        returns: dict[int, Any] = {}
+        failures: list[RankFailure] = []
+        lost: list[int] = []
+        max_age_s = ROW_AGE_S if len(group.actors) > FRESH_ROWS_NODES else POLL_HOLD_S
+        while True:
+            round_start = time.monotonic()
+            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s, hold_s=POLL_HOLD_S, max_age_s=max_age_s)
+            for node_rank, p in enumerate(polls):
+                route.forward(node_rank, p)
+                returns.update(p.returns)
+                failures.extend(p.failures)
+                if p.state == NodeState.LOST:
+                    lost.append(node_rank)
+                failures.extend(route.silent(node_rank, group.infos[node_rank], p, known={f.rank for f in failures}))
+            if failures:
+                break
+            if all(s == NodeState.SUCCEEDED for s in group.states):
+                if a.preempted:
+                    step = rec.result.last_step
+                    return AttemptOutcome(False, f"preempted: ranks {sorted(a.preempted)} checkpointed "
+                                                 f"within the grace period at step {step} and stopped",
+                                          failure=Failure.PREEMPTED)
+                break
+            if len(a.joined) < a.world and time.monotonic() - started > spec.timeouts.rendezvous_s:
+                # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
+                missing = sorted(set(a.node_of) - a.arrived) or sorted(set(a.node_of) - a.joined)
+                nodes = sorted({a.node_of[m] for m in missing})
+                where = where_ranks_are(group, self.run_dir, attempt)
+                group.stop()
+                return AttemptOutcome(False, (
+                    f"ranks {missing} on nodes {nodes} did not join the process group within "
+                    f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained\n{where}"
+                ))
+            if time.monotonic() - last_grow_check > GROW_CHECK_S:
+                last_grow_check = time.monotonic()
+                seen = self._grown(group)
+                if seen is not None and (grow is None or seen.nodes > grow.nodes):
+                    grow, grow_seen = seen, time.time()
+                    self._say(f"raylaunch: elastic: nodes came back; growing to {seen.describe()} at the "
+                              "next committed checkpoint")
+            if grow is not None and a.last_commit is not None and a.last_commit[1] > grow_seen:
+                for node_rank, p in enumerate(group.stop()):
+                    route.forward(node_rank, p)
+                return AttemptOutcome(False, f"stopped at the checkpoint of step {a.last_commit[0]} to grow to "
+                                             f"world size {grow.world_size}", grow=grow)
+            if time.monotonic() - last_board > BOARD_FLUSH_S:
+                rec.board.flush()
+                last_board = time.monotonic()
+            if time.monotonic() - last_work > WORK_EVERY_S:
+                if w := route.work():
+                    rec.event(w)
+                last_work = time.monotonic()
+            # Held polls pace the rounds (a node answers when it has news, or its rows waited max_age_s):
+            # a round every poll_interval_s at most, however many nodes, so no row waits a round of n / 128 s.
+            time.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - round_start)))
+        if failures:
+            # The same bug usually fails every rank within moments: wait briefly for the
+            # other nodes to report theirs, so the error is grouped, not one rank's alone.
+            grace = time.monotonic() + FAILURE_GRACE_S
+            while time.monotonic() < grace and any(s == NodeState.RUNNING for s in group.states):
+                time.sleep(self.poll_interval_s)
+                before = group.states
+                for node_rank, p in enumerate(group.poll(lost_after_s=spec.timeouts.heartbeat_s)):
+                    if before[node_rank] != NodeState.RUNNING:
+                        continue
+                    route.forward(node_rank, p)
+                    failures.extend(p.failures)
+            # A hang: where was every rank? Read before they are stopped.
+            where = where_ranks_are(group, self.run_dir, attempt, failures) if is_hang(failures) else ""
+            # Stop everyone else now: a rank blocked in a collective would wait forever.
+            for node_rank, p in enumerate(group.stop()):
+                route.forward(node_rank, p)
+            # A node whose death was known only after its peers failed (they lost their
+            # connections to it first) is lost all the same: the next attempt needs other nodes.
+            lost += [i for i, state in enumerate(group.states) if state == NodeState.LOST and i not in lost]
+            error = self.secrets.mask(group_failures(failures) + (f"\n{where}" if where else ""))
+            print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
+            return AttemptOutcome(False, error, tuple(lost), failure_kind(failures, lost_nodes=bool(lost)))
+        # Rank return values are JSON data already (``cluster.rank.worker`` made them so).
+        rec.result.return_value = returns.get(0)
+        rec.result.rank_results = {str(k): v for k, v in sorted(returns.items())}
+        return AttemptOutcome(True)
