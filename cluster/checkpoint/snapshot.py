@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from cluster import patches
 from cluster.checkpoint.writer import describe_written
 
 __all__ = ["Snapshot", "capture"]
@@ -372,23 +373,26 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
     def distributed_save(state_dict: Any, *args: Any, storage_writer: Any = None, **kwargs: Any) -> Any:
         # The collectives run here, now, in step with the other ranks; only the local file system's writes are kept.
         if threading.current_thread() is _CAPTURING.thread and type(getattr(storage_writer, "fs", None)) is FileSystem:
-            storage_writer.fs = _MemoryFiles(snap)
-            storage_writer.sync_files = False  # nothing to sync in memory (DCP would sync the whole machine instead)
+            fields = "torch.distributed.checkpoint.FileSystemWriter.fs"
+            patches.write(storage_writer, "fs", _MemoryFiles(snap), fields)
+            # nothing to sync in memory (DCP would sync the whole machine instead)
+            patches.write(storage_writer, "sync_files", False, fields)
         return dcp_save(state_dict, *args, storage_writer=storage_writer, **kwargs)
 
     _CAPTURING.thread = threading.current_thread()
-    torch.save, other.safe_save_file = torch_save, safe_save_file
-    if dcp is not None:
-        dcp.save = distributed_save
     try:
-        yield
-        snap.on_gpu = bool(cuda)
-        if cuda:
-            torch.cuda.synchronize()  # the non-blocking copies are done before training changes the tensors
+        with contextlib.ExitStack() as replaced:
+            replaced.enter_context(patches.scoped(torch, "save", torch_save, "torch.save"))
+            replaced.enter_context(patches.scoped(other, "safe_save_file", safe_save_file,
+                                                  "accelerate.utils.other.safe_save_file"))
+            if dcp is not None:
+                replaced.enter_context(patches.scoped(dcp, "save", distributed_save,
+                                                      "torch.distributed.checkpoint.save"))
+            yield
+            snap.on_gpu = bool(cuda)
+            if cuda:
+                torch.cuda.synchronize()  # the non-blocking copies are done before training changes the tensors
     finally:
-        torch.save, other.safe_save_file = save, safe_save
-        if dcp is not None:
-            dcp.save = dcp_save
         _CAPTURING.thread = None
 
 

@@ -22,6 +22,7 @@ from multiprocessing import forkserver, process, resource_tracker, spawn
 from pathlib import Path
 from typing import Any
 
+from cluster import patches
 from cluster.hosting import rankhost
 from cluster.hosting.hostproc import pid_namespace
 from cluster.hosting.rankhost import Claim, WarmHost
@@ -120,15 +121,18 @@ class ForkServer:
         """multiprocessing's fork-server client state, aimed at a server this process did not start."""
         fs = forkserver._forkserver
         self._host_fd = os.open(os.devnull, os.O_WRONLY)
-        fs._forkserver_address, fs._forkserver_alive_fd, fs._forkserver_pid = address, self._host_fd, None
-        fs.ensure_running = resource_tracker.ensure_running  # nothing to start: the host runs
+        for name, value in (("_forkserver_address", address), ("_forkserver_alive_fd", self._host_fd),
+                            ("_forkserver_pid", None),
+                            ("ensure_running", resource_tracker.ensure_running)):  # nothing to start: the host runs
+            patches.write(fs, name, value, "multiprocessing.forkserver._forkserver.ensure_running")
 
     def _unpoint(self) -> None:
         if self._host_fd is None:
             return
         fs = forkserver._forkserver
-        fs.__dict__.pop("ensure_running", None)
-        fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+        fs.__dict__.pop("ensure_running", None)  # the class's own again
+        for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid"):
+            patches.write(fs, name, None, "multiprocessing.forkserver._forkserver.ensure_running")
         os.close(self._host_fd)
         self._host_fd = None
 
@@ -137,7 +141,8 @@ class ForkServer:
             config = process.current_process()._config
             if config.get("tempdir") is None:
                 # One per process; hex, short: the socket path under it has 107 bytes at most.
-                self._folder = config["tempdir"] = process_folder(f"raylaunch-mp-{pid_namespace()}-", fresh=True)
+                self._folder = process_folder(f"raylaunch-mp-{pid_namespace()}-", fresh=True)
+                patches.write(config, "tempdir", self._folder, "multiprocessing.process._config")
             self._thread = threading.Thread(target=_start_forkserver, daemon=True, name="raylaunch-forkserver")
             self._thread.start()
 
@@ -158,12 +163,10 @@ class ForkServer:
             data.pop("init_main_from_name", None)
             return data
 
-        with _SPAWNING, (rankhost.starting(self._host) if self._host is not None else nullcontext()):
-            spawn.get_preparation_data = without_main
-            try:
-                yield
-            finally:
-                spawn.get_preparation_data = original
+        with _SPAWNING, (rankhost.starting(self._host) if self._host is not None else nullcontext()), \
+                patches.scoped(spawn, "get_preparation_data", without_main,
+                               "multiprocessing.spawn.get_preparation_data"):
+            yield
 
     def release(self) -> None:
         with self._lock:
@@ -191,7 +194,7 @@ class ForkServer:
                 shutil.rmtree(self._folder, ignore_errors=True)
                 config = process.current_process()._config
                 if config.get("tempdir") == self._folder:
-                    config["tempdir"] = None
+                    patches.write(config, "tempdir", None, "multiprocessing.process._config")
                 self._folder = None
 
 

@@ -1,6 +1,6 @@
 """The warm rank host itself (``cluster.hosting.rankhost`` claims and starts them): what a host is keyed by
-(``host_key``), the host process (``python -m cluster.hosting.hostproc``: multiprocessing's fork server on a socket of its
-own, after its imports), and when it ends. The process facts both sides read (``/proc``) are here too.
+(``host_key``), the host process (``python -m cluster.hosting.hostproc``: multiprocessing's fork server on a socket
+of its own, after its imports), and when it ends. The process facts both sides read (``/proc``) are here too.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 import ray
 
 import cluster
+from cluster import patches
 from cluster.errors import RaylaunchError
 from cluster.hosting.rankhost import PROJECT_VAR
 from cluster.nodes.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
@@ -95,13 +96,9 @@ def _head_without_api_server() -> Iterator[None]:
     submitted to it, no dashboard is reachable."""
     import ray._private.node
 
-    node = ray._private.node.Node
-    real = node.start_api_server
-    node.start_api_server = lambda self, **kwargs: None
-    try:
+    with patches.scoped(ray._private.node.Node, "start_api_server", lambda self, **kwargs: None,
+                        "ray._private.node.Node.start_api_server"):
         yield
-    finally:
-        node.start_api_server = real
 
 
 @contextlib.contextmanager
@@ -110,13 +107,10 @@ def _minimal_agents() -> Iterator[None]:
     dashboard: no metrics export, job or reporter server, which nothing of an embedded run reaches (2.2 s of a
     core at each node's start on this project's 2-core machine, competing with the start itself). Ray decides by
     whether the dashboard's optional packages import, in the process that starts the node."""
-    utils = ray._private.utils
-    real = utils.get_dashboard_dependency_error
-    utils.get_dashboard_dependency_error = lambda: ImportError("left out: an embedded raylaunch cluster")
-    try:
+    with patches.scoped(ray._private.utils, "get_dashboard_dependency_error",
+                        lambda: ImportError("left out: an embedded raylaunch cluster"),
+                        "ray._private.utils.get_dashboard_dependency_error"):
         yield
-    finally:
-        utils.get_dashboard_dependency_error = real
 
 
 @contextlib.contextmanager
@@ -125,18 +119,15 @@ def _sigterm_handlers_from_the_main_thread_only() -> Iterator[None]:
     ``connect`` adds from a thread, that step is left out. The handler that stays is the head's, set from the main
     thread (a SIGTERM ends the head's processes, then the exit ends every node's); the CLI sets its own after
     connecting anyway."""
-    utils = ray._private.utils
-    real = utils.set_sigterm_handler
+    real = ray._private.utils.set_sigterm_handler
 
-    def from_main_thread(handler: Callable) -> None:
+    def from_main_thread(sigterm_handler: Callable) -> None:
         if threading.current_thread() is threading.main_thread():
-            real(handler)
+            real(sigterm_handler)
 
-    utils.set_sigterm_handler = from_main_thread
-    try:
+    with patches.scoped(ray._private.utils, "set_sigterm_handler", from_main_thread,
+                        "ray._private.utils.set_sigterm_handler"):
         yield
-    finally:
-        utils.set_sigterm_handler = real
 
 
 def _add_nodes_beside(cluster: Any, nodes: list[dict[str, object]], release: threading.Event) -> Callable[[], None]:

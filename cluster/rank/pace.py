@@ -35,7 +35,9 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from cluster import patches
 from cluster.checkpoint.resume import next_batch
+from cluster.rank.prepared import after_prepare
 
 __all__ = ["CpuTimer", "CudaTimer", "PaceMeter", "Timer", "install"]
 
@@ -194,9 +196,9 @@ class PaceMeter:
 def install(emit: Callable[[dict], None]) -> "_Pace":
     """Measure this rank process's prepared dataloaders and backward passes; report through ``emit``.
 
-    Patches Accelerate's dataloader classes, ``Accelerator.prepare_model`` and
-    ``Accelerator.backward`` in this process only (a rank is its own process, forked
-    after the fork server imported Accelerate), before the training function runs.
+    Patches Accelerate's dataloader classes and ``Accelerator.backward``, and hooks each prepared model
+    (``cluster.rank.prepared``), in this process only (a rank is its own process, forked after the fork server
+    imported Accelerate), before the training function runs (``cluster.patches`` says why each).
     """
     meter = PaceMeter()
     _time_dataloaders(meter)
@@ -227,9 +229,8 @@ def _time_dataloaders(meter: PaceMeter) -> None:
     from accelerate import data_loader
 
     for cls in (data_loader.DataLoaderShard, data_loader.DataLoaderDispatcher, data_loader.SkipDataLoader):
-        if getattr(cls.__iter__, "_raylaunch_timed", False):
-            continue
-        cls.__iter__ = _timed_iter(cls.__iter__, meter)
+        patches.replace(cls, "__iter__", lambda iterate: _timed_iter(iterate, meter),
+                        f"accelerate.data_loader.{cls.__name__}.__iter__")
 
 
 def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callable[[Any], Iterator]:
@@ -250,7 +251,6 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
         finally:
             batches.close()  # a loop left early ends Accelerate's iterator now, as without us
 
-    __iter__._raylaunch_timed = True  # type: ignore[attr-defined]
     return __iter__
 
 
@@ -286,35 +286,39 @@ class _LastGradients:
 
 
 def _time_backward(meter: PaceMeter) -> None:
+    """The gradient hooks on each model ``prepare`` wraps as DDP, FSDP1 or alone (``prepare_model``'s: not FSDP2,
+    DeepSpeed or Megatron-LM, whose engines hook their own), and ``backward`` timed. Once a process."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
-    prepare_model, backward = Accelerator.prepare_model, Accelerator.backward
-    if getattr(backward, "_raylaunch_timed", False):
+    if patches.installed(Accelerator, "backward"):
         return
     models: list[_LastGradients] = []
 
-    @functools.wraps(prepare_model)
-    def timed_prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        prepared = prepare_model(self, model, *args, **kwargs)
-        if self.num_processes > 1:  # alone, a rank waits for nobody
+    def hook(accelerator: Any, prepared: list[Any]) -> None:
+        if accelerator.num_processes <= 1 or getattr(accelerator, "is_fsdp2", False) or \
+                accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            return  # alone, a rank waits for nobody
+        for model in prepared:
             try:
-                params = [p for p in prepared.parameters() if p.requires_grad]
+                params = [p for p in model.parameters() if p.requires_grad]
                 if params and params[0].device.type == "cuda" and isinstance(meter.timer, CpuTimer):
                     meter.timer = CudaTimer()  # the stream's time, read without synchronizing the host
                 models.append(_LastGradients(meter, params))
             except (AttributeError, RuntimeError) as exc:  # never the function's failure: unmeasured instead
                 print(f"raylaunch: sync_wait is not measured for this model: {exc}", file=sys.stderr, flush=True)
-        return prepared
 
-    @functools.wraps(backward)
-    def timed_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        meter.backward_started()
-        out = backward(self, *args, **kwargs)
-        meter.backward_ended()
-        for m in models:
-            m.backward_done()
-        return out
+    def make(backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def timed_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            meter.backward_started()
+            out = backward(self, *args, **kwargs)
+            meter.backward_ended()
+            for m in models:
+                m.backward_done()
+            return out
 
-    for f in (timed_prepare_model, timed_backward):
-        f._raylaunch_timed = True  # type: ignore[attr-defined]
-    Accelerator.prepare_model, Accelerator.backward = timed_prepare_model, timed_backward
+        return timed_backward
+
+    after_prepare("pace", hook)
+    patches.replace(Accelerator, "backward", make, "accelerate.Accelerator.backward")

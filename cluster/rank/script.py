@@ -29,8 +29,9 @@ import runpy
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
+from cluster import patches
 from cluster.errors import RaylaunchError
 from cluster.protocol import ScriptCall
 
@@ -148,7 +149,8 @@ class ScriptHooks:
         self.optimizer_steps = self._start = int(manifest["step"])
 
     def install(self) -> None:
-        """Patch Accelerate's classes; a collective (every rank calls it, after the process group exists)."""
+        """Patch Accelerate's classes (``cluster.patches`` says why each); a collective (every rank calls it, after
+        the process group exists)."""
         import torch.distributed as dist
         from accelerate import Accelerator
         from accelerate.optimizer import AcceleratedOptimizer
@@ -158,53 +160,69 @@ class ScriptHooks:
             self._group = dist.new_group(backend="gloo")
 
         hooks = self
-        init, log, save_state, load_state = (Accelerator.__init__, Accelerator.log, Accelerator.save_state,
-                                             Accelerator.load_state)
-        optimizer_step = AcceleratedOptimizer.step
 
-        @functools.wraps(init)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            hooks._accumulation(kwargs)
-            init(self, *args, **kwargs)
+        def init(original: Callable[..., None]) -> Callable[..., None]:
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                hooks._accumulation(kwargs)
+                original(self, *args, **kwargs)
 
-        @functools.wraps(log)
-        def log_all_ranks(self: Any, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-            hooks.session.log(values, step)  # every rank; Accelerate's own trackers log on the main process
-            log(self, values, step=step, log_kwargs=log_kwargs or {})
+            return __init__
 
-        @functools.wraps(save_state)
-        def save_committed(self: Any, output_dir: str | None = None, safe_serialization: bool = True,
-                           **kwargs: Any) -> str:
-            if hooks._inside:
-                return save_state(self, output_dir, safe_serialization=safe_serialization, **kwargs)
-            return hooks._save(self, save_state, output_dir, safe_serialization, kwargs)
+        def log(original: Callable[..., None]) -> Callable[..., None]:
+            @functools.wraps(original)
+            def log_all_ranks(self: Any, values: dict, step: int | None = None,
+                              log_kwargs: dict | None = None) -> None:
+                hooks.session.log(values, step)  # every rank; Accelerate's own trackers log on the main process
+                original(self, values, step=step, log_kwargs=log_kwargs or {})
 
-        @functools.wraps(load_state)
-        def load_checked(self: Any, input_dir: str | None = None, **kwargs: Any) -> Any:
-            ours = hooks._is_resume_folder(input_dir)
-            began = time.monotonic()
-            if ours:
-                from cluster.checkpoint.resume import init_optimizers_for_load
+            return log_all_ranks
 
-                init_optimizers_for_load(self)
-            out = load_state(self, input_dir, **kwargs)
-            if ours:
-                hooks._after_resume(self, input_dir)
-                hooks.session.restored(int((hooks.resume_manifest or {}).get("step", 0)), time.monotonic() - began)
-            return out
+        def save_state(original: Callable[..., str]) -> Callable[..., str]:
+            @functools.wraps(original)
+            def save_committed(self: Any, output_dir: str | None = None, safe_serialization: bool = True,
+                               **kwargs: Any) -> str:
+                if hooks._inside:
+                    return original(self, output_dir, safe_serialization=safe_serialization, **kwargs)
+                return hooks._save(self, original, output_dir, safe_serialization, kwargs)
 
-        @functools.wraps(optimizer_step)
-        def counted_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = optimizer_step(self, *args, **kwargs)
-            if self.gradient_state.sync_gradients:
-                hooks._counted(self)
-            return out
+            return save_committed
 
-        Accelerator.__init__ = __init__
-        Accelerator.log = log_all_ranks
-        Accelerator.save_state = save_committed
-        Accelerator.load_state = load_checked
-        AcceleratedOptimizer.step = counted_step
+        def load_state(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def load_checked(self: Any, input_dir: str | None = None, **kwargs: Any) -> Any:
+                ours = hooks._is_resume_folder(input_dir)
+                began = time.monotonic()
+                if ours:
+                    from cluster.checkpoint.resume import init_optimizers_for_load
+
+                    init_optimizers_for_load(self)
+                out = original(self, input_dir, **kwargs)
+                if ours:
+                    hooks._after_resume(self, input_dir)
+                    hooks.session.restored(int((hooks.resume_manifest or {}).get("step", 0)),
+                                           time.monotonic() - began)
+                return out
+
+            return load_checked
+
+        def step(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def counted_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+                out = original(self, *args, **kwargs)
+                if self.gradient_state.sync_gradients:
+                    hooks._counted(self)
+                return out
+
+            return counted_step
+
+        for holder, name, make, target in (
+                (Accelerator, "__init__", init, "accelerate.Accelerator.__init__"),
+                (Accelerator, "log", log, "accelerate.Accelerator.log"),
+                (Accelerator, "save_state", save_state, "accelerate.Accelerator.save_state"),
+                (Accelerator, "load_state", load_state, "accelerate.Accelerator.load_state"),
+                (AcceleratedOptimizer, "step", step, "accelerate.optimizer.AcceleratedOptimizer.step")):
+            patches.replace(holder, name, make, target)
 
     # --- what the hooks do ---------------------------------------------------------
 

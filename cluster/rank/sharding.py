@@ -17,11 +17,14 @@ import functools
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from cluster import patches
+from cluster.rank.prepared import after_prepare
 from cluster.strategy import Resolved, _env_for, resolve
 
 __all__ = ["ShardInfo", "fsdp2_precision_note", "install", "shard_info"]
+
 
 @dataclass(frozen=True)
 class ShardInfo:
@@ -121,30 +124,31 @@ def _fsdp_on_cpu() -> None:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
-    if getattr(AcceleratorState.__init__, "_raylaunch_fsdp", False):
-        return
-    original = AcceleratorState.__init__
+    shared = "accelerate.state.PartialState._shared_state"
 
-    @functools.wraps(original)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        plugin = kwargs.get("fsdp_plugin")
-        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            if self.mixed_precision != "no":
-                plugin.set_mixed_precision(self.mixed_precision)
-            self.fsdp_plugin = plugin
-            self.distributed_type = DistributedType.FSDP
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            if getattr(plugin, "fsdp_version", 1) == 1:
-                # Accelerate's multi-CPU device is "cpu:0", which FSDP1 passes on as device_id;
-                # FSDP1 computes on "cpu" and refuses the pair ("Inconsistent compute device").
-                import torch
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            plugin = kwargs.get("fsdp_plugin")
+            if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+                if self.mixed_precision != "no":
+                    plugin.set_mixed_precision(self.mixed_precision)
+                self.fsdp_plugin = plugin
+                self.distributed_type = DistributedType.FSDP
+                patches.write(PartialState._shared_state, "distributed_type", DistributedType.FSDP, shared)
+                if getattr(plugin, "fsdp_version", 1) == 1:
+                    # Accelerate's multi-CPU device is "cpu:0", which FSDP1 passes on as device_id;
+                    # FSDP1 computes on "cpu" and refuses the pair ("Inconsistent compute device").
+                    import torch
 
-                self.device = PartialState._shared_state["device"] = torch.device("cpu")
-                _fsdp1_full_state_on_cpu()
+                    self.device = torch.device("cpu")
+                    patches.write(PartialState._shared_state, "device", self.device, shared)
+                    _fsdp1_full_state_on_cpu()
 
-    __init__._raylaunch_fsdp = True  # type: ignore[attr-defined]
-    AcceleratorState.__init__ = __init__
+        return __init__
+
+    patches.replace(AcceleratorState, "__init__", make, "accelerate.state.AcceleratorState.__init__")
 
 
 def _fsdp1_full_state_on_cpu() -> None:
@@ -157,44 +161,33 @@ def _fsdp1_full_state_on_cpu() -> None:
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if getattr(FSDP.set_state_dict_type, "_raylaunch_cpu", False):
-        return
-    original = FSDP.set_state_dict_type
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def set_state_dict_type(module: Any, state_dict_type: Any, state_dict_config: Any = None,
+                                optim_state_dict_config: Any = None) -> Any:
+            configs = [c if not getattr(c, "offload_to_cpu", False) else dataclasses.replace(c, offload_to_cpu=False)
+                       for c in (state_dict_config, optim_state_dict_config)]
+            return original(module, state_dict_type, *configs)
 
-    def set_state_dict_type(module: Any, state_dict_type: Any, state_dict_config: Any = None,
-                            optim_state_dict_config: Any = None) -> Any:
-        configs = [c if not getattr(c, "offload_to_cpu", False) else dataclasses.replace(c, offload_to_cpu=False)
-                   for c in (state_dict_config, optim_state_dict_config)]
-        return original(module, state_dict_type, *configs)
+        return set_state_dict_type
 
-    set_state_dict_type._raylaunch_cpu = True  # type: ignore[attr-defined]
-    FSDP.set_state_dict_type = staticmethod(set_state_dict_type)
+    patches.replace(FSDP, "set_state_dict_type", make,
+                    "torch.distributed.fsdp.FullyShardedDataParallel.set_state_dict_type")
 
 
 def _report_shards(rank: int, world: int) -> None:
     """After ``Accelerator.prepare``: say how much of each new model this rank holds; fail if nothing is sharded.
 
-    ``prepare`` is wrapped (not ``prepare_model``, which Accelerate's FSDP2 path bypasses).
+    After ``prepare`` (``cluster.rank.prepared``), not ``prepare_model``, which Accelerate's FSDP2 path bypasses.
     """
-    from accelerate import Accelerator
 
-    if getattr(Accelerator.prepare, "_raylaunch_report", False):
-        return
-    original = Accelerator.prepare
-
-    @functools.wraps(original)
-    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen = {id(m) for m in self._models}
-        out = original(self, *args, **kwargs)
-        for model in [m for m in self._models if id(m) not in seen]:
+    def report(accelerator: Any, models: list[Any]) -> None:
+        for model in models:
             info = shard_info(model)
             if world > 1 and not info.sharded:
                 raise RuntimeError(
                     f"FSDP was asked for, but Accelerate prepared the model as {type(model).__name__} "
-                    f"({self.distributed_type}) on rank {rank}: nothing is sharded. This Accelerate version may "
-                    "not take its FSDP path here; please report it with the output of `pip show accelerate torch`")
+                    f"({accelerator.distributed_type}) on rank {rank}: nothing is sharded. This Accelerate version "
+                    "may not take its FSDP path here; please report it with the output of `pip show accelerate torch`")
             print(info.describe(rank, world), file=sys.stderr, flush=True)
-        return out
 
-    prepare._raylaunch_report = True  # type: ignore[attr-defined]
-    Accelerator.prepare = prepare
+    after_prepare("shards", report)

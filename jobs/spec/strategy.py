@@ -4,7 +4,8 @@ The driver imports neither torch nor Accelerate, so here the ``accelerate config
 read (``yaml.safe_load``) and checked for what can be told without Accelerate: it is a mapping,
 which of its fields the runner sets itself (the launch topology), and whether it asks for
 DeepSpeed on CPU nodes. Its meaning is given by Accelerate's own config classes in each rank
-(``cluster.strategy``, installed by ``cluster.rank.sharding``); ``validate`` shows the resolved configuration with the same code.
+(``cluster.strategy``, installed by ``cluster.rank.sharding``); ``validate`` shows the resolved configuration with
+the same code.
 """
 
 from __future__ import annotations

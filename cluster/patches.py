@@ -1,0 +1,286 @@
+"""What raylaunch changes inside the libraries it runs on, and the private parts of them it reads: the one list.
+
+Every callable of Accelerate, torch, Ray or multiprocessing that raylaunch replaces, every private field of theirs it
+writes and every private API it reads is a ``Patch`` in ``PATCHES``: where it is done, why, the public way that was
+considered and why it does not do, and what the replacement relies on. The modules named there make the change only
+through this one: ``replace`` (for the process's life, once however often asked), ``scoped`` (for one call, put back
+after it) and ``write`` (a private field). Each says once, on a version of its library outside the ones these
+changes were checked against (``CHECKED``), which of them run unchecked there; and refuses, before anything is
+changed, where the original no longer takes the parameters the replacement relies on (a wrong result without a word
+would follow). tests/test_patches.py checks every entry against the installed libraries and that nothing in
+``cluster`` replaces a library's callable or field but through here.
+
+Imports none of those libraries itself: the callers hand over what they change.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from importlib import metadata
+from typing import Any
+
+from cluster.errors import RaylaunchError
+
+__all__ = ["CHECKED", "PATCHES", "Kind", "Patch", "PatchShapeError", "installed", "replace", "scoped", "shape_problems",
+           "write"]
+
+
+class Kind(StrEnum):
+    REPLACED = "replaced"  # a callable replaced for the rest of the process
+    SCOPED = "scoped"  # a callable replaced during one call, then put back
+    FIELD = "field"  # a private field written
+    READ = "read"  # a private API read or called, nothing changed
+
+
+# The versions every change below was run against: the suite's (CPU) and the GPU check's (shared/gpu, an H200,
+# 2026-12-04). A version outside is said once, by library; nothing is refused for it.
+CHECKED = {"accelerate": ("1.15", "1.16"), "torch": ("2.11", "2.13"), "ray": ("2.60", "2.60"),
+           "python": ("3.11", "3.12")}
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to (or private read of) another library."""
+
+    target: str  # the dotted path of what is replaced, written or read
+    library: str  # a CHECKED key
+    kind: Kind
+    where: str  # the module that does it
+    why: str
+    public: str  # the public way considered, and why it does not do
+    params: tuple[str, ...] = ()  # parameters of the original the replacement relies on (checked before replacing)
+    also: tuple[str, ...] = ()  # further targets replaced the same way (one patch: three classes' ``__iter__``)
+
+    @property
+    def counted(self) -> bool:
+        """A change (what the count of #45 counts), not a read."""
+        return self.kind is not Kind.READ
+
+
+_A, _T, _R, _P = "accelerate", "torch", "ray", "python"
+PATCHES: tuple[Patch, ...] = (
+    # --- the rank side: scripts run as functions (cluster.rank.script), installed for `raylaunch launch`/script specs
+    Patch("accelerate.Accelerator.__init__", _A, Kind.REPLACED, "cluster.rank.script",
+          "a script's in-code gradient_accumulation_steps scaled as an elastic run scales the launch's",
+          "ACCELERATE_GRADIENT_ACCUMULATION_STEPS alone: a value in the script's code wins over it",
+          ("gradient_accumulation_steps", "gradient_accumulation_plugin")),
+    Patch("accelerate.Accelerator.log", _A, Kind.REPLACED, "cluster.rank.script",
+          "every rank's `accelerator.log` reaches the run's metrics, with no init_trackers needed",
+          "a GeneralTracker: Accelerate logs on the main process only, and only after init_trackers"),
+    Patch("accelerate.Accelerator.save_state", _A, Kind.REPLACED, "cluster.rank.script",
+          "a script's save_state becomes a committed checkpoint (staged, every rank's part, the manifest)",
+          "register_save_state_pre_hook: runs before the save, cannot redirect it or commit after it",
+          ("output_dir", "safe_serialization")),
+    Patch("accelerate.Accelerator.load_state", _A, Kind.REPLACED, "cluster.rank.script",
+          "a resume folder's load checked, its loaders' positions and RNG put back, FSDP1 optimizer state made",
+          "register_load_state_pre_hook: runs before the load only", ("input_dir",)),
+    Patch("accelerate.optimizer.AcceleratedOptimizer.step", _A, Kind.REPLACED, "cluster.rank.script",
+          "optimizer steps counted (a checkpoint's step), as Accelerate takes them under accumulation",
+          "torch's register_step_post_hook on the inner optimizer: not called where Accelerate steps elsewhere "
+          "(DeepSpeed's engine) and called per inner step, not per step Accelerate counts", ("closure",)),
+    # --- the rank side: strategy (cluster.rank.sharding)
+    Patch("accelerate.state.AcceleratorState.__init__", _A, Kind.REPLACED, "cluster.rank.sharding",
+          "on CPU nodes, the FSDP path Accelerate takes only for GPU-like devices (it trains plain DDP otherwise)",
+          "none: Accelerate has no setting for FSDP on CPU", ("mixed_precision", "fsdp_plugin")),
+    Patch("accelerate.state.PartialState._shared_state", _A, Kind.FIELD, "cluster.rank.sharding",
+          "the same two fields (distributed type, device) in the state PartialState() reads",
+          "none: PartialState is a shared-state singleton filled before the plugin is known"),
+    Patch("torch.distributed.fsdp.FullyShardedDataParallel.set_state_dict_type", _T, Kind.REPLACED,
+          "cluster.rank.sharding",
+          "FSDP1 full state dicts on CPU nodes without offload_to_cpu (torch 2.13 crashes copying CPU to CPU); "
+          "for the process's life: Accelerate asks for it in get_state_dict and in every full save",
+          "Accelerate's fsdp_plugin state_dict_config: it sets offload_to_cpu=True itself for full state dicts",
+          ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")),
+    # --- the rank side: what every prepare does (cluster.rank.sharding reports shards; cluster.rank.pace hooks)
+    Patch("accelerate.Accelerator.prepare", _A, Kind.REPLACED, "cluster.rank.patched",
+          "after every prepare: how much of each new model this rank holds (and a refusal if FSDP sharded "
+          "nothing), and the gradient hooks that time sync_wait on each new model",
+          "none: Accelerate has no hook after prepare; prepare_model is bypassed by its FSDP2 path"),
+    Patch("accelerate.Accelerator.backward", _A, Kind.REPLACED, "cluster.rank.pace",
+          "the backward pass timed, for sync_wait (the time in DDP's all-reduce after the last gradient)",
+          "a DDP communication hook: not where FSDP or a single process trains, and it replaces the user's own",
+          ("loss",)),
+    Patch("accelerate.data_loader.DataLoaderShard.__iter__", _A, Kind.REPLACED, "cluster.rank.pace",
+          "each batch's wait timed (data_wait), and a resume's random states put back before its first batch",
+          "DataLoaderConfiguration: no hook; wrapping the prepared loaders misses skip_first_batches' new one",
+          also=("accelerate.data_loader.DataLoaderDispatcher.__iter__", "accelerate.data_loader.SkipDataLoader.__iter__")),
+    # --- the rank side: a save held in memory (cluster.checkpoint.snapshot), during save_state only
+    Patch("torch.save", _T, Kind.SCOPED, "cluster.checkpoint.snapshot",
+          "save_state's files kept in host memory, written in the background", "save_state has no writer to "
+          "give; torch.save to a buffer would still copy in the training thread", ("obj", "f")),
+    Patch("accelerate.utils.other.safe_save_file", _A, Kind.SCOPED, "cluster.checkpoint.snapshot",
+          "the same for safetensors files", "as torch.save", ("tensors", "filename", "metadata")),
+    Patch("torch.distributed.checkpoint.save", _T, Kind.SCOPED, "cluster.checkpoint.snapshot",
+          "the same for FSDP's sharded state (DCP): the collectives run now, the files are kept",
+          "a storage_writer of our own: Accelerate builds its FileSystemWriter inside save_state",
+          ("state_dict", "storage_writer")),
+    Patch("torch.distributed.checkpoint.FileSystemWriter.fs", _T, Kind.FIELD, "cluster.checkpoint.snapshot",
+          "that writer's files go to memory (fs, and sync_files off), for the one save only",
+          "as above", also=("torch.distributed.checkpoint.FileSystemWriter.sync_files",)),
+    # --- the node side: an embedded cluster (cluster.nodes.connect), while its nodes start
+    Patch("ray._private.node.Node.start_api_server", _R, Kind.SCOPED, "cluster.nodes.connect",
+          "an embedded head without Ray's API server: 1.5 s of a cold start and an idle process, used by nothing",
+          "include_dashboard=False: Ray starts the API server anyway (usage statistics)", ("include_dashboard",)),
+    Patch("ray._private.utils.get_dashboard_dependency_error", _R, Kind.SCOPED, "cluster.nodes.connect",
+          "embedded nodes' agents load only their minimal modules: 2.2 s of a core at each node's start",
+          "none: Ray decides by whether the dashboard's packages import"),
+    Patch("ray._private.utils.set_sigterm_handler", _R, Kind.SCOPED, "cluster.nodes.connect",
+          "nodes added from a thread leave out the SIGTERM handler only the main thread may set",
+          "adding nodes from the main thread: one after another, each start waited for", ("sigterm_handler",)),
+    # --- the node side: ranks forked from a fork server or a warm host (cluster.hosting.forkserver)
+    Patch("multiprocessing.spawn.get_preparation_data", _P, Kind.SCOPED, "cluster.hosting.forkserver",
+          "a rank does not run its actor's __main__ (Ray's worker: 0.3 s of a core a rank) again",
+          "a start method without __main__: forkserver is the only one that keeps torch imported", ("name",)),
+    Patch("multiprocessing.forkserver._forkserver.ensure_running", _P, Kind.FIELD, "cluster.hosting.forkserver",
+          "multiprocessing's fork-server client aimed at a warm host it did not start (its address, alive "
+          "descriptor, pid; ensure_running left to the host); put back when the job ends",
+          "none: multiprocessing has no API to use a fork server another process started",
+          also=("multiprocessing.forkserver._forkserver._forkserver_address",
+                "multiprocessing.forkserver._forkserver._forkserver_alive_fd",
+                "multiprocessing.forkserver._forkserver._forkserver_pid")),
+    Patch("multiprocessing.process._config", _P, Kind.FIELD, "cluster.hosting.forkserver",
+          "the fork server's socket folder, one of raylaunch's per process (removed when the process is gone)",
+          "TMPDIR for the whole process: it would move every other temporary file too"),
+    # --- private reads: nothing changed; each checked by tests/test_patches.py
+    Patch("ray._private.state.available_resources_per_node", _R, Kind.READ, "cluster.nodes.placement",
+          "what each node has free, to say which nodes could hold a bundle", "ray.available_resources(): the sum"),
+    Patch("ray._private.runtime_env.packaging._zip_files", _R, Kind.READ, "cluster.nodes.upload",
+          "the upload zipped as Ray would, to measure it first", "none public"),
+    Patch("ray._private.runtime_env.packaging._dir_travel", _R, Kind.READ, "cluster.nodes.upload",
+          "the upload's files walked as Ray walks them", "none public"),
+    Patch("ray._private.runtime_env.packaging._get_excludes", _R, Kind.READ, "cluster.nodes.upload",
+          "excludes matched as Ray matches them", "none public"),
+    Patch("ray._private.ray_constants.DASHBOARD_CLIENT_MAX_SIZE", _R, Kind.READ, "cluster.nodes.upload",
+          "the upload's size limit, said before Ray refuses", "none public"),
+    Patch("torch.distributed.checkpoint.state_dict._init_optim_state", _T, Kind.READ, "cluster.checkpoint.resume",
+          "an FSDP1 optimizer state to load into before load_state", "none public"),
+    Patch("torch.distributed.fsdp.FullyShardedDataParallel._flat_param", _T, Kind.READ, "cluster.rank.sharding",
+          "how much of an FSDP1 model a rank holds (its flat parameter's unsharded size)", "none public"),
+    Patch("accelerate.Accelerator._models", _A, Kind.READ, "cluster.rank.sharding",
+          "the models, optimizers and dataloaders an Accelerator prepared", "none public",
+          also=("accelerate.Accelerator._optimizers", "accelerate.Accelerator._dataloaders")),
+    Patch("multiprocessing.forkserver.ForkServer._stop", _P, Kind.READ, "cluster.hosting.forkserver",
+          "this process's own fork server stopped (killed first: it would unload torch) when its job ends",
+          "none public"),
+    Patch("argparse.ArgumentParser._actions", _P, Kind.READ, "jobs.spec.launch",
+          "accelerate launch's own options, read from its parser", "none public"),
+)
+
+_BY_TARGET = {t: p for p in PATCHES for t in (p.target, *p.also)}
+_INSTALLED: dict[tuple[int, str], Any] = {}  # (id(holder), name) -> the original, for what `replace` installed
+_SAID: set[str] = set()
+
+
+class PatchShapeError(RaylaunchError):
+    """A library's callable no longer takes what raylaunch's replacement of it relies on."""
+
+    exit_code = 2
+
+
+def _version(library: str) -> str:
+    if library == _P:
+        return "%d.%d.%d" % sys.version_info[:3]
+    try:
+        return metadata.version(library)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def _minor(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _say_version(library: str) -> None:
+    """Once per process and library, and only in rank 0 (or outside a run): a version outside ``CHECKED``."""
+    if library in _SAID:
+        return
+    _SAID.add(library)
+    low, high = CHECKED[library]
+    have = _version(library)
+    if have == "?" or _minor(low) <= _minor(have) <= _minor(high) or os.environ.get("RANK", "0") != "0":
+        return
+    changed = sorted(p.target for p in PATCHES if p.library == library and p.counted)
+    print(f"raylaunch: {library} {have} is outside the versions raylaunch's changes to it were checked against "
+          f"({low} to {high}): {', '.join(changed)} (cluster/patches.py says why each is there); if a run goes "
+          "wrong, report it with `pip show accelerate torch ray`", file=sys.stderr, flush=True)
+
+
+def shape_problems(patch: Patch, original: Any) -> list[str]:
+    """What of ``patch.params`` the original no longer takes (empty when it takes them all, or has ``**kwargs``
+    where a name is only read from keyword arguments)."""
+    if not patch.params:
+        return []
+    try:
+        params = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        return [f"{patch.target}: its parameters cannot be read"]
+    missing = [p for p in patch.params if p not in params]
+    return [f"{patch.target} no longer takes {', '.join(missing)}"] if missing else []
+
+
+def _entry(target: str, kind: Kind) -> Patch:
+    patch = _BY_TARGET.get(target)
+    if patch is None or patch.kind is not kind:
+        raise KeyError(f"{target} is not a {kind} patch of cluster/patches.py's PATCHES: add it there, with why")
+    return patch
+
+
+def _check(patch: Patch, original: Any) -> None:
+    _say_version(patch.library)
+    problems = shape_problems(patch, original)
+    if problems:
+        raise PatchShapeError(f"raylaunch cannot run with {patch.library} {_version(patch.library)}: "
+                              f"{'; '.join(problems)}, and raylaunch's replacement of it ({patch.why}) relies on it. "
+                              f"Use {patch.library} {CHECKED[patch.library][1]} (`pip install "
+                              f"'{patch.library}=={CHECKED[patch.library][1]}.*'`), or report it")
+
+
+def installed(holder: Any, name: str) -> bool:
+    """Whether ``replace`` has replaced ``holder.name`` in this process."""
+    return (id(holder), name) in _INSTALLED
+
+
+def replace(holder: Any, name: str, make: Callable[[Any], Any], target: str) -> None:
+    """Replace ``holder.name`` by ``make(original)`` for the rest of the process; a second call does nothing.
+    ``target`` names the ``PATCHES`` entry (one of its targets)."""
+    key = (id(holder), name)
+    if key in _INSTALLED:
+        return
+    patch = _entry(target, Kind.REPLACED)
+    original = inspect.getattr_static(holder, name)
+    _check(patch, getattr(holder, name))
+    new = make(getattr(holder, name))
+    _INSTALLED[key] = original
+    setattr(holder, name, staticmethod(new) if isinstance(original, staticmethod) else new)
+
+
+@contextmanager
+def scoped(holder: Any, name: str, new: Any, target: str) -> Iterator[Any]:
+    """``holder.name`` replaced by ``new`` within the block, the original put back after it (yielded)."""
+    patch = _entry(target, Kind.SCOPED)
+    original = getattr(holder, name)
+    _check(patch, original)
+    setattr(holder, name, new)
+    try:
+        yield original
+    finally:
+        setattr(holder, name, original)
+
+
+def write(holder: Any, name: str, value: Any, target: str) -> None:
+    """A private field of another library written (``holder`` an object, or a mapping: ``holder[name]``)."""
+    _say_version(_entry(target, Kind.FIELD).library)
+    if isinstance(holder, dict):
+        holder[name] = value
+    else:
+        setattr(holder, name, value)
