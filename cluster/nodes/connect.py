@@ -7,16 +7,14 @@ import itertools
 import os
 import shutil
 import threading
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import ray
 
-import cluster
 from cluster import patches
 from cluster.errors import RaylaunchError
 from cluster.hosting.rankhost import PROJECT_VAR
-from cluster.nodes.upload import UPLOAD_EXCLUDES, UploadPlan, plan_upload
+from cluster.nodes.upload import RUNNER_ROOT, UPLOAD_EXCLUDES, UploadPlan, plan_upload
 
 # UPLOAD_EXCLUDES is defined in cluster.nodes.upload; it stays importable from here.
 __all__ = ["EMBEDDED_NODE", "GPUS_VAR", "UPLOAD_EXCLUDES", "AuthTokenMissing", "check_auth_token", "connect",
@@ -255,8 +253,7 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
     if address is None:
         from ray.cluster_utils import Cluster
 
-        runner = str(Path(cluster.__file__).resolve().parents[1])  # the folder holding raylaunch's packages
-        pythonpath = os.pathsep.join(p for p in (runner, cwd, os.environ.get("PYTHONPATH")) if p)
+        pythonpath = os.pathsep.join(p for p in (str(RUNNER_ROOT), cwd, os.environ.get("PYTHONPATH")) if p)
         node_env = {"PYTHONPATH": pythonpath, PROJECT_VAR: cwd}
         gpus = machine_gpus() if gpus is None else gpus
         slices = divide_gpus(gpus, local_nodes)
@@ -279,7 +276,7 @@ def connect(address: str | None, local_nodes: int = 1, cpus_per_node: float = 1.
                 # folder, the project's, whose modules the ranks import) next, and go to the project's folder,
                 # where their ranks start (``node_environment``; a node added meanwhile may have started its
                 # processes in the runner's folder).
-                os.chdir(runner)
+                os.chdir(RUNNER_ROOT)
                 try:
                     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
                 finally:

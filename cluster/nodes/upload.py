@@ -24,7 +24,7 @@ from pathlib import Path
 import cluster
 from cluster.errors import RaylaunchError
 
-__all__ = ["SECRET_PATTERNS", "UPLOAD_EXCLUDES", "UploadError", "UploadPlan", "plan_upload"]
+__all__ = ["RUNNER_ROOT", "SECRET_PATTERNS", "UPLOAD_EXCLUDES", "UploadError", "UploadPlan", "plan_upload"]
 
 # Files that hold credentials: never uploaded unless the root .rayignore re-includes one
 # with a `!` line (gitignore syntax, e.g. `!deploy.pem`).
@@ -52,6 +52,7 @@ UPLOAD_EXCLUDES = [
 _RAY_TEMP_MARKERS = ("session_latest", "ray_current_cluster")
 _RAY_SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_")
 _RUNNER_PACKAGES = ("cluster", "jobs", "train_fn")
+RUNNER_ROOT = Path(cluster.__file__).resolve().parents[1]  # the folder holding raylaunch's own packages
 # Over this many times the limit uncompressed, the folder is refused without zipping it.
 _ZIP_CHECK_FACTOR = 8
 
@@ -174,8 +175,7 @@ def plan_upload(root: str | Path, storage: str | None = None) -> UploadPlan:
             rel = str(store.relative_to(root))
             dynamic.append(_anchored(rel))
             left_out.append(f"{rel}/ (the run storage)")
-    runner = Path(cluster.__file__).resolve().parents[1]  # the folder holding raylaunch's packages
-    if root != runner:
+    if root != RUNNER_ROOT:
         # A project's own folder named like one of the runner's packages would hide it on
         # the nodes (Ray puts the uploaded folder first on their path).
         for name in _RUNNER_PACKAGES:
