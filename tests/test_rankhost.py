@@ -116,15 +116,26 @@ def _run(tmp_path: Path, name: str, site: Path, warm: bool = True, idle: float =
     return parents
 
 
+def _host_folders(pids: set[int]) -> set[Path]:
+    """The folders of the warm hosts with these pids (``cluster.hosting.rankhost``'s, in this temporary folder)."""
+    from cluster.hosting.rankhost import _base
+
+    return {f for f in _base().iterdir() if (f / "pid").is_file() and int((f / "pid").read_text() or 0) in pids}
+
+
 def test_a_host_is_not_reused_once_its_packages_changed_ends_when_idle_and_can_be_turned_off(ray_cluster, tmp_path):
     site = tmp_path / "site"
     (site / "fakepkg-1.0.dist-info").mkdir(parents=True)  # a package installed where the ranks import from
     first = _run(tmp_path, "before", site)
+    folders = _host_folders(first)  # each host's socket, pid, locks and claims
+    assert len(folders) == len(first), folders
     (site / "fakepkg-1.0.dist-info").rename(site / "fakepkg-2.0.dist-info")  # pip upgraded it
     second = _run(tmp_path, "after", site, idle=2)
     assert not first & second, "a job after a package changed does not run on the host that imported the old one"
+    folders |= _host_folders(second)  # those still there: they end 2 s after the job
     wait_for(lambda: not any(_alive(p) for p in first), 30, "the stale hosts to end")
     wait_for(lambda: not any(_alive(p) for p in second), 30, "the hosts idle for 2 s to end")
+    assert [str(f) for f in folders if f.exists()] == []  # a retired host leaves nothing behind (#47)
     own = _run(tmp_path, "own-server", site, warm=False)  # result.json names no host (checked in _run)
     assert not own & (first | second)
 
