@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,8 +28,8 @@ from typing import Any
 
 from cluster.errors import RaylaunchError
 
-__all__ = ["CHECKED", "PATCHES", "Kind", "Patch", "PatchShapeError", "installed", "replace", "scoped", "shape_problems",
-           "write"]
+__all__ = ["CHECKED", "PATCHES", "Kind", "Patch", "PatchShapeError", "installed", "replace", "replace_all", "scoped",
+           "shape_problems", "write"]
 
 
 class Kind(StrEnum):
@@ -98,7 +99,7 @@ PATCHES: tuple[Patch, ...] = (
           "Accelerate's fsdp_plugin state_dict_config: it sets offload_to_cpu=True itself for full state dicts",
           ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")),
     # --- the rank side: what every prepare does (cluster.rank.sharding reports shards; cluster.rank.pace hooks)
-    Patch("accelerate.Accelerator.prepare", _A, Kind.REPLACED, "cluster.rank.patched",
+    Patch("accelerate.Accelerator.prepare", _A, Kind.REPLACED, "cluster.rank.prepared",
           "after every prepare: how much of each new model this rank holds (and a refusal if FSDP sharded "
           "nothing), and the gradient hooks that time sync_wait on each new model",
           "none: Accelerate has no hook after prepare; prepare_model is bypassed by its FSDP2 path"),
@@ -162,7 +163,7 @@ PATCHES: tuple[Patch, ...] = (
           "an FSDP1 optimizer state to load into before load_state", "none public"),
     Patch("torch.distributed.fsdp.FullyShardedDataParallel._flat_param", _T, Kind.READ, "cluster.rank.sharding",
           "how much of an FSDP1 model a rank holds (its flat parameter's unsharded size)", "none public"),
-    Patch("accelerate.Accelerator._models", _A, Kind.READ, "cluster.rank.sharding",
+    Patch("accelerate.Accelerator._models", _A, Kind.READ, "cluster.rank.prepared, cluster.checkpoint.resume",
           "the models, optimizers and dataloaders an Accelerator prepared", "none public",
           also=("accelerate.Accelerator._optimizers", "accelerate.Accelerator._dataloaders")),
     Patch("multiprocessing.forkserver.ForkServer._stop", _P, Kind.READ, "cluster.hosting.forkserver",
@@ -173,7 +174,7 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 _BY_TARGET = {t: p for p in PATCHES for t in (p.target, *p.also)}
-_INSTALLED: dict[tuple[int, str], Any] = {}  # (id(holder), name) -> the original, for what `replace` installed
+_INSTALLED: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id(holder), name) -> (holder, its original)
 _SAID: set[str] = set()
 
 
@@ -193,11 +194,8 @@ def _version(library: str) -> str:
 
 
 def _minor(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    """``(major, minor)`` of a version: ``"2.6rc1"`` is ``(2, 6)``, ``"2.13.0+cpu"`` ``(2, 13)``."""
+    return tuple(int(m.group()) if (m := re.match(r"\d+", piece)) else 0 for piece in (version.split(".") + ["0"])[:2])
 
 
 def _say_version(library: str) -> None:
@@ -216,8 +214,7 @@ def _say_version(library: str) -> None:
 
 
 def shape_problems(patch: Patch, original: Any) -> list[str]:
-    """What of ``patch.params`` the original no longer takes (empty when it takes them all, or has ``**kwargs``
-    where a name is only read from keyword arguments)."""
+    """What of ``patch.params`` the original no longer takes, by name (empty when it takes them all)."""
     if not patch.params:
         return []
     try:
@@ -239,42 +236,55 @@ def _check(patch: Patch, original: Any) -> None:
     _say_version(patch.library)
     problems = shape_problems(patch, original)
     if problems:
+        good = CHECKED[patch.library][1]
+        use = (f"Python {good}" if patch.library == _P else
+               f"{patch.library} {good} (`pip install '{patch.library}=={good}.*'`)")
         raise PatchShapeError(f"raylaunch cannot run with {patch.library} {_version(patch.library)}: "
-                              f"{'; '.join(problems)}, and raylaunch's replacement of it ({patch.why}) relies on it. "
-                              f"Use {patch.library} {CHECKED[patch.library][1]} (`pip install "
-                              f"'{patch.library}=={CHECKED[patch.library][1]}.*'`), or report it")
+                              f"{'; '.join(problems)}, which raylaunch's replacement of it ({patch.why}) relies on. "
+                              f"Use {use}, or report it")
 
 
 def installed(holder: Any, name: str) -> bool:
     """Whether ``replace`` has replaced ``holder.name`` in this process."""
-    return (id(holder), name) in _INSTALLED
+    found = _INSTALLED.get((id(holder), name))
+    return found is not None and found[0] is holder
 
 
 def replace(holder: Any, name: str, make: Callable[[Any], Any], target: str) -> None:
     """Replace ``holder.name`` by ``make(original)`` for the rest of the process; a second call does nothing.
     ``target`` names the ``PATCHES`` entry (one of its targets)."""
-    key = (id(holder), name)
-    if key in _INSTALLED:
-        return
-    patch = _entry(target, Kind.REPLACED)
-    original = inspect.getattr_static(holder, name)
-    _check(patch, getattr(holder, name))
-    new = make(getattr(holder, name))
-    _INSTALLED[key] = original
-    setattr(holder, name, staticmethod(new) if isinstance(original, staticmethod) else new)
+    replace_all([(holder, name, make, target)])
+
+
+def replace_all(changes: list[tuple[Any, str, Callable[[Any], Any], str]]) -> None:
+    """``replace`` for several ``(holder, name, make, target)``: every one checked before any is replaced."""
+    todo = [c for c in changes if not installed(c[0], c[1])]
+    for holder, name, _, target in todo:
+        _check(_entry(target, Kind.REPLACED), getattr(holder, name))
+    for holder, name, make, _ in todo:
+        original = inspect.getattr_static(holder, name)
+        new = make(getattr(holder, name))
+        _INSTALLED[(id(holder), name)] = (holder, original)  # the holder kept: its id is never another's
+        setattr(holder, name, staticmethod(new) if isinstance(original, staticmethod) else new)
 
 
 @contextmanager
 def scoped(holder: Any, name: str, new: Any, target: str) -> Iterator[Any]:
-    """``holder.name`` replaced by ``new`` within the block, the original put back after it (yielded)."""
+    """``holder.name`` replaced by ``new`` within the block and put back after it as it was (a staticmethod as
+    one; one the holder only inherited, by removing the replacement); yields the original."""
     patch = _entry(target, Kind.SCOPED)
     original = getattr(holder, name)
     _check(patch, original)
+    own = name in getattr(holder, "__dict__", {})
+    static = inspect.getattr_static(holder, name)
     setattr(holder, name, new)
     try:
         yield original
     finally:
-        setattr(holder, name, original)
+        if own:
+            setattr(holder, name, static)
+        else:
+            delattr(holder, name)
 
 
 def write(holder: Any, name: str, value: Any, target: str) -> None:

@@ -74,12 +74,18 @@ def test_a_replacement_whose_original_changed_shape_is_refused_and_nothing_is_re
         def save_state(self, path: str) -> str:
             return path
 
-    original = Accelerator.save_state
-    with pytest.raises(PatchShapeError) as refused:
-        patches.replace(Accelerator, "save_state", lambda f: f, "accelerate.Accelerator.save_state")
+        def load_state(self, input_dir: str) -> None:  # as today
+            pass
+
+    original, loading = Accelerator.save_state, Accelerator.load_state
+    with pytest.raises(PatchShapeError) as refused:  # several at once: all checked before any is replaced
+        patches.replace_all([(Accelerator, "load_state", lambda f: f, "accelerate.Accelerator.load_state"),
+                             (Accelerator, "save_state", lambda f: f, "accelerate.Accelerator.save_state")])
     assert "accelerate.Accelerator.save_state no longer takes output_dir, safe_serialization" in str(refused.value)
     assert "a script's save_state becomes a committed checkpoint" in str(refused.value)
-    assert Accelerator.save_state is original and not patches.installed(Accelerator, "save_state")
+    assert "pip install 'accelerate==1.16.*'" in str(refused.value)
+    assert Accelerator.save_state is original and Accelerator.load_state is loading
+    assert not patches.installed(Accelerator, "save_state") and not patches.installed(Accelerator, "load_state")
 
 
 def test_a_replacement_is_installed_once_and_a_scoped_one_is_put_back(capsys, monkeypatch):
@@ -110,12 +116,18 @@ def test_a_replacement_is_installed_once_and_a_scoped_one_is_put_back(capsys, mo
         def save(obj, f):
             return "saved"
 
+    class Inherits(Torch):
+        pass
+
     with patches.scoped(Torch, "save", lambda obj, f: "kept", "torch.save") as real:
         assert Torch.save(1, "p") == "kept" and real(1, "p") == "saved"
-    assert Torch.save(1, "p") == "saved"
+    assert Torch.save(1, "p") == "saved" and isinstance(vars(Torch)["save"], staticmethod)  # put back as it was
+    with patches.scoped(Inherits, "save", lambda obj, f: "kept", "torch.save"):
+        assert Inherits.save(1, "p") == "kept" and Torch.save(1, "p") == "saved"
+    assert "save" not in vars(Inherits) and Inherits.save(1, "p") == "saved"  # inherited again, not pinned
 
 
-def _library_writes(path: Path) -> list[str]:
+def _library_writes(path: Path, root: Path = ROOT) -> list[str]:
     """Assignments (``=``, ``+=``, ``del``) and ``setattr`` calls whose target is reached from a name bound to
     accelerate, torch, ray or multiprocessing (by an import, or by an assignment or loop from such a name)."""
     libraries = ("accelerate", "torch", "ray", "multiprocessing")
@@ -160,7 +172,7 @@ def _library_writes(path: Path) -> list[str]:
             for part in (t.elts if isinstance(t, ast.Tuple) else [t]):
                 if isinstance(part, (ast.Attribute, ast.Subscript, ast.Name)) and not isinstance(part, ast.Name) \
                         and from_library(part):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(part)}")
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(part)}")
     return found
 
 
@@ -168,14 +180,13 @@ def test_nothing_replaces_a_library_callable_or_field_but_through_cluster_patche
     files = [p for part in ("cluster", "jobs") for p in sorted((ROOT / part).rglob("*.py"))
              if p != ROOT / "cluster" / "patches.py"]
     assert len(files) > 60 and [w for p in files for w in _library_writes(p)] == []
-    probe = ROOT / "cluster" / "rank" / "probe_never_committed.py"
-    try:  # the check sees a replacement made the old way, through an alias too
-        probe.write_text("from accelerate import Accelerator\nimport torch.distributed as dist\nA = Accelerator\n"
-                         "def f():\n    A.log = print\n    dist.barrier = print\n")
-        assert _library_writes(probe) == [f"{probe.relative_to(ROOT)}:5 A.log",
-                                          f"{probe.relative_to(ROOT)}:6 dist.barrier"]
-    finally:
-        probe.unlink()
+    # the check sees a replacement made the old way, through an alias too (a probe outside the tree: a file added to
+    # cluster/ would change the warm hosts' key under the tests running beside this one)
+    probe = tmp_path / "cluster" / "rank" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from accelerate import Accelerator\nimport torch.distributed as dist\nA = Accelerator\n"
+                     "def f():\n    A.log = print\n    dist.barrier = print\n")
+    assert _library_writes(probe, tmp_path) == ["cluster/rank/probe.py:5 A.log", "cluster/rank/probe.py:6 dist.barrier"]
 
 
 def test_the_count_of_changes_only_goes_down():

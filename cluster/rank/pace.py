@@ -287,7 +287,8 @@ class _LastGradients:
 
 def _time_backward(meter: PaceMeter) -> None:
     """The gradient hooks on each model ``prepare`` wraps as DDP, FSDP1 or alone (``prepare_model``'s: not FSDP2,
-    DeepSpeed or Megatron-LM, whose engines hook their own), and ``backward`` timed. Once a process."""
+    DeepSpeed or Megatron-LM, whose engines hook their own), and ``backward`` timed. Once a process. A model given
+    to ``accelerator.prepare_model`` directly, not through ``prepare``, has no hooks: its ``sync_wait`` reads 0."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -320,5 +321,5 @@ def _time_backward(meter: PaceMeter) -> None:
 
         return timed_backward
 
+    patches.replace(Accelerator, "backward", make, "accelerate.Accelerator.backward")  # refused before any hook
     after_prepare("pace", hook)
-    patches.replace(Accelerator, "backward", make, "accelerate.Accelerator.backward")

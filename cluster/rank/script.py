@@ -125,6 +125,17 @@ def run_script(call: ScriptCall, argv: list[str]) -> None:
         raise ScriptExit(call.path, exc.code) from None
 
 
+_CURRENT: list["ScriptHooks | None"] = [None]  # the hooks of the script this process runs now
+
+
+class _Current:
+    """What the replacements of Accelerate's methods read: the current ``ScriptHooks`` (they are installed once a
+    process; a second script in the process is served by its own hooks, not the first's)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_CURRENT[0], name)
+
+
 class ScriptHooks:
     """Accelerate's ``log``, ``save_state``, ``load_state`` and accumulation, bound to this rank's session."""
 
@@ -159,7 +170,8 @@ class ScriptHooks:
             # Its own gloo group: a save_state only some ranks reach is told apart from a slow one there.
             self._group = dist.new_group(backend="gloo")
 
-        hooks = self
+        _CURRENT[0] = self  # the wrappers below are installed once a process; they serve the latest hooks
+        hooks = _Current()
 
         def init(original: Callable[..., None]) -> Callable[..., None]:
             @functools.wraps(original)
@@ -216,13 +228,11 @@ class ScriptHooks:
 
             return counted_step
 
-        for holder, name, make, target in (
-                (Accelerator, "__init__", init, "accelerate.Accelerator.__init__"),
-                (Accelerator, "log", log, "accelerate.Accelerator.log"),
-                (Accelerator, "save_state", save_state, "accelerate.Accelerator.save_state"),
-                (Accelerator, "load_state", load_state, "accelerate.Accelerator.load_state"),
-                (AcceleratedOptimizer, "step", step, "accelerate.optimizer.AcceleratedOptimizer.step")):
-            patches.replace(holder, name, make, target)
+        patches.replace_all([(Accelerator, "__init__", init, "accelerate.Accelerator.__init__"),
+                             (Accelerator, "log", log, "accelerate.Accelerator.log"),
+                             (Accelerator, "save_state", save_state, "accelerate.Accelerator.save_state"),
+                             (Accelerator, "load_state", load_state, "accelerate.Accelerator.load_state"),
+                             (AcceleratedOptimizer, "step", step, "accelerate.optimizer.AcceleratedOptimizer.step")])
 
     # --- what the hooks do ---------------------------------------------------------
 
