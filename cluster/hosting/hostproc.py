@@ -73,11 +73,25 @@ def shared_path(sys_path: list[str], job_dirs: list[str] | None = None) -> list[
     return out
 
 
-def _code_digest() -> str:
+def source_digest(path: Path) -> str | None:
+    """A module's source: the file, or every ``.py`` file of a package's folder with its place in it (so code moved
+    to another folder is other code); None when there is none to read."""
     h = hashlib.sha256()
-    for path in sorted(_RAYLAUNCH.rglob("*.py")):  # by its place too: a host of another layout is never reused
-        h.update(str(path.relative_to(_RAYLAUNCH)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
+    try:
+        if path.is_file():
+            h.update(path.read_bytes())
+            return h.hexdigest()
+        files = sorted(p for p in path.rglob("*.py") if "__pycache__" not in p.parts)
+        for p in files:
+            h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes() + b"\0")
+    except OSError:
+        return None
+    return h.hexdigest() if files else None
+
+
+def _code_digest() -> str | None:
+    """raylaunch's own code, by place and bytes: a host started by another version or layout is never reused."""
+    return source_digest(_RAYLAUNCH)
 
 
 def _distributions(entry: str) -> list[tuple[str, int]]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.hosting.hostproc import (KEY_VARS, PROJECT_VAR, alive_pid, busy, host_key, job_specific, locked, mtime,
-                                      pid_namespace, project_dirs, rss_mb, shared_path, stat_fields)
+                                      pid_namespace, project_dirs, rss_mb, shared_path, source_digest, stat_fields)
 
 __all__ = ["Claim", "MAX_HOSTS", "PROJECT_VAR", "WarmHost", "alive", "claim", "host_key", "ready", "rss_mb",
            "starting", "unclaim"]
@@ -263,23 +263,6 @@ def _wait_for(condition, timeout_s: float) -> bool:
     return condition()
 
 
-def _source_digest(path: Path) -> str | None:
-    """A module's source: the file, or every ``.py`` file of a package's folder with its place in it."""
-    import hashlib
-
-    h = hashlib.sha256()
-    try:
-        if path.is_file():
-            h.update(path.read_bytes())
-            return h.hexdigest()
-        files = sorted(p for p in path.rglob("*.py") if "__pycache__" not in p.parts)
-        for p in files:
-            h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes() + b"\0")
-    except OSError:
-        return None
-    return h.hexdigest() if files else None
-
-
 def _same_source(entry: str, name: str, host_file: str) -> bool:
     """Whether the job's module ``name`` in the folder ``entry`` is the source the host imported from
     ``host_file``, to the byte (a compiled or namespace module never is)."""
@@ -287,9 +270,9 @@ def _same_source(entry: str, name: str, host_file: str) -> bool:
     if not host_file or host.suffix != ".py":
         return False
     if host.name == "__init__.py":
-        theirs, ours = _source_digest(host.parent), _source_digest(Path(entry, name))
+        theirs, ours = source_digest(host.parent), source_digest(Path(entry, name))
     else:
-        theirs, ours = _source_digest(host), _source_digest(Path(entry, f"{name}.py"))
+        theirs, ours = source_digest(host), source_digest(Path(entry, f"{name}.py"))
     return theirs is not None and theirs == ours
 
 

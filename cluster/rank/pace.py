@@ -228,9 +228,10 @@ class _Pace:
 def _time_dataloaders(meter: PaceMeter) -> None:
     from accelerate import data_loader
 
-    for cls in (data_loader.DataLoaderShard, data_loader.DataLoaderDispatcher, data_loader.SkipDataLoader):
-        patches.replace(cls, "__iter__", lambda iterate: _timed_iter(iterate, meter),
-                        f"accelerate.data_loader.{cls.__name__}.__iter__")
+    patches.replace_all([(cls, "__iter__", lambda iterate: _timed_iter(iterate, meter),
+                          f"accelerate.data_loader.{cls.__name__}.__iter__")
+                         for cls in (data_loader.DataLoaderShard, data_loader.DataLoaderDispatcher,
+                                     data_loader.SkipDataLoader)])
 
 
 def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callable[[Any], Iterator]:
