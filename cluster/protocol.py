@@ -158,7 +158,9 @@ _COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout")
 
 @dataclass(frozen=True)
 class RankFailure:
-    """A rank that ended badly: its exception (grouped by ``message`` across ranks), or the signal that ended it."""
+    """A rank that ended badly: its exception (grouped by ``message`` across ranks), or the signal that ended it.
+    Every one is built by one of its constructors below (the rank's end on its node, the driver's clock), each
+    setting its ``cause``."""
 
     rank: int
     exitcode: int
@@ -183,6 +185,22 @@ class RankFailure:
         return cls(rank, exitcode, message, traceback,
                    cause=FailureCause.COLLECTIVE_TIMEOUT if timed_out else FailureCause.EXCEPTION)
 
+    @classmethod
+    def exited(cls, rank: int, exitcode: int) -> "RankFailure":
+        """The process exited with a code and left no Python exception."""
+        return cls(rank, exitcode, f"exited with code {exitcode} (no Python exception)", "", cause=FailureCause.EXITED)
+
+    @classmethod
+    def silent(cls, rank: int, age_s: float, heartbeat_s: float) -> "RankFailure":
+        """No heartbeat from the rank for ``age_s``, past ``timeouts.heartbeat_s``."""
+        return cls(rank, -1, f"no heartbeat for {age_s:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): the process "
+                             "is stopped or frozen", "", cause=FailureCause.SILENT)
+
+    @classmethod
+    def node_lost(cls, rank: int, node: str, why: str) -> "RankFailure":
+        """The rank's node is gone: ``node`` names it, ``why`` says how it was seen to go."""
+        return cls(rank, -9, f"{node} {why}", "", cause=FailureCause.NODE_LOST)
+
 
 @dataclass
 class NodePoll:
@@ -195,8 +213,8 @@ class NodePoll:
     returns: dict[int, Any] = field(default_factory=dict)  # world rank -> return value
     # world rank -> seconds since the rank's heartbeat (absent before it started beating)
     beat_age_s: dict[int, float] = field(default_factory=dict)
-    # state LOST only: how long the node had not answered when it was given up on
-    # (its host or its link is down); None when its actor was seen to die
+    # how long the node's poll has waited unanswered, once the node answered since its ranks started (None: it
+    # answered, has not yet, or its actor was seen to die); the driver's attempt decides when that is a lost node
     silent_s: float | None = None
     # the metrics rows among the events, rendered on the node (``cluster.metric_rows``), in the order read
     rows: list[RowBatch] = field(default_factory=list)

@@ -41,8 +41,7 @@ def driver(tmp_path):
     rec.open_board()
     rec.board.start_attempt(None)
     # 2 nodes of 2 ranks
-    route = AttemptRouter(AttemptState(1, run.staging_uri(1), {0: 0, 1: 0, 2: 1, 3: 1}), rec, run, keep=2,
-                          heartbeat_s=30)
+    route = AttemptRouter(AttemptState(1, run.staging_uri(1), {0: 0, 1: 0, 2: 1, 3: 1}), rec, run, keep=2)
     yield run, rec, route, out
     rec.board.close()
     run.close()

@@ -198,7 +198,7 @@ def test_the_rows_of_a_committed_step_are_on_the_bucket_before_the_driver_could_
         def say(self, *args): pass
         def event(self, *args): pass
 
-    route = AttemptRouter(AttemptState(1, run.staging_uri(1), {0: 0}), Recorder(), run, keep=2, heartbeat_s=8)
+    route = AttemptRouter(AttemptState(1, run.staging_uri(1), {0: 0}), Recorder(), run, keep=2)
     route.events([Metrics(time=1.0, rank=0, step=1, values={"loss": 1.0}).to_dict()])  # the first rows go out at once
     uri = stage(s3, run, 1, 2, [0])
     route.events([Metrics(time=2.0, rank=0, step=2, values={"loss": 0.5}).to_dict(),  # one poll: the row, then the part

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from cluster.protocol import FailureCause, RankFailure
 from jobs.driver.hangs import is_hang
 from jobs.driver.policy import (
-    Action, AttemptOutcome, Failure, RunState, WorldSize, decide, failure_kind, fit, grow_to, next_step, resize_note,
+    Action, AttemptOutcome, WorldSize, attempt_ended, decide, fit, grow_to, next_step, resize_note,
     resize_reason, world_sizes,
 )
+from jobs.run.events import Outcome
 from jobs.spec import FailureSpec, ScalingSpec
 
+ROOT = Path(__file__).resolve().parents[1]
 SIGTERM = RankFailure.killed(1, -15, "SIGTERM")
 SIGKILL = RankFailure.killed(1, -9, "SIGKILL")
 RAISED = RankFailure(0, 1, "ValueError: bad shape", "Traceback ...")
@@ -19,33 +24,55 @@ RESET = RankFailure(0, 1, "RuntimeError: Connection reset by peer", "")
 
 
 @pytest.mark.parametrize("failures, lost, kind", [
-    ([SIGTERM], False, Failure.PREEMPTED),
-    ([RESET, SIGTERM], False, Failure.PREEMPTED),  # the peers' errors come first; SIGTERM is the cause
-    ([SIGTERM], True, Failure.FAILED),  # a node was lost: a failure, even with a SIGTERM
-    ([SIGKILL], False, Failure.FAILED),
-    ([RAISED], False, Failure.FAILED),
+    ([SIGTERM], False, Outcome.PREEMPTED),
+    ([RESET, SIGTERM], False, Outcome.PREEMPTED),  # the peers' errors come first; SIGTERM is the cause
+    ([SIGTERM], True, Outcome.FAILED),  # a node was lost: a failure, even with a SIGTERM
+    ([SIGKILL], False, Outcome.FAILED),
+    ([RAISED], False, Outcome.FAILED),
     # the signal is a field: an exception whose text reads like a signal is no preemption
-    ([RankFailure(0, 1, "killed by signal SIGTERM", "")], False, Failure.FAILED),
+    ([RankFailure(0, 1, "killed by signal SIGTERM", "")], False, Outcome.FAILED),
 ])
 def test_a_rank_ended_by_sigterm_is_a_preemption_unless_a_node_was_lost(failures, lost, kind):
-    assert failure_kind(failures, lost_nodes=lost) is kind
+    assert attempt_ended(failures, lost_nodes=lost) is kind
+
+
+def test_ranks_that_checkpointed_on_a_stop_notice_and_returned_were_preempted():
+    assert attempt_ended([], lost_nodes=False, preempted=True) is Outcome.PREEMPTED
+    assert attempt_ended([], lost_nodes=False) is Outcome.SUCCEEDED
+    # a failure beside them decides: a SIGTERM is still a preemption, anything else a failure
+    assert attempt_ended([SIGTERM], lost_nodes=False, preempted=True) is Outcome.PREEMPTED
+    assert attempt_ended([RAISED], lost_nodes=False, preempted=True) is Outcome.FAILED
+
+
+def test_every_rank_failure_is_built_in_one_place():
+    """A rank's failure is built by one of ``RankFailure``'s constructors (cluster/protocol.py), each setting its
+    cause: never by hand elsewhere in the product, where a cause could be forgotten."""
+    found = []
+    for path in sorted([*(ROOT / "cluster").rglob("*.py"), *(ROOT / "jobs").rglob("*.py")]):
+        if path == ROOT / "cluster" / "protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "RankFailure":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
+    assert "RankFailure" in (ROOT / "jobs" / "driver" / "attempt.py").read_text()  # the walk reads the product
 
 
 # kind, restarts used, preemptions used, max_restarts, max_preemptions -> action, restarts, preemptions
 CASES = [
     # a failure restarts while restarts last
-    (Failure.FAILED, 0, 0, 2, 10, Action.RESTART, 1, 0),
-    (Failure.FAILED, 1, 0, 2, 10, Action.RESTART, 2, 0),
+    (Outcome.FAILED, 0, 0, 2, 10, Action.RESTART, 1, 0),
+    (Outcome.FAILED, 1, 0, 2, 10, Action.RESTART, 2, 0),
     # then the run has failed
-    (Failure.FAILED, 2, 0, 2, 10, Action.GIVE_UP, 2, 0),
-    (Failure.FAILED, 0, 0, 0, 10, Action.GIVE_UP, 0, 0),
+    (Outcome.FAILED, 2, 0, 2, 10, Action.GIVE_UP, 2, 0),
+    (Outcome.FAILED, 0, 0, 0, 10, Action.GIVE_UP, 0, 0),
     # a preemption restarts without using a restart, even with none allowed
-    (Failure.PREEMPTED, 0, 0, 0, 10, Action.RESTART, 0, 1),
-    (Failure.PREEMPTED, 2, 9, 2, 10, Action.RESTART, 2, 10),
+    (Outcome.PREEMPTED, 0, 0, 0, 10, Action.RESTART, 0, 1),
+    (Outcome.PREEMPTED, 2, 9, 2, 10, Action.RESTART, 2, 10),
     # preemptions spent: it counts as a failure
-    (Failure.PREEMPTED, 0, 10, 1, 10, Action.RESTART, 1, 10),
-    (Failure.PREEMPTED, 1, 10, 1, 10, Action.GIVE_UP, 1, 10),
-    (Failure.PREEMPTED, 0, 0, 0, 0, Action.GIVE_UP, 0, 0),
+    (Outcome.PREEMPTED, 0, 10, 1, 10, Action.RESTART, 1, 10),
+    (Outcome.PREEMPTED, 1, 10, 1, 10, Action.GIVE_UP, 1, 10),
+    (Outcome.PREEMPTED, 0, 0, 0, 0, Action.GIVE_UP, 0, 0),
 ]
 
 
@@ -57,12 +84,12 @@ def test_the_restart_decision(kind, restarts, preemptions, max_restarts, max_pre
 
 def test_what_the_driver_says_when_it_restarts():
     budgets = FailureSpec(max_restarts=2, max_preemptions=10)
-    assert decide(Failure.FAILED, 3, 0, 0, budgets).message == (
+    assert decide(Outcome.FAILED, 3, 0, 0, budgets).message == (
         "raylaunch: attempt 3 failed; restarting from the last committed checkpoint (1 of 2 restarts)")
-    assert decide(Failure.PREEMPTED, 3, 0, 4, budgets).message == (
+    assert decide(Outcome.PREEMPTED, 3, 0, 4, budgets).message == (
         "raylaunch: attempt 3 was preempted (SIGTERM); restarting from the last committed checkpoint "
         "(5 of 10 preemptions; restarts are not used up)")
-    assert decide(Failure.FAILED, 3, 2, 0, budgets).message == ""
+    assert decide(Outcome.FAILED, 3, 2, 0, budgets).message == ""
 
 
 # --- elastic world size -------------------------------------------------------------
@@ -148,41 +175,42 @@ GIVE = FailureSpec(max_restarts=1, max_preemptions=1)
 W1, W2 = WorldSize(1, 1, 2), WorldSize(2, 2, 1)
 
 
-# outcome, restarts used, preemptions used -> state, the attempt's outcome, restarts, preemptions, wait, why
-@pytest.mark.parametrize("outcome, used, state, ended, after, wait_s, why", [
-    (AttemptOutcome(True), (0, 0), RunState.SUCCEEDED, "succeeded", (0, 0), 0.0, ""),
-    (AttemptOutcome(True), (1, 1), RunState.SUCCEEDED, "succeeded", (1, 1), 0.0, ""),
+# outcome, restarts used, preemptions used -> action, restarts, preemptions, wait, why
+@pytest.mark.parametrize("outcome, used, action, after, wait_s, why", [
+    (AttemptOutcome(Outcome.SUCCEEDED), (0, 0), Action.FINISH, (0, 0), 0.0, ""),
+    (AttemptOutcome(Outcome.SUCCEEDED), (1, 1), Action.FINISH, (1, 1), 0.0, ""),
     # a failure within the budget: the same nodes again
-    (AttemptOutcome(False, "boom"), (0, 0), RunState.RUNNING, "failed", (1, 0), 30.0, "a failure"),
+    (AttemptOutcome(Outcome.FAILED, "boom"), (0, 0), Action.RESTART, (1, 0), 30.0, "a failure"),
     # nodes lost: reserve anew, waiting resize_s for all of num_nodes
-    (AttemptOutcome(False, "lost", lost_nodes=(1,)), (0, 0), RunState.RESERVING, "failed", (1, 0), 30.0,
+    (AttemptOutcome(Outcome.FAILED, "lost", lost_nodes=(1,)), (0, 0), Action.RESERVE, (1, 0), 30.0,
      "node 1 lost"),
-    (AttemptOutcome(False, "lost", lost_nodes=(1, 2)), (0, 0), RunState.RESERVING, "failed", (1, 0), 30.0,
+    (AttemptOutcome(Outcome.FAILED, "lost", lost_nodes=(1, 2)), (0, 0), Action.RESERVE, (1, 0), 30.0,
      "nodes 1, 2 lost"),
     # a preemption uses its own budget, then counts as a failure
-    (AttemptOutcome(False, "sigterm", failure=Failure.PREEMPTED), (0, 0), RunState.RUNNING, "preempted", (0, 1),
+    (AttemptOutcome(Outcome.PREEMPTED, "sigterm"), (0, 0), Action.RESTART, (0, 1),
      30.0, "a failure"),
-    (AttemptOutcome(False, "sigterm", failure=Failure.PREEMPTED), (0, 1), RunState.RUNNING, "preempted", (1, 1),
+    (AttemptOutcome(Outcome.PREEMPTED, "sigterm"), (0, 1), Action.RESTART, (1, 1),
      30.0, "a failure"),
     # the budgets are spent
-    (AttemptOutcome(False, "boom"), (1, 0), RunState.FAILED, "failed", (1, 0), 0.0, ""),
-    (AttemptOutcome(False, "lost", lost_nodes=(0,)), (1, 0), RunState.FAILED, "failed", (1, 0), 0.0, ""),
-    (AttemptOutcome(False, "sigterm", failure=Failure.PREEMPTED), (1, 1), RunState.FAILED, "preempted", (1, 1), 0.0,
+    (AttemptOutcome(Outcome.FAILED, "boom"), (1, 0), Action.GIVE_UP, (1, 0), 0.0, ""),
+    (AttemptOutcome(Outcome.FAILED, "lost", lost_nodes=(0,)), (1, 0), Action.GIVE_UP, (1, 0), 0.0, ""),
+    (AttemptOutcome(Outcome.PREEMPTED, "sigterm"), (1, 1), Action.GIVE_UP, (1, 1), 0.0,
      ""),
     # growing back: no budget used, even a spent one; wait at least GROW_SETTLE_S for the nodes just released
-    (AttemptOutcome(False, "grow", grow=W2), (1, 1), RunState.RESERVING, "grow", (1, 1), 30.0, "nodes came back"),
+    (AttemptOutcome(Outcome.GROW, "grow", grow=W2), (1, 1), Action.RESERVE, (1, 1), 30.0, "nodes came back"),
 ])
-def test_what_the_driver_does_after_an_attempt(outcome, used, state, ended, after, wait_s, why):
+def test_what_the_driver_does_after_an_attempt(outcome, used, action, after, wait_s, why):
     step = next_step(outcome, 3, *used, GIVE, resize_s=30.0)
-    assert (step.state, step.ended, (step.restarts, step.preemptions), step.wait_full_s, step.resize_why) == (
-        state, ended, after, wait_s, why)
-    assert bool(step.message) == (state is RunState.RUNNING or (state is RunState.RESERVING and not step.grew))
-    assert next_step(AttemptOutcome(False, "grow", grow=W2), 3, 0, 0, GIVE, resize_s=1.0).wait_full_s == 10.0
+    assert (step.action, (step.restarts, step.preemptions), step.wait_full_s, step.resize_why) == (
+        action, after, wait_s, why)
+    assert step.action.status == {Action.FINISH: "succeeded", Action.GIVE_UP: "failed"}.get(action)
+    assert bool(step.message) == (action is Action.RESTART or (action is Action.RESERVE and not step.grew))
+    assert next_step(AttemptOutcome(Outcome.GROW, "grow", grow=W2), 3, 0, 0, GIVE, resize_s=1.0).wait_full_s == 10.0
 
 
 def test_a_run_that_meant_to_grow_and_got_fewer_nodes_says_so():
-    grow = next_step(AttemptOutcome(False, "grow", grow=W2), 2, 0, 0, GIVE, resize_s=1.0)
-    lost = next_step(AttemptOutcome(False, "lost", lost_nodes=(1,)), 2, 0, 0, GIVE, resize_s=1.0)
+    grow = next_step(AttemptOutcome(Outcome.GROW, "grow", grow=W2), 2, 0, 0, GIVE, resize_s=1.0)
+    lost = next_step(AttemptOutcome(Outcome.FAILED, "lost", lost_nodes=(1,)), 2, 0, 0, GIVE, resize_s=1.0)
     assert resize_reason(grow, old_nodes=1, new_nodes=2) == "nodes came back"
     assert resize_reason(grow, old_nodes=2, new_nodes=1) == "nodes left while it grew back"
     assert resize_reason(lost, old_nodes=2, new_nodes=1) == "node 1 lost"

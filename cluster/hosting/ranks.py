@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
-from cluster.protocol import FailureCause, RankFailure, WorkerPayload
+from cluster.protocol import RankFailure, WorkerPayload
 
 __all__ = ["Ended", "LocalRanks", "RankFiles", "StoreProcess"]
 
@@ -153,8 +153,7 @@ def _failure(rank: int, exitcode: int, error_file: str) -> RankFailure:
     if isinstance(message, dict):
         trace = message.get("extraInfo", {}).get("py_callstack", "")
         return RankFailure.raised(rank, exitcode, str(message.get("message", "")), str(trace))
-    return RankFailure(rank, exitcode, f"exited with code {exitcode} (no Python exception)", "",
-                       cause=FailureCause.EXITED)
+    return RankFailure.exited(rank, exitcode)
 
 
 # --- in the rank ---------------------------------------------------------------------------------------------

@@ -322,20 +322,16 @@ class NodeGroup:
                 out.append(default)
         return out
 
-    def poll(self, lost_after_s: float = 60.0, wait_s: float = 1.0, hold_s: float = 0.0,
-             max_age_s: float | None = None) -> list[NodePoll]:
+    def poll(self, wait_s: float = 1.0, hold_s: float = 0.0, max_age_s: float | None = None) -> list[NodePoll]:
         """Every node's news, waiting at most ``wait_s`` for the nodes to answer; with ``hold_s``, each node's
         actor holds the poll up to that long until it has news or its rows waited ``max_age_s`` (``NodeActor.poll``),
         and this returns once the first node answers (the others come back empty, their polls still in flight).
 
-        A node whose actor died comes back as state "lost"; so does one that has
-        left a poll unanswered for ``lost_after_s`` (its host or its network link
-        is down: its calls neither return nor fail), with ``silent_s`` set. That
-        clock runs once the node has answered since its ranks started: before,
-        the ranks spawn and import (a starved machine can take seconds), and the
-        rendezvous bound covers a node that never answers. A node that is merely
-        slow comes back empty, in its last state, and is asked again once it has
-        answered.
+        A node whose actor died comes back as state "lost". A node that has not answered comes back empty, in its
+        last state, with ``silent_s``: how long its poll has waited, once it has answered since its ranks started
+        (before, the ranks spawn and import: a starved machine can take seconds, and the rendezvous bound covers a
+        node that never answers). When that silence means its host or link is down is the attempt's rule
+        (``jobs.driver.attempt``), which then gives the node up (``lose``).
         """
         for i, a in enumerate(self.actors):
             if i not in self._lost and i not in self._inflight:
@@ -366,14 +362,15 @@ class NodeGroup:
                     p = NodePoll(state=NodeState.LOST)
                 else:
                     self._answered[i], self._states[i] = True, p.state
-            elif self._answered[i] and now - sent > lost_after_s:
-                del self._inflight[i]
-                self._lost.add(i)
-                p = NodePoll(state=NodeState.LOST, silent_s=now - sent)
             else:
-                p = NodePoll(state=self._states[i])
+                p = NodePoll(state=self._states[i], silent_s=now - sent if self._answered[i] else None)
             out.append(p)
         return out
+
+    def lose(self, node_rank: int) -> None:
+        """Give a node up: it is lost from now on (its poll in flight is dropped; it is never asked again)."""
+        self._inflight.pop(node_rank, None)
+        self._lost.add(node_rank)
 
     @property
     def states(self) -> list[NodeState]:

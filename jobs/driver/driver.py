@@ -1,11 +1,10 @@
-"""The driver: the loop over attempts of one run, and the loop over polls within one attempt.
+"""The driver: the loop over the attempts of one run.
 
-Each attempt starts every rank with a fresh rendezvous and restores the latest
-committed checkpoint; the driver polls the node actors, hands what they report to
-``jobs.driver.routing`` (which records it through ``jobs.driver.record`` and commits checkpoints),
-and ends the attempt as soon as any rank fails (stopping every other rank on every
-node), or when all succeed. After a failed attempt ``jobs.driver.policy`` says whether to
-restart; ``jobs.driver.preflight`` reserves the nodes.
+Each attempt reserves its nodes when it must (``jobs.driver.preflight``), starts every rank with a
+fresh rendezvous, restoring the latest committed checkpoint, and runs as a ``jobs.driver.attempt.Attempt``
+(which polls the node actors, routes what they report through ``jobs.driver.routing`` and decides how
+the attempt ended). After each attempt ``jobs.driver.policy.next_step`` says what follows: finish,
+restart on the same nodes, reserve anew, or give up.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, Callable, TextIO
+from typing import Callable, TextIO
 
 import psutil
 
@@ -21,12 +20,11 @@ from cluster.context import WorkerContext
 from cluster.nodes.connect import holds_embedded_cluster, job_workdir, machine_gpus
 from cluster.nodes.group import NodeGroup, NodeLostError, RendezvousError
 from cluster.nodes.placement import Placement, PlacementError, cpu_beside_gpus, fitting_nodes, resolve_placement
-from cluster.protocol import NodeState, RankFailure, RunStatus, ScriptCall, WorkerPayload
+from cluster.protocol import RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
-from jobs.driver.hangs import is_hang, where_ranks_are
-from jobs.driver.policy import (
-    AttemptOutcome, Failure, RunState, WorldSize, failure_kind, grow_to, next_step, resize_reason, world_sizes,
-)
+from jobs.driver.attempt import Attempt
+from jobs.driver.hangs import where_ranks_are
+from jobs.driver.policy import Action, AttemptOutcome, WorldSize, grow_to, next_step, resize_reason, world_sizes
 from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.driver.record import Recorder, RunResult
 from jobs.driver.routing import AttemptRouter, AttemptState, group_failures
@@ -37,27 +35,6 @@ from jobs.spec.environment import Secrets, check_requirements
 from jobs.spec.strategy import AccelerateConfig, read_accelerate_config
 
 __all__ = ["Driver", "RunResult", "group_failures"]
-
-# How long a node's actor holds the driver's poll while its ranks report only metrics and log lines: it answers
-# at once when a rank ends or says anything else (``cluster.nodes.node.NodeActor.poll``), so this is the lag of metrics
-# rows and log lines, and each node is called about once a second instead of four times (bench/results.md: the
-# CPU beside the ranks).
-POLL_HOLD_S = 1.0
-# How long a node holds its ranks' routine rows (metrics, pace, resources) before answering a held poll. On a job of
-# FRESH_ROWS_NODES nodes or fewer, the whole hold: one poll a second per node, what keeps raylaunch's CPU beside the
-# ranks at torchrun's + 0.012 cores (make bench, world size 2; answering at 0.5 s doubled the driver's and the node
-# actor's share). On larger jobs ROW_AGE_S, so a row reaches metrics.jsonl within a second at 1,024 ranks
-# (make bench-scale: p99 3.3 s when every node held its rows a second and the driver polled every n / 128 s).
-ROW_AGE_S = 0.5
-FRESH_ROWS_NODES = 8
-# How long the other ranks get to report their own failure once one rank failed.
-FAILURE_GRACE_S = 2.0
-# How often the TensorBoard files are brought up to date while an attempt runs.
-BOARD_FLUSH_S = 2.0
-# How often, at most, where training stands goes to events.jsonl (what a killed driver's books can miss).
-WORK_EVERY_S = 5.0
-# How often an elastic run below num_nodes looks for nodes to grow back onto.
-GROW_CHECK_S = 2.0
 
 
 class Driver:
@@ -225,7 +202,7 @@ class Driver:
             self._say("raylaunch: elastic: can run at " + ", ".join(w.describe() for w in self.sizes)
                       + ("" if s.keep_global_batch else " (scaling.keep_global_batch is false: the global batch "
                          "changes with the world size)"))
-        state, step = RunState.RESERVING, None
+        action, step = Action.RESERVE, None
         while True:
             self._open = r.attempts + 1
             began = time.time()
@@ -242,7 +219,7 @@ class Driver:
                 rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
                                          max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
                                          resume_step=latest.step if latest else None))
-            if state is RunState.RESERVING:
+            if action is Action.RESERVE:
                 old = self.size
                 if elastic:
                     if self.can_grow and self.node_request is None:  # an autoscaler adds what the run is short of
@@ -272,18 +249,15 @@ class Driver:
             # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
             step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
                              self.spec.timeouts.resize_s)
-            state = step.state
+            action = step.action
             r.restarts, r.preemptions = step.restarts, step.preemptions
             r.error = None if outcome.ok or step.grew else outcome.error
-            if state is RunState.RESERVING:  # the bundles of lost nodes are gone; growing needs a larger group
+            if action is Action.RESERVE:  # the bundles of lost nodes are gone; growing needs a larger group
                 self.group.shutdown()
                 self.group = None
-            self._end_attempt(step.ended)
-            if state is RunState.SUCCEEDED:
-                r.status = RunStatus.SUCCEEDED
-                return
-            if state is RunState.FAILED:
-                r.status = RunStatus.FAILED
+            self._end_attempt(outcome.ended)
+            if (status := action.status) is not None:
+                r.status = status
                 return
             if step.message:
                 self._say(step.message)
@@ -312,6 +286,7 @@ class Driver:
     # --- one attempt ------------------------------------------------------------------
 
     def _attempt(self, group: NodeGroup, attempt: int, restore_uri: str | None, resume_step: int) -> AttemptOutcome:
+        """Start attempt number ``attempt``'s ranks on ``group`` and run it (``Attempt``) to how it ended."""
         spec = self.spec
         staging = self.run_dir.staging_uri(attempt)
         use_gpu = group.placement.use_gpu
@@ -348,94 +323,12 @@ class Driver:
             contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         except NodeLostError as exc:  # a node lost between its reservation and its ranks' start
             self._say(f"raylaunch: attempt {attempt}: {exc}")
-            return AttemptOutcome(False, str(exc), tuple(exc.nodes))
-        rec = self.recorder
-        rec.mark("ranks_started")
-        a = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
-        route = self._route = AttemptRouter(a, rec, self.run_dir, spec.checkpoint.keep, spec.timeouts.heartbeat_s,
-                                            hosts={i: (n.hostname, n.ip) for i, n in enumerate(group.infos)})
-        started = last_board = last_grow_check = last_work = time.monotonic()
-        grow: WorldSize | None = None
-        grow_seen = 0.0  # when nodes to grow onto were first seen
-        returns: dict[int, Any] = {}
-        failures: list[RankFailure] = []
-        lost: list[int] = []
-        max_age_s = ROW_AGE_S if len(group.actors) > FRESH_ROWS_NODES else POLL_HOLD_S
-        while True:
-            round_start = time.monotonic()
-            polls = group.poll(lost_after_s=spec.timeouts.heartbeat_s, hold_s=POLL_HOLD_S, max_age_s=max_age_s)
-            for node_rank, p in enumerate(polls):
-                route.forward(node_rank, p)
-                returns.update(p.returns)
-                failures.extend(p.failures)
-                if p.state == NodeState.LOST:
-                    lost.append(node_rank)
-                failures.extend(route.silent(node_rank, group.infos[node_rank], p, known={f.rank for f in failures}))
-            if failures:
-                break
-            if all(s == NodeState.SUCCEEDED for s in group.states):
-                if a.preempted:
-                    step = rec.result.last_step
-                    return AttemptOutcome(False, f"preempted: ranks {sorted(a.preempted)} checkpointed "
-                                                 f"within the grace period at step {step} and stopped",
-                                          failure=Failure.PREEMPTED)
-                break
-            if len(a.joined) < a.world and time.monotonic() - started > spec.timeouts.rendezvous_s:
-                # Name the ranks that never reached the rendezvous; if all did, the group itself did not form.
-                missing = sorted(set(a.node_of) - a.arrived) or sorted(set(a.node_of) - a.joined)
-                nodes = sorted({a.node_of[m] for m in missing})
-                where = where_ranks_are(group, self.run_dir, attempt)
-                group.stop()
-                return AttemptOutcome(False, (
-                    f"ranks {missing} on nodes {nodes} did not join the process group within "
-                    f"{spec.timeouts.rendezvous_s:g} s (timeouts.rendezvous_s); no rank trained\n{where}"
-                ))
-            if time.monotonic() - last_grow_check > GROW_CHECK_S:
-                last_grow_check = time.monotonic()
-                seen = self._grown(group)
-                if seen is not None and (grow is None or seen.nodes > grow.nodes):
-                    grow, grow_seen = seen, time.time()
-                    self._say(f"raylaunch: elastic: nodes came back; growing to {seen.describe()} at the "
-                              "next committed checkpoint")
-            if grow is not None and a.last_commit is not None and a.last_commit[1] > grow_seen:
-                for node_rank, p in enumerate(group.stop()):
-                    route.forward(node_rank, p)
-                return AttemptOutcome(False, f"stopped at the checkpoint of step {a.last_commit[0]} to grow to "
-                                             f"world size {grow.world_size}", grow=grow)
-            if time.monotonic() - last_board > BOARD_FLUSH_S:
-                rec.board.flush()
-                last_board = time.monotonic()
-            if time.monotonic() - last_work > WORK_EVERY_S:
-                if w := route.work():
-                    rec.event(w)
-                last_work = time.monotonic()
-            # Held polls pace the rounds (a node answers when it has news, or its rows waited max_age_s):
-            # a round every poll_interval_s at most, however many nodes, so no row waits a round of n / 128 s.
-            time.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - round_start)))
-        if failures:
-            # The same bug usually fails every rank within moments: wait briefly for the
-            # other nodes to report theirs, so the error is grouped, not one rank's alone.
-            grace = time.monotonic() + FAILURE_GRACE_S
-            while time.monotonic() < grace and any(s == NodeState.RUNNING for s in group.states):
-                time.sleep(self.poll_interval_s)
-                before = group.states
-                for node_rank, p in enumerate(group.poll(lost_after_s=spec.timeouts.heartbeat_s)):
-                    if before[node_rank] != NodeState.RUNNING:
-                        continue
-                    route.forward(node_rank, p)
-                    failures.extend(p.failures)
-            # A hang: where was every rank? Read before they are stopped.
-            where = where_ranks_are(group, self.run_dir, attempt, failures) if is_hang(failures) else ""
-            # Stop everyone else now: a rank blocked in a collective would wait forever.
-            for node_rank, p in enumerate(group.stop()):
-                route.forward(node_rank, p)
-            # A node whose death was known only after its peers failed (they lost their
-            # connections to it first) is lost all the same: the next attempt needs other nodes.
-            lost += [i for i, state in enumerate(group.states) if state == NodeState.LOST and i not in lost]
-            error = self.secrets.mask(group_failures(failures) + (f"\n{where}" if where else ""))
-            print(f"raylaunch: attempt {attempt} failed:\n{error}", file=sys.stderr, flush=True)
-            return AttemptOutcome(False, error, tuple(lost), failure_kind(failures, lost_nodes=bool(lost)))
-        # Rank return values are JSON data already (``cluster.rank.worker`` made them so).
-        rec.result.return_value = returns.get(0)
-        rec.result.rank_results = {str(k): v for k, v in sorted(returns.items())}
-        return AttemptOutcome(True)
+            return AttemptOutcome(Outcome.FAILED, str(exc), tuple(exc.nodes))
+        self.recorder.mark("ranks_started")
+        state = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
+        self._route = AttemptRouter(state, self.recorder, self.run_dir, spec.checkpoint.keep,
+                                    hosts={i: (n.hostname, n.ip) for i, n in enumerate(group.infos)})
+        return Attempt(group, self._route, recorder=self.recorder, run_dir=self.run_dir,
+                       heartbeat_s=spec.timeouts.heartbeat_s, rendezvous_s=spec.timeouts.rendezvous_s,
+                       grown=lambda: self._grown(group), mask=self.secrets.mask,
+                       poll_interval_s=self.poll_interval_s).run()

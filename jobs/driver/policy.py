@@ -1,8 +1,8 @@
 """The restart rule: after a failed attempt, restart or give up, as a pure function of what happened and the budgets.
 
-The driver asks ``decide`` once per failed attempt. A preempted attempt (a rank ended by
-SIGTERM, a spot node's notice, or every rank checkpointed within the grace period and
-stopped) restarts without using up ``failure.max_restarts``, up to
+The driver asks ``next_step`` once per attempt, which asks ``decide`` once per failed one; how an
+attempt ended is ``attempt_ended``'s. A preempted attempt (a rank ended by SIGTERM, a spot node's
+notice, or every rank checkpointed within the grace period and stopped) restarts without using up ``failure.max_restarts``, up to
 ``failure.max_preemptions`` times; once those are spent it counts as a failure. A failure
 restarts while ``failure.max_restarts`` lasts. Errors that no restart can fix (the cluster
 cannot place the job, storage cannot hold it, a checkpoint cannot be committed) end the run
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Iterable
 
-from cluster.protocol import RankFailure
+from cluster.protocol import RankFailure, RunStatus
 from jobs.run.events import Outcome
 from jobs.spec import FailureSpec, ScalingSpec
 
-__all__ = ["Action", "AttemptOutcome", "Decision", "Failure", "Fit", "RunState", "Step", "WorldSize", "decide",
-           "failure_kind", "fit", "grow_to", "next_step", "resize_note", "resize_reason", "world_sizes"]
+__all__ = ["Action", "AttemptOutcome", "Decision", "Fit", "Step", "WorldSize", "attempt_ended", "decide", "fit",
+           "grow_to", "next_step", "resize_note", "resize_reason", "world_sizes"]
 
 # Growing back, the least time to wait for all the nodes seen (released bundles free up within moments).
 GROW_SETTLE_S = 10.0
@@ -34,47 +34,70 @@ GROW_SETTLE_S = 10.0
 GREW = "nodes came back"
 
 
-class Failure(StrEnum):
-    """What ended an attempt that did not succeed."""
-
-    PREEMPTED = "preempted"
-    FAILED = "failed"
-
-
 class Action(StrEnum):
-    RESTART = "restart"  # from the last committed checkpoint
-    GIVE_UP = "give_up"  # the run has failed
+    """What the driver does after an attempt; every transition is ``next_step``'s (``decide`` answers RESTART or
+    GIVE_UP for a failed one):
+
+    - RESERVE: reserve nodes anew (``jobs.driver.preflight``), then start an attempt: the first attempt, after
+      nodes were lost (on the nodes there are, or that come), or to grow back onto more nodes at a committed
+      checkpoint;
+    - RESTART: a failure or a preemption within the budgets, no node lost: an attempt on the same nodes;
+    - FINISH: every rank returned: the run succeeded;
+    - GIVE_UP: the budgets are spent: the run failed.
+
+    Ctrl-C, SIGTERM and errors no restart can fix end the run from outside this rule (raised, not decided here).
+    """
+
+    RESERVE = "reserve"
+    RESTART = "restart"
+    FINISH = "finish"
+    GIVE_UP = "give_up"
+
+    @property
+    def status(self) -> RunStatus | None:
+        """The run's status when this action ends the run; None when another attempt follows.
+
+        >>> Action.FINISH.status, Action.RESTART.status
+        (<RunStatus.SUCCEEDED: 'succeeded'>, None)
+        """
+        return {Action.FINISH: RunStatus.SUCCEEDED, Action.GIVE_UP: RunStatus.FAILED}.get(self)
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: Action
+    action: Action  # RESTART or GIVE_UP
     restarts: int  # restarts used, counting this one
     preemptions: int  # preemptions used, counting this one
     message: str = ""  # what the driver says, when it restarts
 
 
-def failure_kind(failures: Iterable[RankFailure], lost_nodes: bool) -> Failure:
-    """A rank ended by SIGTERM is a preemption (its peers' collective errors, "Connection reset
-    by peer", are consequences and may be reported first); unless a node was lost, which is a failure.
+def attempt_ended(failures: Iterable[RankFailure], lost_nodes: bool, preempted: bool = False) -> Outcome:
+    """How an attempt ended, from its ranks' failures: the one place a preemption is decided. With no failure it
+    succeeded, unless its ranks checkpointed within a stop notice's grace period and returned (``preempted``). A
+    rank ended by SIGTERM is a preemption (its peers' collective errors, "Connection reset by peer", are
+    consequences and may be reported first); unless a node was lost, which is a failure.
 
-    >>> failure_kind([RankFailure.killed(0, -15, "SIGTERM")], lost_nodes=False)
-    <Failure.PREEMPTED: 'preempted'>
+    >>> attempt_ended([RankFailure.killed(0, -15, "SIGTERM")], lost_nodes=False)
+    <Outcome.PREEMPTED: 'preempted'>
+    >>> attempt_ended([], lost_nodes=False, preempted=True), attempt_ended([], lost_nodes=False)
+    (<Outcome.PREEMPTED: 'preempted'>, <Outcome.SUCCEEDED: 'succeeded'>)
     """
-    preempted = any(f.preempted for f in failures)
-    return Failure.PREEMPTED if preempted and not lost_nodes else Failure.FAILED
+    failures = list(failures)
+    if not failures:
+        return Outcome.PREEMPTED if preempted else Outcome.SUCCEEDED
+    return Outcome.PREEMPTED if any(f.preempted for f in failures) and not lost_nodes else Outcome.FAILED
 
 
-def decide(kind: Failure, attempt: int, restarts: int, preemptions: int, budgets: FailureSpec) -> Decision:
-    """Restart or give up after failed attempt number ``attempt``, with ``restarts`` and
-    ``preemptions`` used so far.
+def decide(kind: Outcome, attempt: int, restarts: int, preemptions: int, budgets: FailureSpec) -> Decision:
+    """Restart or give up after attempt number ``attempt`` ended ``kind`` (FAILED or PREEMPTED), with
+    ``restarts`` and ``preemptions`` used so far.
 
-    >>> decide(Failure.FAILED, 1, 0, 0, FailureSpec(max_restarts=1)).action
+    >>> decide(Outcome.FAILED, 1, 0, 0, FailureSpec(max_restarts=1)).action
     <Action.RESTART: 'restart'>
-    >>> decide(Failure.FAILED, 2, 1, 0, FailureSpec(max_restarts=1)).action
+    >>> decide(Outcome.FAILED, 2, 1, 0, FailureSpec(max_restarts=1)).action
     <Action.GIVE_UP: 'give_up'>
     """
-    if kind is Failure.PREEMPTED and preemptions < budgets.max_preemptions:
+    if kind is Outcome.PREEMPTED and preemptions < budgets.max_preemptions:
         preemptions += 1
         return Decision(Action.RESTART, restarts, preemptions,
                         f"raylaunch: attempt {attempt} was preempted (SIGTERM); restarting from the last "
@@ -88,45 +111,29 @@ def decide(kind: Failure, attempt: int, restarts: int, preemptions: int, budgets
     return Decision(Action.GIVE_UP, restarts, preemptions)
 
 
-# --- the driver's states -------------------------------------------------------------
-
-
-class RunState(StrEnum):
-    """Where the driver is in a run. Every transition after an attempt is ``next_step``'s:
-
-    - RESERVING -> RUNNING: the nodes are held (``jobs.driver.preflight``), an attempt starts;
-    - RUNNING -> SUCCEEDED: every rank returned;
-    - RUNNING -> RUNNING: a failure or a preemption within the budgets, no node lost: restart on the same nodes;
-    - RUNNING -> RESERVING: nodes were lost (restart on the nodes there are, or that come), or the run stopped at
-      a committed checkpoint to grow back onto more nodes;
-    - RUNNING -> FAILED: the budgets are spent;
-    - any -> STOPPED, FAILED: Ctrl-C, SIGTERM, or an error no restart can fix (raised, not decided here).
-    """
-
-    RESERVING = "reserving"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
+# --- after an attempt ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class AttemptOutcome:
-    """How one attempt ended, as the driver saw it."""
+    """How one attempt ended, as the driver saw it (``jobs.driver.attempt``): ``ended`` is what ``events.jsonl``
+    records (SUCCEEDED, FAILED, PREEMPTED or GROW; a stopped run never reaches the policy)."""
 
-    ok: bool
+    ended: Outcome
     error: str | None = None
     lost_nodes: tuple[int, ...] = ()
-    failure: Failure = Failure.FAILED
-    grow: "WorldSize | None" = None  # stopped at a committed checkpoint to grow back to this size
+    grow: "WorldSize | None" = None  # GROW: stopped at a committed checkpoint to grow back to this size
+
+    @property
+    def ok(self) -> bool:
+        return self.ended is Outcome.SUCCEEDED
 
 
 @dataclass(frozen=True)
 class Step:
-    """What the driver does after an attempt: the state it goes to and what that takes."""
+    """What the driver does after an attempt, and what that takes."""
 
-    state: RunState
-    ended: Outcome  # the attempt's outcome
+    action: Action
     restarts: int  # restarts used, counting this one
     preemptions: int  # preemptions used, counting this one
     wait_full_s: float = 0.0  # an elastic run's next reservation waits this long for all of num_nodes
@@ -137,34 +144,33 @@ class Step:
 
 def next_step(outcome: AttemptOutcome, attempt: int, restarts: int, preemptions: int, budgets: FailureSpec,
               resize_s: float) -> Step:
-    """The driver's next state after attempt number ``attempt``, from how it ended and the budgets left: a pure
+    """What the driver does after attempt number ``attempt``, from how it ended and the budgets left: a pure
     function (``tests/test_policy.py`` has a row for every case).
 
-    >>> next_step(AttemptOutcome(False, lost_nodes=(1,)), 1, 0, 0, FailureSpec(max_restarts=1), 30.0).state
-    <RunState.RESERVING: 'reserving'>
+    >>> next_step(AttemptOutcome(Outcome.FAILED, lost_nodes=(1,)), 1, 0, 0, FailureSpec(max_restarts=1), 30.0).action
+    <Action.RESERVE: 'reserve'>
     """
     if outcome.ok:
-        return Step(RunState.SUCCEEDED, Outcome.SUCCEEDED, restarts, preemptions)
-    if outcome.grow is not None:
+        return Step(Action.FINISH, restarts, preemptions)
+    if outcome.ended is Outcome.GROW:
         # Nodes came back and a checkpoint was committed since: no failure, no budget used; wait long enough for
         # the nodes this run just released to show as free.
-        return Step(RunState.RESERVING, Outcome.GROW, restarts, preemptions,
-                    wait_full_s=max(resize_s, GROW_SETTLE_S), resize_why=GREW, grew=True)
+        return Step(Action.RESERVE, restarts, preemptions, wait_full_s=max(resize_s, GROW_SETTLE_S),
+                    resize_why=GREW, grew=True)
     lost = outcome.lost_nodes
     why = (f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost") if lost else "a failure"
-    decision = decide(outcome.failure, attempt, restarts, preemptions, budgets)
-    ended = Outcome.PREEMPTED if outcome.failure is Failure.PREEMPTED else Outcome.FAILED
+    decision = decide(outcome.ended, attempt, restarts, preemptions, budgets)
     if decision.action is Action.GIVE_UP:
-        return Step(RunState.FAILED, ended, decision.restarts, decision.preemptions)
+        return Step(Action.GIVE_UP, decision.restarts, decision.preemptions)
     # A lost node's bundle is gone with it: reserve anew, on the nodes that are left or that the cluster adds.
-    return Step(RunState.RESERVING if lost else RunState.RUNNING, ended, decision.restarts, decision.preemptions,
+    return Step(Action.RESERVE if lost else Action.RESTART, decision.restarts, decision.preemptions,
                 wait_full_s=resize_s, resize_why=why, message=decision.message)
 
 
 def resize_reason(step: Step, old_nodes: int, new_nodes: int) -> str:
     """Why the world size changed after ``step``: its reason, unless the run meant to grow and got fewer nodes.
 
-    >>> grow = Step(RunState.RESERVING, Outcome.GROW, 0, 0, resize_why=GREW, grew=True)
+    >>> grow = Step(Action.RESERVE, 0, 0, resize_why=GREW, grew=True)
     >>> resize_reason(grow, 2, 1), resize_reason(grow, 1, 2)
     ('nodes left while it grew back', 'nodes came back')
     """

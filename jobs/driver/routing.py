@@ -1,9 +1,8 @@
-"""What the ranks of one attempt reported, and which of them went silent: events routed to the recorder and
-to checkpoint commits, and lost nodes and stopped heartbeats turned into rank failures.
+"""What the ranks of one attempt reported: events routed to the recorder and to checkpoint commits.
 
-``jobs.driver.driver`` hands every node's poll to an ``AttemptRouter``; it keeps the attempt's
+``jobs.driver.attempt`` hands every node's poll to an ``AttemptRouter``; it keeps the attempt's
 state (who arrived, joined, checkpointed, was preempted) and asks ``jobs.run.storage`` to
-commit a checkpoint once every rank reported its part.
+commit a checkpoint once every rank reported its part. What ends the attempt is the attempt's.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ from dataclasses import dataclass, field
 
 from cluster.layout import checkpoint_name
 from cluster.metric_rows import RowBatch, RowBatcher, keep_latest, metrics_row
-from cluster.nodes.node import NodeInfo
 from cluster.protocol import (
-    Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, NodePoll, NodeState, Pace,
-    PreemptNotice, Preempted, RankFailure, Resources, RestoredPart, decode_rank_event,
+    Arrived, CheckpointInterval, CheckpointPart, Joined, NodePoll, Pace, PreemptNotice, Preempted, RankFailure,
+    Resources, RestoredPart, decode_rank_event,
 )
 from cluster.storage_io import join_uri
 from jobs.driver.pace import PACE_KEYS, PaceTracker
@@ -83,13 +81,12 @@ class AttemptRouter:
     """Routes one attempt's polls: logs and metrics to the recorder, checkpoint parts to a commit."""
 
     def __init__(self, state: AttemptState, recorder: Recorder, run_dir: RunDir, keep: int,
-                 heartbeat_s: float, hosts: dict[int, tuple[str, str]] | None = None) -> None:
+                 hosts: dict[int, tuple[str, str]] | None = None) -> None:
         self.a = state
         self.hosts = hosts or {}  # node rank -> (hostname, ip)
         self.recorder = recorder
         self.run_dir = run_dir
         self.keep = keep  # checkpoint.keep
-        self.heartbeat_s = heartbeat_s
         self.pace_tracker = PaceTracker()  # who starves for data, who the others wait for, this attempt
         self._work_said: Work | None = None
         self._batcher = RowBatcher(state.number, state.world, state.node_of)  # metrics rows that come one by one
@@ -287,21 +284,6 @@ class AttemptRouter:
             return None
         self._work_said = w
         return w
-
-    def silent(self, node_rank: int, info: NodeInfo, p: NodePoll, known: set[int]) -> list[RankFailure]:
-        """The ranks of a node that is lost, or that stopped beating, as failures (not those in ``known``)."""
-        heartbeat_s = self.heartbeat_s
-        if p.state == NodeState.LOST:
-            why = "was lost" if p.silent_s is None else (
-                f"did not answer for {p.silent_s:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
-                "its host or its network link is down; treated as lost")
-            return [RankFailure(rank=r, exitcode=-9, traceback="", cause=FailureCause.NODE_LOST,
-                                message=f"node {node_rank} ({info.node_id[:12]}, {info.ip}) {why}")
-                    for r, n in sorted(self.a.node_of.items()) if n == node_rank]
-        return [RankFailure(rank=rank, exitcode=-1, traceback="", cause=FailureCause.SILENT,
-                            message=f"no heartbeat for {age:.0f} s (timeouts.heartbeat_s is {heartbeat_s:g}): "
-                                    "the process is stopped or frozen")
-                for rank, age in p.beat_age_s.items() if age > heartbeat_s and rank not in known]
 
 
 def _agreed(reports) -> dict[str, dict]:
