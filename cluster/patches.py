@@ -67,10 +67,6 @@ class Patch:
 _A, _T, _R, _P = "accelerate", "torch", "ray", "python"
 PATCHES: tuple[Patch, ...] = (
     # --- the rank side: scripts run as functions (cluster.rank.script), installed for `raylaunch launch`/script specs
-    Patch("accelerate.Accelerator.__init__", _A, Kind.REPLACED, "cluster.rank.script",
-          "a script's in-code gradient_accumulation_steps scaled as an elastic run scales the launch's",
-          "ACCELERATE_GRADIENT_ACCUMULATION_STEPS alone: a value in the script's code wins over it",
-          ("gradient_accumulation_steps", "gradient_accumulation_plugin")),
     Patch("accelerate.Accelerator.log", _A, Kind.REPLACED, "cluster.rank.script",
           "every rank's `accelerator.log` reaches the run's metrics, with no init_trackers needed",
           "a GeneralTracker: Accelerate logs on the main process only, and only after init_trackers"),
@@ -81,10 +77,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch("accelerate.Accelerator.load_state", _A, Kind.REPLACED, "cluster.rank.script",
           "a resume folder's load checked, its loaders' positions and RNG put back, FSDP1 optimizer state made",
           "register_load_state_pre_hook: runs before the load only", ("input_dir",)),
-    Patch("accelerate.optimizer.AcceleratedOptimizer.step", _A, Kind.REPLACED, "cluster.rank.script",
-          "optimizer steps counted (a checkpoint's step), as Accelerate takes them under accumulation",
-          "torch's register_step_post_hook on the inner optimizer: not called where Accelerate steps elsewhere "
-          "(DeepSpeed's engine) and called per inner step, not per step Accelerate counts", ("closure",)),
     # --- the rank side: strategy (cluster.rank.sharding)
     Patch("accelerate.state.AcceleratorState.__init__", _A, Kind.REPLACED, "cluster.rank.sharding",
           "on CPU nodes, the FSDP path Accelerate takes only for GPU-like devices (it trains plain DDP otherwise)",
@@ -100,9 +92,11 @@ PATCHES: tuple[Patch, ...] = (
           ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")),
     # --- the rank side: what every prepare does (cluster.rank.sharding reports shards; cluster.rank.pace hooks)
     Patch("accelerate.Accelerator.prepare", _A, Kind.REPLACED, "cluster.rank.prepared",
-          "after every prepare: how much of each new model this rank holds (and a refusal if FSDP sharded "
-          "nothing), and the gradient hooks that time sync_wait on each new model",
-          "none: Accelerate has no hook after prepare; prepare_model is bypassed by its FSDP2 path"),
+          "before a script's first prepare, its accumulation (public setter; was a replaced __init__); after every "
+          "prepare: how much of each new model this rank holds (and a refusal if FSDP sharded nothing), the "
+          "gradient hooks that time sync_wait on each new model, a script's optimizer steps counted (torch's public "
+          "register_step_post_hook; was a replaced AcceleratedOptimizer.step)",
+          "none: Accelerate has no hook around prepare; prepare_model is bypassed by its FSDP2 path"),
     Patch("accelerate.Accelerator.backward", _A, Kind.REPLACED, "cluster.rank.pace",
           "the backward pass timed, for sync_wait (the time in DDP's all-reduce after the last gradient)",
           "a DDP communication hook: not where FSDP or a single process trains, and it replaces the user's own",
@@ -119,11 +113,10 @@ PATCHES: tuple[Patch, ...] = (
           "the same for safetensors files", "as torch.save", ("tensors", "filename", "metadata")),
     Patch("torch.distributed.checkpoint.save", _T, Kind.SCOPED, "cluster.checkpoint.snapshot",
           "the same for FSDP's sharded state (DCP): the collectives run now, the files are kept",
-          "a storage_writer of our own: Accelerate builds its FileSystemWriter inside save_state",
+          "a storage_writer of our own alone: Accelerate builds its FileSystemWriter inside save_state (so the "
+          "replacement hands DCP ours, a FileSystemWriter subclass writing to memory, built with the path and "
+          "options of Accelerate's; was two private fields written on Accelerate's)",
           ("state_dict", "storage_writer")),
-    Patch("torch.distributed.checkpoint.FileSystemWriter.fs", _T, Kind.FIELD, "cluster.checkpoint.snapshot",
-          "that writer's files go to memory (fs, and sync_files off), for the one save only",
-          "as above", also=("torch.distributed.checkpoint.FileSystemWriter.sync_files",)),
     # --- the node side: an embedded cluster (cluster.nodes.connect), while its nodes start
     Patch("ray._private.node.Node.start_api_server", _R, Kind.SCOPED, "cluster.nodes.connect",
           "an embedded head without Ray's API server: 1.5 s of a cold start and an idle process, used by nothing",

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, cli_env, free_ports, our_processes, our_stacks, wait_for
+from cluster.layout import checkpoint_name
 from jobs.driver.driver import Driver
 from jobs.spec.launch import parse
 
@@ -328,3 +329,46 @@ def test_the_runners_save_leaves_accelerates_automatic_checkpoint_naming_as_the_
     mine, staged = json.loads(proc.stdout.strip().splitlines()[-1])
     assert mine == ["checkpoint_0", "checkpoint_1"]  # the runner's save in between was not counted
     assert "model.safetensors" in staged and "random_states_0.pkl" in staged
+
+
+ACCUMULATING = """
+import json, sys
+import torch
+from accelerate import Accelerator
+
+accelerator = Accelerator(gradient_accumulation_steps=3)
+before = accelerator.gradient_accumulation_steps
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=1)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+after = accelerator.gradient_accumulation_steps
+for x, y in loader:  # 12 micro-batches a rank: 4 optimizer steps at 3
+    with accelerator.accumulate(model):
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+accelerator.save_state(sys.argv[1] + "/epoch_0")  # no step in the folder's name: the optimizer steps taken
+if accelerator.is_main_process:
+    json.dump({"before": before, "after": after}, open(sys.argv[1] + "/seen.json", "w"))
+accelerator.end_training()
+"""
+
+
+def test_a_scripts_own_accumulation_is_kept_and_its_optimizer_steps_number_its_checkpoint(ray_cluster, tmp_path,
+                                                                                          monkeypatch):
+    """A script that sets gradient_accumulation_steps in code keeps it over the launch's (said once), and a
+    save_state to a folder whose name has no step is committed at the optimizer steps the script took."""
+    (tmp_path / "acc.py").write_text(ACCUMULATING)
+    monkeypatch.chdir(tmp_path)
+    said = io.StringIO()
+    result = launch(["--num_processes", "2", "--gradient_accumulation_steps", "2", "acc.py", str(tmp_path)],
+                    tmp_path / "runs", "acc", out=said).run()
+    assert result.status == "succeeded", result.error
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"before": 3, "after": 3}
+    text = said.getvalue()
+    assert text.count("the script sets gradient_accumulation_steps=3 in its code; it is used instead of the "
+                      "launch's 2") == 1, text[-3000:]
+    committed = sorted(p.name for p in Path(result.run_dir, "checkpoints").iterdir() if p.is_dir())
+    assert committed == [checkpoint_name(4)], committed

@@ -18,7 +18,8 @@ capture.
 FSDP's sharded state goes through PyTorch distributed checkpointing (DCP), whose ``save`` is a
 collective: the ranks agree on a plan, each writes its shard, and rank 0 gathers what they wrote into
 ``.metadata``. :func:`capture` runs that ``save`` on the training thread, in step with the other
-ranks, with its ``FileSystemWriter`` writing into memory instead of files (:class:`_MemoryFiles`): the
+ranks, with a ``FileSystemWriter`` of ours in place of Accelerate's, writing into memory instead of files
+(:class:`_MemoryFiles`): the
 collectives stay where they were, the bytes of each file are what DCP would have written, and only
 writing them to disk moves to the other thread. A DCP writer of another kind (not the local file
 system) writes itself, during the capture. Imports nothing from Ray.
@@ -322,6 +323,22 @@ class _MemoryFiles:
         return [w.path for w in self._snap.writes if Path(w.path).parent == Path(path)]
 
 
+def _memory_writer(like: Any, snap: Snapshot) -> Any:
+    """A DCP ``FileSystemWriter`` built as ``like`` was (its path and public options), writing into ``snap``: torch's
+    own way to give a writer another file system (its ``FsspecWriter`` sets ``fs`` the same way). Nothing to sync in
+    memory (DCP would sync the whole machine instead)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class _MemoryWriter(FileSystemWriter):
+        def __init__(self) -> None:
+            super().__init__(like.path, single_file_per_rank=like.single_file_per_rank, sync_files=False,
+                             thread_count=like.thread_count, per_thread_copy_ahead=like.per_thread_copy_ahead,
+                             overwrite=like.overwrite)
+            self.fs = _MemoryFiles(snap)
+
+    return _MemoryWriter()
+
+
 def _holds_objects(value: Any) -> bool:
     if isinstance(value, _Serialised):
         return True
@@ -371,12 +388,10 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
                                   {"metadata": metadata} if metadata is not None else {}))
 
     def distributed_save(state_dict: Any, *args: Any, storage_writer: Any = None, **kwargs: Any) -> Any:
-        # The collectives run here, now, in step with the other ranks; only the local file system's writes are kept.
+        # The collectives run here, now, in step with the other ranks; only the local file system's writes are kept:
+        # a writer of our own, built like the one Accelerate made, stands in for it.
         if threading.current_thread() is _CAPTURING.thread and type(getattr(storage_writer, "fs", None)) is FileSystem:
-            fields = "torch.distributed.checkpoint.FileSystemWriter.fs"
-            patches.write(storage_writer, "fs", _MemoryFiles(snap), fields)
-            # nothing to sync in memory (DCP would sync the whole machine instead)
-            patches.write(storage_writer, "sync_files", False, fields)
+            storage_writer = _memory_writer(storage_writer, snap)
         return dcp_save(state_dict, *args, storage_writer=storage_writer, **kwargs)
 
     _CAPTURING.thread = threading.current_thread()

@@ -297,7 +297,7 @@ def _time_backward(meter: PaceMeter) -> None:
         return
     models: list[_LastGradients] = []
 
-    def hook(accelerator: Any, prepared: list[Any]) -> None:
+    def hook(accelerator: Any, prepared: list[Any], _optimizers: list[Any]) -> None:
         if accelerator.num_processes <= 1 or getattr(accelerator, "is_fsdp2", False) or \
                 accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             return  # alone, a rank waits for nobody
