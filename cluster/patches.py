@@ -94,13 +94,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("accelerate.Accelerator.prepare", _A, Kind.REPLACED, "cluster.rank.prepared",
           "before a script's first prepare, its accumulation (public setter; was a replaced __init__); after every "
           "prepare: how much of each new model this rank holds (and a refusal if FSDP sharded nothing), the "
-          "gradient hooks that time sync_wait on each new model, a script's optimizer steps counted (torch's public "
+          "gradient hooks that time sync_wait on each new model (to the backward's end, a READ below), a script's "
+          "optimizer steps counted (torch's public "
           "register_step_post_hook; was a replaced AcceleratedOptimizer.step)",
           "none: Accelerate has no hook around prepare; prepare_model is bypassed by its FSDP2 path"),
-    Patch("accelerate.Accelerator.backward", _A, Kind.REPLACED, "cluster.rank.pace",
-          "the backward pass timed, for sync_wait (the time in DDP's all-reduce after the last gradient)",
-          "a DDP communication hook: not where FSDP or a single process trains, and it replaces the user's own",
-          ("loss",)),
     Patch("accelerate.data_loader.DataLoaderShard.__iter__", _A, Kind.REPLACED, "cluster.rank.pace",
           "each batch's wait timed (data_wait), and a resume's random states put back before its first batch",
           "DataLoaderConfiguration: no hook; wrapping the prepared loaders misses skip_first_batches' new one",
@@ -154,6 +151,11 @@ PATCHES: tuple[Patch, ...] = (
           "the upload's size limit, said before Ray refuses", "none public"),
     Patch("torch.distributed.checkpoint.state_dict._init_optim_state", _T, Kind.READ, "cluster.checkpoint.resume",
           "an FSDP1 optimizer state to load into before load_state", "none public"),
+    Patch("torch.autograd.Variable._execution_engine", _T, Kind.READ, "cluster.rank.pace",
+          "a backward's end, for sync_wait: queue_callback, as DDP and FSDP use it to wait for their reductions "
+          "(was a replaced Accelerator.backward; a plain loss.backward() is measured too)",
+          "none public: a hook on the loss's graph runs first, not last; an optimizer step pre-hook would count the "
+          "user's code between backward and step"),
     Patch("torch.distributed.fsdp.FullyShardedDataParallel._flat_param", _T, Kind.READ, "cluster.rank.sharding",
           "how much of an FSDP1 model a rank holds (its flat parameter's unsharded size)", "none public"),
     Patch("accelerate.Accelerator._models", _A, Kind.READ, "cluster.rank.prepared, cluster.checkpoint.resume",

@@ -146,7 +146,6 @@ def gpu_rank(step_s: float, compute_s: float, steps: int, lag: int) -> dict:
     for step in range(steps):
         base = step * step_s
         meter.fetched(base, base + 0.0001)  # the host runs ahead: batches are handed over at once
-        meter.backward_started()
         timer.now = base + compute_s
         meter.gradient_ready()
         timer.now = base + step_s
@@ -180,11 +179,10 @@ def test_only_the_parameters_computed_last_keep_a_gradient_hook():
                                 torch.nn.Linear(8, 2))
     hooks = _LastGradients(meter, list(model.parameters()))
     for step in range(5):
-        meter.backward_started()
-        model(torch.randn(3, 4)).sum().backward()
-        meter.backward_ended()
-        hooks.backward_done()
-        assert meter._grad_at is None and not meter._pending  # one wait a backward, read at once on the CPU clock
+        waited = meter.sync_s
+        model(torch.randn(3, 4)).sum().backward()  # a plain backward: its end is torch's autograd callback
+        # one wait a backward, read at once on the CPU clock when the backward ended
+        assert meter._grad_at is None and not meter._pending and meter.sync_s > waited
         if step < _LastGradients.LEARN - 1:
             assert len(hooks._handles) == 6
     kept = [name for name, p in model.named_parameters() if id(p) in hooks._handles]

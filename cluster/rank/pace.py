@@ -6,9 +6,11 @@ Measured inside each rank process with no change to the training function:
   returned (the batch being read, collated and moved to the device), as a fraction of the
   time between batches. A rank whose input pipeline cannot keep up waits here.
 - ``sync_wait``: the time from this rank's last gradient being computed (a hook on every
-  parameter) to ``accelerator.backward`` returning, as a fraction of the same time: what the
+  parameter) to the end of the backward pass (a callback of torch's autograd engine, run after
+  DDP's and FSDP's own, which wait for the reduction), as a fraction of the same time: what the
   backward waits for once its own work is done, the gradients' reduction across ranks (DDP's
-  all-reduce of its last bucket, FSDP's reduce-scatter). In synchronous training every rank
+  all-reduce of its last bucket, FSDP's reduce-scatter). A backward of ``loss.backward()`` is
+  measured as one of ``accelerator.backward`` is. In synchronous training every rank
   steps at the pace of the slowest, so step rates are equal everywhere; what differs is this
   wait: the ranks that wait long wait *for* the one that does not.
 
@@ -16,11 +18,11 @@ The two fractions over each window of a few seconds are reported as a ``pace`` e
 which the driver stores beside the rank's metrics and judges (``jobs/driver/pace.py``).
 
 Costs per batch: two clock reads and a few additions; per backward: one mark when the last gradient is computed
-and one when ``backward`` returns. Which parameter's gradient comes last is learned over the first backwards (the
+and one when the backward ends. Which parameter's gradient comes last is learned over the first backwards (the
 hooks of the others are then removed). DDP's communication itself is untouched (no communication hook: torch's
 Python ``allreduce_hook`` alone made a 2.1M-parameter MLP's step 5-20% slower on CPU).
 
-On a GPU the CPU clock cannot see the wait: ``backward`` returns once kernels are queued, and the reduction runs
+On a GPU the CPU clock cannot see the wait: the backward ends once kernels are queued, and the reduction runs
 later on the stream. There the two marks are CUDA events recorded on the current stream (``CudaTimer``): the time
 between them is the stream's wait for the reduction, read a window later, when the events have completed, without
 ever synchronizing the host. A ``Timer`` is the seam: ``tests/test_pace.py`` gives the meter one with GPU-like
@@ -143,11 +145,8 @@ class PaceMeter:
         """A parameter's gradient is computed (a hook on the parameters computed last): the latest mark wins."""
         self._grad_at = self.timer.mark()
 
-    def backward_started(self) -> None:
-        self._grad_at = None
-
     def backward_ended(self, at: Any = None) -> None:
-        """``accelerator.backward`` returned (``at``: the timer's mark then, made here when not given): since the last
+        """The backward pass ended (``at``: the timer's mark then, made here when not given): since the last
         gradient, it waited for the gradients' reduction across ranks (DDP's all-reduce, FSDP's reduce-scatter)."""
         if self._grad_at is None:
             return
@@ -196,8 +195,7 @@ class PaceMeter:
 def install(emit: Callable[[dict], None]) -> "_Pace":
     """Measure this rank process's prepared dataloaders and backward passes; report through ``emit``.
 
-    Patches Accelerate's dataloader classes and ``Accelerator.backward``, and hooks each prepared model
-    (``cluster.rank.prepared``), in this process only (a rank is its own process, forked after the fork server
+    Patches Accelerate's dataloader classes, and hooks each prepared model's gradients (``cluster.rank.prepared``), in this process only (a rank is its own process, forked after the fork server
     imported Accelerate), before the training function runs (``cluster.patches`` says why each).
     """
     meter = PaceMeter()
@@ -257,7 +255,10 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
 
 class _LastGradients:
     """The gradient hooks of one prepared model: over its first ``LEARN`` backwards every parameter's hook marks the
-    time and notes which parameter came last; then only the parameters that came last keep a hook."""
+    time and notes which parameter came last; then only the parameters that came last keep a hook. The first hook
+    of each backward asks torch's autograd engine to call ``_ended`` when that backward ends: queued from a callback
+    of the engine's, so it runs after every callback queued during the backward (DDP's and FSDP1's, which wait for
+    the gradients' reduction)."""
 
     LEARN = 3
 
@@ -267,11 +268,21 @@ class _LastGradients:
         self._last: int | None = None  # the latest parameter hooked in this backward (while learning)
         self._lasts: set[int] = set()
         self._learned = 0
+        self._queued = False  # this backward's end is already asked for
 
     def _hook(self, param: Any) -> None:
         if self._learned < self.LEARN:
             self._last = id(param)
         self.meter.gradient_ready()
+        if not self._queued:
+            self._queued = True
+            engine = _engine()
+            engine.queue_callback(lambda: engine.queue_callback(self._ended))
+
+    def _ended(self) -> None:
+        self._queued = False
+        self.meter.backward_ended()
+        self.backward_done()
 
     def backward_done(self) -> None:
         if self._learned >= self.LEARN or self._last is None:
@@ -286,16 +297,19 @@ class _LastGradients:
                     del self._handles[key]
 
 
+def _engine() -> Any:
+    """torch's autograd engine, whose ``queue_callback`` runs a call when the current backward ends (as DDP and FSDP
+    themselves use it; ``cluster.patches`` lists it)."""
+    from torch.autograd import Variable
+
+    return Variable._execution_engine
+
+
 def _time_backward(meter: PaceMeter) -> None:
     """The gradient hooks on each model ``prepare`` wraps as DDP, FSDP1 or alone (``prepare_model``'s: not FSDP2,
-    DeepSpeed or Megatron-LM, whose engines hook their own), and ``backward`` timed. Once a process. A model given
-    to ``accelerator.prepare_model`` directly, not through ``prepare``, has no hooks: its ``sync_wait`` reads 0."""
-    from accelerate import Accelerator
+    DeepSpeed or Megatron-LM, whose engines hook their own), which time each backward to its end. A model given to
+    ``accelerator.prepare_model`` directly, not through ``prepare``, has no hooks: its ``sync_wait`` reads 0."""
     from accelerate.utils import DistributedType
-
-    if patches.installed(Accelerator, "backward"):
-        return
-    models: list[_LastGradients] = []
 
     def hook(accelerator: Any, prepared: list[Any], _optimizers: list[Any]) -> None:
         if accelerator.num_processes <= 1 or getattr(accelerator, "is_fsdp2", False) or \
@@ -306,21 +320,8 @@ def _time_backward(meter: PaceMeter) -> None:
                 params = [p for p in model.parameters() if p.requires_grad]
                 if params and params[0].device.type == "cuda" and isinstance(meter.timer, CpuTimer):
                     meter.timer = CudaTimer()  # the stream's time, read without synchronizing the host
-                models.append(_LastGradients(meter, params))
+                _LastGradients(meter, params)  # kept by its hooks, on the model's parameters
             except (AttributeError, RuntimeError) as exc:  # never the function's failure: unmeasured instead
                 print(f"raylaunch: sync_wait is not measured for this model: {exc}", file=sys.stderr, flush=True)
 
-    def make(backward: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(backward)
-        def timed_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-            meter.backward_started()
-            out = backward(self, *args, **kwargs)
-            meter.backward_ended()
-            for m in models:
-                m.backward_done()
-            return out
-
-        return timed_backward
-
-    patches.replace(Accelerator, "backward", make, "accelerate.Accelerator.backward")  # refused before any hook
     after_prepare("pace", hook)
