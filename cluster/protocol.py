@@ -117,6 +117,11 @@ class RunStatus(StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
 
+    @property
+    def is_terminal(self) -> bool:
+        """The run has ended (succeeded, failed or stopped)."""
+        return self is not RunStatus.RUNNING
+
     @classmethod
     def of(cls, result: dict | None, missing: RunStatus | None = None) -> RunStatus | None:
         """The status a ``result.json`` read back holds: ``missing`` when there is none (no file, no ``status``);
@@ -391,7 +396,7 @@ def decode_kind(kinds: dict[str, type], row: Any) -> Any:
         fields = {k: v for k, v in fields.items() if k in names}
     try:
         return cls(**fields)
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a spelling of an enum field this version does not know
         return None
 
 

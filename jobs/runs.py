@@ -19,7 +19,7 @@ from cluster.layout import LOGS, METRICS, TENSORBOARD
 from cluster.protocol import RunStatus
 from jobs.driver.pace import judge, pace_of_records
 from jobs.run.events import RanksPlaced, SessionStarted, decode
-from jobs.run.ledger import CATEGORIES, Ledger, ledger, suggestion
+from jobs.run.ledger import CATEGORIES, Category, Ledger, ledger, suggestion
 from jobs.run.storage import RunDir, numeric_metrics
 from jobs.spec import run_name_problem
 
@@ -159,7 +159,8 @@ def _duration(result: dict) -> float | None:
     start, end = result.get("start_time"), result.get("end_time")
     if not start:
         return None
-    return (end if end and result.get("status", "running") != "running" else time.time()) - start
+    ended = (RunStatus.of(result, missing=RunStatus.RUNNING) or RunStatus.RUNNING).is_terminal
+    return (end if end and ended else time.time()) - start
 
 
 def _dur(seconds: float | None) -> str:
@@ -268,7 +269,7 @@ def _format_books(run: RunDir) -> list[str]:
              f"(training / wall clock{f', {sessions} commands' if sessions > 1 else ''}):"]
     for cat in CATEGORIES:
         secs = b.seconds[cat]
-        if secs > 0 or cat == "training":
+        if secs > 0 or cat == Category.TRAINING:
             share = secs / b.wall_s
             lines.append(f"    {cat:<11} {secs:9.1f} s {100 * share:4.0f}%  {'#' * round(40 * share)}")
     if note := suggestion(b):
@@ -327,9 +328,9 @@ def plot(storage: str, names: list[str], metric: str, out: str, per_rank: bool =
 
 
 # Colours of the goodput timeline, one per category (training green, losses warm, waits grey).
-_COLOURS = {"training": "#2ca02c", "recompute": "#d62728", "startup": "#1f77b4", "restore": "#17becf",
-            "checkpoint": "#9467bd", "data_wait": "#ff7f0e", "failure": "#8c564b", "waiting": "#7f7f7f",
-            "other": "#c7c7c7"}
+_COLOURS = {Category.TRAINING: "#2ca02c", Category.RECOMPUTE: "#d62728", Category.STARTUP: "#1f77b4",
+            Category.RESTORE: "#17becf", Category.CHECKPOINT: "#9467bd", Category.DATA_WAIT: "#ff7f0e",
+            Category.FAILURE: "#8c564b", Category.WAITING: "#7f7f7f", Category.OTHER: "#c7c7c7"}
 
 
 def plot_goodput(storage: str, name: str, out: str) -> Ledger:

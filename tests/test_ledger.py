@@ -3,13 +3,15 @@ category gets; the categories always add up to the wall clock."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from cluster.protocol import RunStatus
 from jobs.run.events import (
-    AttemptEnded, AttemptStarted, Committed, FirstStep, Outcome, Reserved, Restored, Saved, SessionEnded,
-    SessionStarted, Waiting, Work, decode,
+    EVENT_PREFIX, AttemptEnded, AttemptStarted, Committed, FirstStep, Outcome, Reserved, Restored, Saved,
+    SessionEnded, SessionStarted, Waiting, Work, decode, encode_line,
 )
 from jobs.run.ledger import CATEGORIES, checkpoint_interval, ledger, suggestion
 
@@ -19,6 +21,17 @@ def books(events):
     assert math.isclose(sum(b.seconds.values()), b.wall_s, abs_tol=1e-9), b.seconds
     assert all(v >= 0 for v in b.seconds.values()), b.seconds
     return {k: round(v, 6) for k, v in b.seconds.items() if v}, round(b.wall_s, 6)
+
+
+def test_a_decoded_event_carries_its_enums_and_the_files_keep_their_spelling():
+    ended = decode({"kind": "attempt_ended", "time": 1.0, "attempt": 1, "outcome": "grow", "restarts": 0})
+    assert ended.outcome is Outcome.GROW
+    assert decode({"kind": "session_ended", "time": 2.0, "status": "stopped"}).status is RunStatus.STOPPED
+    assert json.loads(encode_line(ended)[len(EVENT_PREFIX):])["outcome"] == "grow"
+    assert json.loads(encode_line(SessionEnded(time=2.0, status=RunStatus.FAILED))[len(EVENT_PREFIX):])[
+        "status"] == "failed"
+    # a spelling this version does not know is left out, as an unknown kind is
+    assert decode({"kind": "attempt_ended", "time": 1.0, "attempt": 1, "outcome": "exploded"}) is None
 
 
 def test_an_undisturbed_run():

@@ -171,7 +171,7 @@ class Driver:
                 self.group = None
             if self.node_request is not None:
                 self.node_request.withdraw()
-            rec.event(SessionEnded(time=time.time(), status=str(r.status)))
+            rec.event(SessionEnded(time=time.time(), status=r.status))
             r.end_time = time.time()
             # What the ranks returned or raised is written and printed with env.secrets masked.
             r.error, r.return_value, r.rank_results = rec.mask((r.error, r.return_value, r.rank_results))

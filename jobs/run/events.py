@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from cluster.protocol import decode_kind
+from cluster.protocol import RunStatus, decode_kind
 
 __all__ = [
     "AttemptEnded", "AttemptStarted", "Committed", "EVENT_PREFIX", "FirstStep", "Outcome", "ProgressShown",
@@ -66,8 +66,13 @@ class SessionStarted(RunEvent):
 
 @dataclass(frozen=True)
 class SessionEnded(RunEvent):
+    """The command ended driving the run, the run at ``status`` (result.json's spelling)."""
+
     kind: ClassVar[str] = "session_ended"
-    status: str = ""
+    status: RunStatus = RunStatus.FAILED
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", RunStatus(self.status))  # a decoded one's string, typed
 
 
 @dataclass(frozen=True)
@@ -179,8 +184,11 @@ class Work(RunEvent):
 class AttemptEnded(RunEvent):
     kind: ClassVar[str] = "attempt_ended"
     attempt: int = 0
-    outcome: str = Outcome.FAILED
+    outcome: Outcome = Outcome.FAILED
     restarts: int = 0  # the restarts used once this attempt's failure counted
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outcome", Outcome(self.outcome))  # a decoded one's string, typed
 
 
 @dataclass(frozen=True)

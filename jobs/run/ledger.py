@@ -30,6 +30,7 @@ failed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from cluster.interval import checkpoint_interval
 from jobs.run.events import (
@@ -37,10 +38,24 @@ from jobs.run.events import (
     SessionEnded, SessionStarted, Waiting, Work,
 )
 
-__all__ = ["CATEGORIES", "Ledger", "Segment", "checkpoint_interval", "ledger", "suggestion"]
+__all__ = ["CATEGORIES", "Category", "Ledger", "Segment", "checkpoint_interval", "ledger", "suggestion"]
 
-CATEGORIES = ("training", "recompute", "startup", "restore", "checkpoint", "data_wait", "failure", "waiting",
-              "other")
+
+class Category(StrEnum):
+    """Where a second of the wall clock went (``result.json``'s ``goodput.seconds`` spells each as its value)."""
+
+    TRAINING = "training"  # steps that were kept
+    RECOMPUTE = "recompute"  # steps done again after a failure (past the last commit)
+    STARTUP = "startup"  # from the command (or attempt) to its first step
+    RESTORE = "restore"  # loading a checkpoint
+    CHECKPOINT = "checkpoint"  # saves that held training
+    DATA_WAIT = "data_wait"  # the ranks waiting for their next batch
+    FAILURE = "failure"  # from a failed attempt's last kept work to its end
+    WAITING = "waiting"  # for nodes (an elastic run, or growing back)
+    OTHER = "other"  # the rest: a stopped run's end, the driver's own
+
+
+CATEGORIES = tuple(Category)
 
 
 @dataclass(frozen=True)
@@ -50,14 +65,14 @@ class Segment:
 
     start: float
     end: float
-    category: str
+    category: Category
     attempt: int | None = None
 
 
 @dataclass
 class Ledger:
     wall_s: float = 0.0
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
+    seconds: dict[Category, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     segments: list[Segment] = field(default_factory=list)
     saves: int = 0  # saves that held training
     held_s: float = 0.0  # how long, all together
@@ -65,7 +80,7 @@ class Ledger:
 
     @property
     def ratio(self) -> float:
-        return self.seconds["training"] / self.wall_s if self.wall_s > 0 else 0.0
+        return self.seconds[Category.TRAINING] / self.wall_s if self.wall_s > 0 else 0.0
 
     def as_result(self) -> dict:
         """``result.json``'s ``goodput``."""
@@ -139,7 +154,7 @@ def _sessions(events: list[RunEvent]) -> list[tuple[float, float, list[_Attempt]
     return sessions
 
 
-def _carve(start: float, end: float, base: str, holes: list[tuple[float, float, str]],
+def _carve(start: float, end: float, base: Category, holes: list[tuple[float, float, Category]],
            attempt: int | None) -> list[Segment]:
     """[start, end] as ``base``, with each hole (clipped, in order, never overlapping) as its own category."""
     out: list[Segment] = []
@@ -157,7 +172,7 @@ def _carve(start: float, end: float, base: str, holes: list[tuple[float, float, 
     return out
 
 
-def _take_from_end(segments: list[Segment], seconds: float, source: str, category: str) -> list[Segment]:
+def _take_from_end(segments: list[Segment], seconds: float, source: Category, category: Category) -> list[Segment]:
     """``seconds`` of the ``source`` segments, from the last backwards, turned into ``category``."""
     out = list(segments)
     for i in range(len(out) - 1, -1, -1):
@@ -179,11 +194,11 @@ def _attempt_segments(a: _Attempt, end: float, lost_to: str) -> list[Segment]:
     n, t0 = a.number, a.start
     ended = min(a.end if a.end is not None else end, end)
     first = min(max(a.first_step if a.first_step is not None else ended, t0), ended)
-    holes = [(s, e if e is not None else first, "waiting") for s, e in a.waits]
+    holes = [(s, e if e is not None else first, Category.WAITING) for s, e in a.waits]
     if a.restore is not None:
         at, secs = a.restore
-        holes.append((min(at, first) - secs, min(at, first), "restore"))
-    out = _carve(t0, first, "startup", holes, n)
+        holes.append((min(at, first) - secs, min(at, first), Category.RESTORE))
+    out = _carve(t0, first, Category.STARTUP, holes, n)
     last = min(max(a.last_work if a.last_work is not None else first, first), ended)
     if a.first_step is None:
         last = first
@@ -191,16 +206,16 @@ def _attempt_segments(a: _Attempt, end: float, lost_to: str) -> list[Segment]:
     for s, h in a.saves:  # the save that took the committed state held training for it: that is kept
         if s <= kept_until < s + h:
             kept_until = min(s + h, last)
-    kept = _carve(first, kept_until, "training", [(s, s + h, "checkpoint") for s, h in a.saves], n)
+    kept = _carve(first, kept_until, Category.TRAINING, [(s, s + h, Category.CHECKPOINT) for s, h in a.saves], n)
     work_s = last - first
     if work_s > 0 and a.data_wait_s > 0:
-        kept = _take_from_end(kept, min(a.data_wait_s, work_s) * (kept_until - first) / work_s, "training",
-                              "data_wait")
+        kept = _take_from_end(kept, min(a.data_wait_s, work_s) * (kept_until - first) / work_s, Category.TRAINING,
+                              Category.DATA_WAIT)
     out += kept
     if last > kept_until:
-        out.append(Segment(kept_until, last, "recompute", n))
+        out.append(Segment(kept_until, last, Category.RECOMPUTE, n))
     if a.outcome == Outcome.SUCCEEDED:
-        out += _carve(last, end, "other", [(s, s + h, "checkpoint") for s, h in a.saves if s >= last], n)
+        out += _carve(last, end, Category.OTHER, [(s, s + h, Category.CHECKPOINT) for s, h in a.saves if s >= last], n)
     elif end > last:
         out.append(Segment(last, end, lost_to, n))
     return out
@@ -216,7 +231,7 @@ def ledger(events: list[RunEvent], live: bool = False) -> Ledger:
     for k, (start, end, attempts) in enumerate(sessions):
         books.wall_s += end - start
         first = min((a.start for a in attempts), default=end)
-        books.segments += _carve(start, max(min(first, end), start), "startup", [], None)
+        books.segments += _carve(start, max(min(first, end), start), Category.STARTUP, [], None)
         for i, a in enumerate(attempts):
             nxt = attempts[i + 1].start if i + 1 < len(attempts) else end
             nxt = min(max(nxt, a.start), end)
@@ -224,7 +239,7 @@ def ledger(events: list[RunEvent], live: bool = False) -> Ledger:
             outcome = a.outcome or (Outcome.SUCCEEDED if running else Outcome.FAILED)
             if a.outcome is None:
                 a.outcome = outcome
-            lost_to = {Outcome.GROW: "waiting", Outcome.STOPPED: "other"}.get(outcome, "failure")
+            lost_to = {Outcome.GROW: Category.WAITING, Outcome.STOPPED: Category.OTHER}.get(outcome, Category.FAILURE)
             books.segments += _attempt_segments(a, nxt, lost_to)
             books.saves += len(a.saves)
             books.held_s += sum(h for _, h in a.saves)
@@ -238,7 +253,7 @@ def suggestion(books: Ledger, share: float = 0.03) -> str | None:
     """What the books suggest when saves or recompute take more than ``share`` of the wall clock."""
     if books.wall_s <= 0:
         return None
-    ckpt, redo = books.seconds["checkpoint"] / books.wall_s, books.seconds["recompute"] / books.wall_s
+    ckpt, redo = books.seconds[Category.CHECKPOINT] / books.wall_s, books.seconds[Category.RECOMPUTE] / books.wall_s
     if max(ckpt, redo) <= share or books.saves == 0:
         return None
     cost = books.held_s / books.saves
