@@ -45,7 +45,7 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # that thread every 10 ms to check for signals (its own GIL and timer round trip: 0.0087 cores, measured) except
 # while a call runs there, so a poll held on it keeps the node actor at about 0.006 cores in steady training
 # instead of 0.014 (bench/results.md, the CPU beside the ranks). A call that only looks (``pids``, ``stacks``)
-# waits behind a held poll at most its hold (``jobs.driver.driver.POLL_HOLD_S``, 1 s).
+# waits behind a held poll at most its hold (``jobs.driver.attempt.POLL_HOLD_S``, 1 s).
 # How often a held poll reads the ranks' files (a rank that ends wakes it at once). A poll held for 1 s reads them
 # three times and answers after the full second (it answered after 0.75 s with four reads at 0.25 s).
 POLL_TICK_S = 0.5

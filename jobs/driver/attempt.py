@@ -116,8 +116,6 @@ class Attempt:
             self.returns.update(p.returns)
             self.failures.extend(p.failures)
             self.failures.extend(self._silence(node_rank, p))
-            if self.group.states[node_rank] is NodeState.LOST and node_rank not in self.lost:
-                self.lost.append(node_rank)
 
     def _silence(self, node_rank: int, p: NodePoll) -> list[RankFailure]:
         """The silence rule, for one node's poll: a node whose actor died, or whose poll waited past
@@ -132,13 +130,17 @@ class Attempt:
             return self._node_lost(node_rank, self.group.infos[node_rank], why)
         if p.state is NodeState.LOST:
             return self._node_lost(node_rank, self.group.infos[node_rank], "was lost")
+        stale = [(rank, age) for rank, age in p.beat_age_s.items() if age > heartbeat_s]
+        if not stale:
+            return []
         known = {f.rank for f in self.failures}
-        return [RankFailure.silent(rank, age, heartbeat_s)
-                for rank, age in p.beat_age_s.items() if age > heartbeat_s and rank not in known]
+        return [RankFailure.silent(rank, age, heartbeat_s) for rank, age in stale if rank not in known]
 
     def _node_lost(self, node_rank: int, info: NodeInfo, why: str) -> list[RankFailure]:
-        if node_rank in self.lost:  # said once, when it was first found lost
+        """A lost node's ranks as failures, once: when it is first found lost."""
+        if node_rank in self.lost:
             return []
+        self.lost.append(node_rank)
         node = f"node {node_rank} ({info.node_id[:12]}, {info.ip})"
         return [RankFailure.node_lost(rank, node, why)
                 for rank, n in sorted(self.state.node_of.items()) if n == node_rank]
