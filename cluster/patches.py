@@ -10,6 +10,11 @@ changed, where the original no longer takes the parameters the replacement relie
 would follow). tests/test_patches.py checks every entry against the installed libraries and that nothing in
 ``cluster`` replaces a library's callable or field but through here.
 
+A replacement "for the process's life" (``Kind.REPLACED``) is made in a rank process only, which runs one training
+function or script and ends: it never outlives the job, and the warm host or fork server the rank was forked from
+is never changed (they import the libraries, nothing more). The training code may call what is replaced at any
+moment of that one call, so the process is the narrowest scope that covers it.
+
 Imports none of those libraries itself: the callers hand over what they change.
 """
 
