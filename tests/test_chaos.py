@@ -6,7 +6,6 @@ batch kept, its storage consistent and no process left."""
 from __future__ import annotations
 
 import random
-import subprocess
 
 import pytest
 
