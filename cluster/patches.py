@@ -72,6 +72,13 @@ class Patch:
 _A, _T, _R, _P = "accelerate", "torch", "ray", "python"
 PATCHES: tuple[Patch, ...] = (
     # --- the rank side: scripts run as functions (cluster.rank.script), installed for `raylaunch launch`/script specs
+    Patch("accelerate.Accelerator.__init__", _A, Kind.REPLACED, "cluster.rank.script",
+          "a script's in-code gradient_accumulation_steps scaled as an elastic run scales the launch's",
+          "ACCELERATE_GRADIENT_ACCUMULATION_STEPS alone: Accelerate reads it over the script's own value; the public "
+          "gradient_accumulation_steps setter at the first prepare (tried in #45): a second Accelerator() resets the "
+          "shared GradientState, prepare_model/prepare_optimizer alone never reach it, and the value read before "
+          "prepare is not the launch's",
+          ("gradient_accumulation_steps", "gradient_accumulation_plugin")),
     Patch("accelerate.Accelerator.log", _A, Kind.REPLACED, "cluster.rank.script",
           "every rank's `accelerator.log` reaches the run's metrics, with no init_trackers needed",
           "a GeneralTracker: Accelerate logs on the main process only, and only after init_trackers"),
@@ -82,6 +89,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("accelerate.Accelerator.load_state", _A, Kind.REPLACED, "cluster.rank.script",
           "a resume folder's load checked, its loaders' positions and RNG put back, FSDP1 optimizer state made",
           "register_load_state_pre_hook: runs before the load only", ("input_dir",)),
+    Patch("accelerate.optimizer.AcceleratedOptimizer.step", _A, Kind.REPLACED, "cluster.rank.script",
+          "optimizer steps counted (a checkpoint's step), as Accelerate takes them under accumulation",
+          "torch's register_step_post_hook on each prepared optimizer (tried in #45): an optimizer given to "
+          "prepare_optimizer alone is missed, one prepared again after free_memory() counted twice, a subclass "
+          "calling super().step() fires the hooks twice, a step the fp16 scaler skipped is not one",
+          ("closure",)),
     # --- the rank side: strategy (cluster.rank.sharding)
     Patch("accelerate.state.AcceleratorState.__init__", _A, Kind.REPLACED, "cluster.rank.sharding",
           "on CPU nodes, the FSDP path Accelerate takes only for GPU-like devices (it trains plain DDP otherwise)",
@@ -97,12 +110,10 @@ PATCHES: tuple[Patch, ...] = (
           ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")),
     # --- the rank side: what every prepare does (cluster.rank.sharding reports shards; cluster.rank.pace hooks)
     Patch("accelerate.Accelerator.prepare", _A, Kind.REPLACED, "cluster.rank.prepared",
-          "before a script's first prepare, its accumulation (public setter; was a replaced __init__); after every "
-          "prepare: how much of each new model this rank holds (and a refusal if FSDP sharded nothing), the "
-          "gradient hooks that time sync_wait on each new model (to the backward's end, a READ below), a script's "
-          "optimizer steps counted (torch's public "
-          "register_step_post_hook; was a replaced AcceleratedOptimizer.step)",
-          "none: Accelerate has no hook around prepare; prepare_model is bypassed by its FSDP2 path"),
+          "after every prepare: how much of each new model this rank holds (and a refusal if FSDP sharded "
+          "nothing), and the gradient hooks that time sync_wait on each new model (to the backward's end: a READ "
+          "below)",
+          "none: Accelerate has no hook after prepare; prepare_model is bypassed by its FSDP2 path"),
     Patch("accelerate.data_loader.DataLoaderShard.__iter__", _A, Kind.REPLACED, "cluster.rank.pace",
           "each batch's wait timed (data_wait), and a resume's random states put back before its first batch",
           "DataLoaderConfiguration: no hook; wrapping the prepared loaders misses skip_first_batches' new one",

@@ -159,7 +159,8 @@ def _duration(result: dict) -> float | None:
     start, end = result.get("start_time"), result.get("end_time")
     if not start:
         return None
-    ended = (RunStatus.of(result, missing=RunStatus.RUNNING) or RunStatus.RUNNING).is_terminal
+    status = RunStatus.of(result, missing=RunStatus.RUNNING)
+    ended = status is None or status.is_terminal  # None: a spelling this version does not know, written at an end
     return (end if end and ended else time.time()) - start
 
 

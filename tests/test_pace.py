@@ -8,6 +8,8 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, cli_env
 from jobs.driver.pace import PaceTracker, judge, pace_of_records
 from jobs.progress import ProgressView
@@ -177,7 +179,7 @@ def test_only_the_parameters_computed_last_keep_a_gradient_hook():
     meter = PaceMeter()
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
                                 torch.nn.Linear(8, 2))
-    hooks = _LastGradients(meter, list(model.parameters()))
+    hooks = _LastGradients(meter, model, list(model.parameters()))
     for step in range(5):
         waited = meter.sync_s
         model(torch.randn(3, 4)).sum().backward()  # a plain backward: its end is torch's autograd callback
@@ -188,3 +190,42 @@ def test_only_the_parameters_computed_last_keep_a_gradient_hook():
     kept = [name for name, p in model.named_parameters() if id(p) in hooks._handles]
     assert kept and set(kept) <= {"0.weight", "0.bias"}, kept  # the first layer's gradients come last
     assert meter.sync_s > 0  # every backward's wait was still measured, through the hooks that stayed
+
+
+def test_a_backward_that_raised_does_not_stop_the_next_ones_being_measured():
+    """A backward that raises (a script that catches out-of-memory and skips the batch) never calls back; the
+    model's next forward clears the ask, so the next backwards are measured."""
+    import torch
+
+    from cluster.rank.pace import PaceMeter, _LastGradients
+
+    class Fails(torch.autograd.Function):
+        armed = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if Fails.armed:
+                raise RuntimeError("out of memory (simulated)")
+            return grad
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(Fails.apply(self.a(x)))  # b's gradients come first, then the failure, before a's
+
+    meter, model = PaceMeter(), Model()
+    _LastGradients(meter, model, list(model.parameters()))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model(torch.randn(3, 4)).sum().backward()
+    Fails.armed = False
+    for _ in range(4):
+        waited = meter.sync_s
+        model(torch.randn(3, 4)).sum().backward()
+        assert meter._grad_at is None and not meter._pending and meter.sync_s > waited

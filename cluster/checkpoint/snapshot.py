@@ -21,8 +21,8 @@ collective: the ranks agree on a plan, each writes its shard, and rank 0 gathers
 ranks, with a ``FileSystemWriter`` of ours in place of Accelerate's, writing into memory instead of files
 (:class:`_MemoryFiles`): the
 collectives stay where they were, the bytes of each file are what DCP would have written, and only
-writing them to disk moves to the other thread. A DCP writer of another kind (not the local file
-system) writes itself, during the capture. Imports nothing from Ray.
+writing them to disk moves to the other thread. A DCP writer of another kind (a subclass, or not the
+local file system) writes itself, during the capture. Imports nothing from Ray.
 """
 
 from __future__ import annotations
@@ -324,16 +324,18 @@ class _MemoryFiles:
 
 
 def _memory_writer(like: Any, snap: Snapshot) -> Any:
-    """A DCP ``FileSystemWriter`` built as ``like`` was (its path and public options), writing into ``snap``: torch's
-    own way to give a writer another file system (its ``FsspecWriter`` sets ``fs`` the same way). Nothing to sync in
-    memory (DCP would sync the whole machine instead)."""
+    """A DCP ``FileSystemWriter`` built as ``like`` (a plain one, as Accelerate makes) was, from its path and public
+    options, writing into ``snap``: torch's own way to give a writer another file system (its ``FsspecWriter`` sets
+    ``fs`` the same way). Nothing to sync in memory (DCP would sync the whole machine instead)."""
     from torch.distributed.checkpoint import FileSystemWriter
+
+    options = {"serialization_format": like.serialization_format} if hasattr(like, "serialization_format") else {}
 
     class _MemoryWriter(FileSystemWriter):
         def __init__(self) -> None:
             super().__init__(like.path, single_file_per_rank=like.single_file_per_rank, sync_files=False,
                              thread_count=like.thread_count, per_thread_copy_ahead=like.per_thread_copy_ahead,
-                             overwrite=like.overwrite)
+                             overwrite=like.overwrite, **options)
             self.fs = _MemoryFiles(snap)
 
     return _MemoryWriter()
@@ -356,9 +358,9 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
 
     if distributed:  # (imported only then: its import took 0.09 s of the first save of every rank)
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.filesystem import FileSystem
+        from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
     else:
-        dcp = FileSystem = None
+        dcp = FileSystem = FileSystemWriter = None
 
     save, safe_save = torch.save, other.safe_save_file
     dcp_save = dcp.save if dcp is not None else None
@@ -390,7 +392,8 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
     def distributed_save(state_dict: Any, *args: Any, storage_writer: Any = None, **kwargs: Any) -> Any:
         # The collectives run here, now, in step with the other ranks; only the local file system's writes are kept:
         # a writer of our own, built like the one Accelerate made, stands in for it.
-        if threading.current_thread() is _CAPTURING.thread and type(getattr(storage_writer, "fs", None)) is FileSystem:
+        if threading.current_thread() is _CAPTURING.thread and type(storage_writer) is FileSystemWriter and \
+                type(getattr(storage_writer, "fs", None)) is FileSystem:
             storage_writer = _memory_writer(storage_writer, snap)
         return dcp_save(state_dict, *args, storage_writer=storage_writer, **kwargs)
 

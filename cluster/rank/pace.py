@@ -35,6 +35,7 @@ import functools
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 from cluster import patches
@@ -258,17 +259,25 @@ class _LastGradients:
     time and notes which parameter came last; then only the parameters that came last keep a hook. The first hook
     of each backward asks torch's autograd engine to call ``_ended`` when that backward ends: queued from a callback
     of the engine's, so it runs after every callback queued during the backward (DDP's and FSDP1's, which wait for
-    the gradients' reduction)."""
+    the gradients' reduction). The model's next forward clears that ask: a backward that raised never calls back.
+
+    The first hook of a backward comes from the parameters nearest the loss (a model's head), in the backward's own
+    graph task. Were they inside a reentrant activation checkpoint (``use_reentrant=True``), their backward would be
+    a nested task of its own, which ends first: ``sync_wait`` would read about 0 for that model."""
 
     LEARN = 3
 
-    def __init__(self, meter: PaceMeter, params: list[Any]) -> None:
+    def __init__(self, meter: PaceMeter, model: Any, params: list[Any]) -> None:
         self.meter = meter
         self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook) for p in params}
         self._last: int | None = None  # the latest parameter hooked in this backward (while learning)
         self._lasts: set[int] = set()
         self._learned = 0
         self._queued = False  # this backward's end is already asked for
+        model.register_forward_pre_hook(self._forward)
+
+    def _forward(self, *_: Any) -> None:
+        self._queued = False  # a new step: the previous backward ended (or raised, and will never call back)
 
     def _hook(self, param: Any) -> None:
         if self._learned < self.LEARN:
@@ -311,16 +320,26 @@ def _time_backward(meter: PaceMeter) -> None:
     ``accelerator.prepare_model`` directly, not through ``prepare``, has no hooks: its ``sync_wait`` reads 0."""
     from accelerate.utils import DistributedType
 
-    def hook(accelerator: Any, prepared: list[Any], _optimizers: list[Any]) -> None:
+    # The parameters hooked (by id, with a weak reference: a tensor's == is elementwise, so no WeakSet): a model
+    # prepared again (after free_memory, or in a second prepare) is not hooked twice.
+    hooked: dict[int, weakref.ref] = {}
+
+    def is_hooked(p: Any) -> bool:
+        ref = hooked.get(id(p))
+        return ref is not None and ref() is p
+
+    def hook(accelerator: Any, prepared: list[Any]) -> None:
         if accelerator.num_processes <= 1 or getattr(accelerator, "is_fsdp2", False) or \
                 accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             return  # alone, a rank waits for nobody
         for model in prepared:
             try:
-                params = [p for p in model.parameters() if p.requires_grad]
+                params = [p for p in model.parameters() if p.requires_grad and not is_hooked(p)]
                 if params and params[0].device.type == "cuda" and isinstance(meter.timer, CpuTimer):
                     meter.timer = CudaTimer()  # the stream's time, read without synchronizing the host
-                _LastGradients(meter, params)  # kept by its hooks, on the model's parameters
+                if params:
+                    hooked.update((id(p), weakref.ref(p)) for p in params)
+                    _LastGradients(meter, model, params)  # kept by its hooks, on the model and its parameters
             except (AttributeError, RuntimeError) as exc:  # never the function's failure: unmeasured instead
                 print(f"raylaunch: sync_wait is not measured for this model: {exc}", file=sys.stderr, flush=True)
 

@@ -4,8 +4,8 @@
 ``accelerate launch`` script. In each rank :func:`run_script` gives it what a plain
 ``python`` start would (``__name__ == "__main__"``, ``sys.argv``, ``__file__``, its folder first
 on ``sys.path``, the job's working directory as the current one), and :class:`ScriptHooks`
-connects three of Accelerate's calls to the runner, on the ``Accelerator`` class, and two public
-hooks, so the script needs no line of raylaunch:
+connects four of Accelerate's calls to the runner, on the ``Accelerator`` class, so the
+script needs no line of raylaunch:
 
 - ``accelerator.log(values, step=...)``: the metrics of every rank that logs (Accelerate's own
   trackers still get what they would, on the main process);
@@ -14,11 +14,8 @@ hooks, so the script needs no line of raylaunch:
 - ``accelerator.load_state(dir)`` of the folder the runner handed over as ``--resume_from_checkpoint``:
   restored as ``session.restore`` restores (FSDP1 optimizer state, stream positions, RNGs of ranks the
   checkpoint has none for, accumulation at a new world size);
-- each ``Accelerator``'s first ``prepare`` (``cluster.rank.prepared``): the accumulation an elastic run
-  needs to keep the global batch, scaled from the script's own, set with Accelerate's public setter
-  (``accelerator.gradient_accumulation_steps`` reads the script's own, or 1, until then);
-- each prepared optimizer's steps, counted with torch's ``register_step_post_hook`` (a checkpoint's step
-  when its folder's name has none).
+- ``Accelerator(...)``: the accumulation an elastic run needs to keep the global batch, scaled from
+  the script's own.
 
 Imports nothing from Ray.
 """
@@ -31,14 +28,12 @@ import re
 import runpy
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cluster import patches
 from cluster.errors import RaylaunchError
 from cluster.protocol import ScriptCall
-from cluster.rank.prepared import after_prepare, before_prepare
 
 if TYPE_CHECKING:
     from cluster.rank.session import Session
@@ -52,8 +47,6 @@ _STEP_NAME = re.compile(r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[_
 
 # How long the ranks may take to all reach one save_state before it counts as called on some ranks only.
 SAVE_MEET_S = 60.0
-# What Accelerate reads over an Accelerator's own gradient_accumulation_steps (the launch's value).
-_ACCUMULATION_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 
 
 class ScriptSaveError(RaylaunchError, RuntimeError):
@@ -137,15 +130,15 @@ _CURRENT: list["ScriptHooks | None"] = [None]  # the hooks of the script this pr
 
 class _Current:
     """What the replacements of Accelerate's methods read: the current ``ScriptHooks`` (they are installed once a
-    process; a second script in the process is served by its own hooks, not the first's)."""
+    process; a rank runs one script, but a process that runs a second, a test's, serves it with its own hooks, not
+    the first's)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_CURRENT[0], name)
 
 
 class ScriptHooks:
-    """Accelerate's ``log``, ``save_state``, ``load_state``, accumulation and optimizer steps, bound to this rank's
-    session."""
+    """Accelerate's ``log``, ``save_state``, ``load_state`` and accumulation, bound to this rank's session."""
 
     def __init__(self, session: "Session", call: ScriptCall, rank: int) -> None:
         self.session, self.call, self.rank = session, call, rank
@@ -154,7 +147,6 @@ class ScriptHooks:
         self.optimizer_steps = 0  # synchronised optimizer steps so far: a checkpoint's step without one in its name
         self._start = 0  # the resumed checkpoint's step
         self._counts: dict[int, int] = {}
-        self._accumulated: weakref.WeakSet = weakref.WeakSet()  # the Accelerators whose accumulation is set
         self._inside = False  # our own save_state call, made inside the script's
         self._group: Any = None  # a gloo group for the check that every rank saves
         self._said: set[str] = set()
@@ -173,6 +165,7 @@ class ScriptHooks:
         the process group exists)."""
         import torch.distributed as dist
         from accelerate import Accelerator
+        from accelerate.optimizer import AcceleratedOptimizer
 
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Its own gloo group: a save_state only some ranks reach is told apart from a slow one there.
@@ -180,6 +173,14 @@ class ScriptHooks:
 
         _CURRENT[0] = self  # the wrappers below are installed once a process; they serve the latest hooks
         hooks = _Current()
+
+        def init(original: Callable[..., None]) -> Callable[..., None]:
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                hooks._accumulation(kwargs)
+                original(self, *args, **kwargs)
+
+            return __init__
 
         def log(original: Callable[..., None]) -> Callable[..., None]:
             @functools.wraps(original)
@@ -218,49 +219,45 @@ class ScriptHooks:
 
             return load_checked
 
-        patches.replace_all([(Accelerator, "log", log, "accelerate.Accelerator.log"),
+        def step(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def counted_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+                out = original(self, *args, **kwargs)
+                if self.gradient_state.sync_gradients:
+                    hooks._counted(self)
+                return out
+
+            return counted_step
+
+        patches.replace_all([(Accelerator, "__init__", init, "accelerate.Accelerator.__init__"),
+                             (Accelerator, "log", log, "accelerate.Accelerator.log"),
                              (Accelerator, "save_state", save_state, "accelerate.Accelerator.save_state"),
-                             (Accelerator, "load_state", load_state, "accelerate.Accelerator.load_state")])
-        # Accelerate reads ACCELERATE_GRADIENT_ACCUMULATION_STEPS over the script's own argument: the script's
-        # Accelerator is built without it, and gets its accumulation at its first prepare (``_accumulation``).
-        os.environ.pop(_ACCUMULATION_ENV, None)
-        before_prepare("script-accumulation", lambda accelerator: hooks._accumulation(accelerator))
-        after_prepare("script-steps", lambda _accelerator, _models, optimizers: hooks._count_steps(optimizers))
+                             (Accelerator, "load_state", load_state, "accelerate.Accelerator.load_state"),
+                             (AcceleratedOptimizer, "step", step, "accelerate.optimizer.AcceleratedOptimizer.step")])
 
     # --- what the hooks do ---------------------------------------------------------
 
-    def _accumulation(self, accelerator: Any) -> None:
-        """At an Accelerator's first prepare, the accumulation it trains with: the script's own (in code) or the
-        runner's, scaled as an elastic run scales the runner's at this world size (by 1 at full size), so the global
-        batch is kept. Set through Accelerate's public setter, before prepare reads it (DeepSpeed's "auto")."""
-        if accelerator in self._accumulated:
-            return
-        self._accumulated.add(accelerator)
+    def _accumulation(self, kwargs: dict) -> None:
+        """The accumulation this Accelerator gets: the script's own (in code) or the runner's, scaled as an
+        elastic run scales the runner's at this world size (by 1 at full size), so the global batch is kept."""
+        env = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
         runner, full = self.call.accumulation, max(1, self.call.full_accumulation)
-        in_code = int(accelerator.gradient_accumulation_steps)  # 1 unless the script set its own
+        plugin = kwargs.get("gradient_accumulation_plugin")
+        in_code = plugin.num_steps if plugin is not None else kwargs.get("gradient_accumulation_steps")
         chosen = runner
-        if in_code != 1:
-            if full not in (1, in_code):
+        if in_code is not None and int(in_code) != 1:
+            if full not in (1, int(in_code)):
                 self.say_once(f"the script sets gradient_accumulation_steps={in_code} in its code; it is used instead "
                               f"of the launch's {full}")
-            scaled = in_code * runner / full
+            scaled = int(in_code) * runner / full
             chosen = max(1, round(scaled))
             if runner != full:
                 kept = "keeps" if scaled == chosen else "changes (not a whole number of micro-batches)"
                 self.say_once(f"elastic: the script's gradient_accumulation_steps={in_code} is {chosen} at this world "
                               f"size, which {kept} the global batch")
-        if chosen != in_code:
-            accelerator.gradient_accumulation_steps = chosen
-
-    def _count_steps(self, optimizers: list[Any]) -> None:
-        """Count each newly prepared optimizer's steps with torch's own hook on the optimizer Accelerate wraps: it
-        steps there only when the gradients are synchronised (the step a checkpoint is at). A step the fp16 scaler
-        skipped is not taken, so not counted; DeepSpeed's wrapper holds no torch optimizer (its engine steps)."""
-        for wrapped in optimizers:
-            inner = getattr(wrapped, "optimizer", None)
-            if inner is None or not hasattr(inner, "register_step_post_hook"):
-                continue
-            inner.register_step_post_hook(lambda _opt, _args, _kwargs, key=wrapped: _CURRENT[0]._counted(key))
+        os.environ[env] = str(chosen)  # Accelerate reads it over its argument
+        if plugin is not None:
+            plugin.num_steps = chosen
 
     def _counted(self, optimizer: Any) -> None:
         """One more step of this optimizer; with several (a GAN's two), the most any of them took."""

@@ -180,7 +180,7 @@ def _report_shards(rank: int, world: int) -> None:
     After ``prepare`` (``cluster.rank.prepared``), not ``prepare_model``, which Accelerate's FSDP2 path bypasses.
     """
 
-    def report(accelerator: Any, models: list[Any], _optimizers: list[Any]) -> None:
+    def report(accelerator: Any, models: list[Any]) -> None:
         for model in models:
             info = shard_info(model)
             if world > 1 and not info.sharded:

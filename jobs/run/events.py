@@ -34,6 +34,15 @@ __all__ = [
 EVENT_PREFIX = "raylaunch-event "
 
 
+def _typed(enum: type, value: Any) -> Any:
+    """A decoded event's spelling as its enum; one this version does not know (a newer version wrote it) stays the
+    string it is, so the event, and the time it carries, is kept."""
+    try:
+        return enum(value)
+    except ValueError:
+        return value
+
+
 class Outcome(StrEnum):
     """How an attempt ended (``events.jsonl`` spells each as its value; a decoded event's string equals it)."""
 
@@ -69,10 +78,10 @@ class SessionEnded(RunEvent):
     """The command ended driving the run, the run at ``status`` (result.json's spelling)."""
 
     kind: ClassVar[str] = "session_ended"
-    status: RunStatus = RunStatus.FAILED
+    status: RunStatus | str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "status", RunStatus(self.status))  # a decoded one's string, typed
+        object.__setattr__(self, "status", _typed(RunStatus, self.status))
 
 
 @dataclass(frozen=True)
@@ -184,11 +193,11 @@ class Work(RunEvent):
 class AttemptEnded(RunEvent):
     kind: ClassVar[str] = "attempt_ended"
     attempt: int = 0
-    outcome: Outcome = Outcome.FAILED
+    outcome: Outcome | str = Outcome.FAILED
     restarts: int = 0  # the restarts used once this attempt's failure counted
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "outcome", Outcome(self.outcome))  # a decoded one's string, typed
+        object.__setattr__(self, "outcome", _typed(Outcome, self.outcome))
 
 
 @dataclass(frozen=True)
