@@ -396,7 +396,7 @@ def decode_kind(kinds: dict[str, type], row: Any) -> Any:
         fields = {k: v for k, v in fields.items() if k in names}
     try:
         return cls(**fields)
-    except (TypeError, ValueError):  # ValueError: a spelling of an enum field this version does not know
+    except TypeError:
         return None
 
 

@@ -358,9 +358,9 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
 
     if distributed:  # (imported only then: its import took 0.09 s of the first save of every rank)
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
     else:
-        dcp = FileSystem = FileSystemWriter = None
+        dcp = FileSystemWriter = None
 
     save, safe_save = torch.save, other.safe_save_file
     dcp_save = dcp.save if dcp is not None else None
@@ -392,8 +392,7 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
     def distributed_save(state_dict: Any, *args: Any, storage_writer: Any = None, **kwargs: Any) -> Any:
         # The collectives run here, now, in step with the other ranks; only the local file system's writes are kept:
         # a writer of our own, built like the one Accelerate made, stands in for it.
-        if threading.current_thread() is _CAPTURING.thread and type(storage_writer) is FileSystemWriter and \
-                type(getattr(storage_writer, "fs", None)) is FileSystem:
+        if threading.current_thread() is _CAPTURING.thread and type(storage_writer) is FileSystemWriter:
             storage_writer = _memory_writer(storage_writer, snap)
         return dcp_save(state_dict, *args, storage_writer=storage_writer, **kwargs)
 

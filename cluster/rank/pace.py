@@ -196,8 +196,9 @@ class PaceMeter:
 def install(emit: Callable[[dict], None]) -> "_Pace":
     """Measure this rank process's prepared dataloaders and backward passes; report through ``emit``.
 
-    Patches Accelerate's dataloader classes, and hooks each prepared model's gradients (``cluster.rank.prepared``), in this process only (a rank is its own process, forked after the fork server
-    imported Accelerate), before the training function runs (``cluster.patches`` says why each).
+    Patches Accelerate's dataloader classes, and hooks each prepared model's gradients (``cluster.rank.prepared``),
+    in this process only (a rank is its own process, forked after the fork server imported Accelerate), before the
+    training function runs (``cluster.patches`` says why each).
     """
     meter = PaceMeter()
     _time_dataloaders(meter)

@@ -188,7 +188,7 @@ def _take_from_end(segments: list[Segment], seconds: float, source: Category, ca
     return out
 
 
-def _attempt_segments(a: _Attempt, end: float, lost_to: str) -> list[Segment]:
+def _attempt_segments(a: _Attempt, end: float, lost_to: Category) -> list[Segment]:
     """One attempt's stretch of wall clock, from its start to ``end`` (the next attempt's start, or the
     session's end); ``lost_to``: what the time after its last training is (failure, waiting, other)."""
     n, t0 = a.number, a.start
