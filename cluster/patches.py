@@ -182,6 +182,11 @@ PATCHES: tuple[Patch, ...] = (
           "none public"),
     Patch("argparse.ArgumentParser._actions", _P, Kind.READ, "jobs.spec.launch",
           "accelerate launch's own options, read from its parser", "none public"),
+    Patch("atexit._run_exitfuncs", _P, Kind.READ, "cluster.rank.exiting",
+          "a rank ends with os._exit, where Python's end would call the training code's atexit handlers: they are "
+          "called when it returns (_clear first: those of the process the rank was forked from are not its own)",
+          "none public: atexit lists nothing and calls only at the interpreter's end, the finalization a rank "
+          "leaves out (gloo's threads abort a process there now and then)", also=("atexit._clear",)),
 )
 
 _BY_TARGET = {t: p for p in PATCHES for t in (p.target, *p.also)}

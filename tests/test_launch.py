@@ -9,6 +9,7 @@ the options Accelerate's parser reads, and what a rank's Accelerator sees agains
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import shutil
@@ -148,13 +149,22 @@ def test_one_node_with_two_processes_trains_the_same_weights_as_two_nodes(uninte
 
 
 TOP_LEVEL = """
-import json, os, sys
+import atexit, json, logging.handlers, os, sys
 from accelerate import Accelerator
 
 accelerator = Accelerator()
+rank, run = accelerator.process_index, "fails" if "--fail" in sys.argv else "ok"
 seen = {"name": __name__, "argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd()}
-with open(f"seen-rank{accelerator.process_index}.json", "w") as f:
+with open(f"seen-rank{rank}.json", "w") as f:
     json.dump(seen, f)
+# What python's end does for a script: its atexit handlers run (on sys.exit too), logging is shut down (a memory
+# handler writes what it held), and a file left open is written.
+atexit.register(lambda: open(f"atexit-{run}-rank{rank}.txt", "w").write("ran"))
+held = logging.handlers.MemoryHandler(100, target=logging.FileHandler(f"held-{run}-rank{rank}.log"))
+logging.getLogger("top").addHandler(held)
+logging.getLogger("top").warning("held until logging shuts down")
+left_open = open(f"open-{run}-rank{rank}.txt", "w")
+left_open.write("never closed")
 accelerator.log({"rank_was": accelerator.process_index}, step=1)
 if "--fail" in sys.argv and accelerator.process_index == 1:
     sys.exit(3)
@@ -179,6 +189,11 @@ def test_a_top_level_script_runs_as_python_would_and_its_exit_code_fails_its_ran
     failed = launch(["--num_processes", "2", "src/top.py", "--fail"], tmp_path / "runs", "top-fails").run()
     assert failed.status == "failed"
     assert "[rank 1]" in failed.error and "exited with code 3" in failed.error, failed.error
+    # as python ends a script (the rank ends with os._exit, which would skip all three): both runs, every rank
+    for run, rank in itertools.product(("ok", "fails"), (0, 1)):
+        assert (project / f"atexit-{run}-rank{rank}.txt").read_text() == "ran"
+        assert (project / f"held-{run}-rank{rank}.log").read_text() == "held until logging shuts down\n"
+        assert (project / f"open-{run}-rank{rank}.txt").read_text() == "never closed"
 
 
 def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp_path):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.layout import heartbeat_file, stack_dump_file
 from cluster.protocol import Arrived, Joined, Pace, Preempted, Resources, ScriptCall, WorkerPayload
+from cluster.rank.exiting import as_python_ends
 from cluster.rank.pace import install as install_pace
 from cluster.rank.sharding import install as install_strategy
 from cluster.stacks import install_signal_dump
@@ -63,7 +64,9 @@ def run_worker(payload: WorkerPayload) -> Any:
     # group is destroyed by its Python handle, which lets go of the GIL first.
     world_group = dist.group.WORLD
     signal.signal(signal.SIGTERM, session.handle_sigterm)
-    result = fn(dict(payload.config)) if script is None else _run_script(session, script, payload.context.world_rank)
+    with as_python_ends():  # its atexit handlers run and the files it left open are written, as python would
+        rank = payload.context.world_rank
+        result = fn(dict(payload.config)) if script is None else _run_script(session, script, rank)
     session.flush_metrics()  # rows whose values a thread reads off the GPU
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
