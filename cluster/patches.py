@@ -187,6 +187,10 @@ PATCHES: tuple[Patch, ...] = (
           "called when it returns (_clear first: those of the process the rank was forked from are not its own)",
           "none public: atexit lists nothing and calls only at the interpreter's end, the finalization a rank "
           "leaves out (gloo's threads abort a process there now and then)", also=("atexit._clear",)),
+    Patch("threading._shutdown", _P, Kind.READ, "cluster.rank.exiting",
+          "a rank's non-daemon threads waited for (executors shut down first) before what they wrote is flushed and "
+          "the rank ends with os._exit: what multiprocessing calls next itself, once",
+          "Thread.join over threading.enumerate(): an executor's idle workers never end unless shut down first"),
 )
 
 _BY_TARGET = {t: p for p in PATCHES for t in (p.target, *p.also)}

@@ -171,19 +171,23 @@ def rank_process(payload: WorkerPayload, env: dict[str, str], files: RankFiles) 
 
     drop_safe_path()
     _die_with_parent()
+    from cluster.rank.exiting import end_process
     from cluster.rank.worker import run_worker
 
     try:
-        result = run_worker(payload)
-    except SystemExit:  # the function ended the process: its exit code says how
-        raise
-    except BaseException as exc:
-        _write_atomically(files.error, {"message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
-        }})
-        sys.exit(1)  # told by its error file: no second traceback on stderr
-    _write_atomically(files.result, result)
+        try:
+            result = run_worker(payload)
+        except SystemExit:  # the function ended the process: its exit code says how
+            raise
+        except BaseException as exc:
+            _write_atomically(files.error, {"message": {
+                "message": f"{type(exc).__name__}: {exc}",
+                "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+            }})
+            sys.exit(1)  # told by its error file: no second traceback on stderr
+        _write_atomically(files.result, result)
+    finally:
+        end_process()  # the training code's threads waited for, what they wrote flushed
 
 
 def _redirect(files: RankFiles) -> None:
