@@ -10,7 +10,7 @@ ifndef DEMO_RUN
 DEMO_RUN := digits-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint gpu-check chaos soak
+.PHONY: install demo demo-stream test clean bench bench-scale bench-elastic bench-checkpoint bench-exits gpu-check chaos soak
 
 $(BIN)/raylaunch: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ bench-checkpoint: install
 # lag to metrics.jsonl.
 bench-scale: install
 	$(BIN)/python -m bench.scale
+
+# A script that finished, reported failed: the same plain Accelerate script run again and again under accelerate
+# launch, torchrun and raylaunch launch (a warm cluster), in turn (about 13 minutes; EXITS_RUNS=<n>, default 30).
+# Writes bench/results-exits.md.
+bench-exits: install
+	$(BIN)/python -m bench.exits
 
 # Node lost -> training again on fewer nodes: raylaunch's elastic run (min_nodes: 1, resize_s: 1) against Ray Train
 # V2's num_workers=(1, 2), interleaved on one local cluster of 2 one-CPU nodes (about 6 minutes; BENCH_REPS=<n>,

@@ -199,6 +199,7 @@ README_TABLE_SOURCES = {  # a row's first cell, as it starts -> where its figure
     "node lost": "bench/results-elastic.md",
     "the driver at 1,024 ranks": "bench/results-scale.md",
     "a save of 576 MiB": "docs/benchmarks.md",
+    "a script that finished": "bench/results-exits.md",
 }
 
 
