@@ -277,6 +277,10 @@ if os.environ.get("ACCELERATE_USE_FSDP") == "true":
                      "__name__", str(plugin.auto_wrap_policy)), "min_num_params": plugin.min_num_params}
 with open(os.path.join(sys.argv[1], f"state-rank{accelerator.process_index}.json"), "w") as f:
     json.dump(state, f)
+# Every rank past gloo's init before any ends: with no collective of its own, a rank that ended at once failed the
+# other's init under accelerate launch ("Connection closed by peer": CI, 2026-12-05; raylaunch's ranks pass a
+# barrier after init themselves).
+accelerator.wait_for_everyone()
 accelerator.end_training()
 """
 
