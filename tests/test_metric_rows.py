@@ -100,36 +100,6 @@ def test_tensorboard_means_across_nodes_and_per_rank_series(driver, tmp_path):
     assert "steps_per_s" not in (tmp_path / "rows" / "metrics.jsonl").read_text()  # TensorBoard's alone
 
 
-def test_the_boards_records_are_the_bytes_tensorboards_own_writer_writes(tmp_path):
-    """The driver frames TFRecords itself for their checksums in C: byte for byte TensorBoard's RecordWriter's, and
-    its reader reads them back (it checks both checksums of every record)."""
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
-    from tensorboard.summary.writer.record_writer import RecordWriter
-
-    from jobs.run.board import _record
-
-    events = [Event(step=s, wall_time=1e9 + s, summary=Summary(value=[Summary.Value(tag=f"t{s}", simple_value=s / 3)]))
-              for s in range(200)]
-    datas = [b"", *(e.SerializeToString() for e in events)]
-    theirs = io.BytesIO()
-    writer = RecordWriter(theirs)
-    for data in datas:
-        writer.write(data)
-    ours = b"".join(_record(data) for data in datas)
-    assert ours == theirs.getvalue()
-    (tmp_path / "records").write_bytes(ours)
-    reader, read = PyRecordReader_New(str(tmp_path / "records")), []
-    while True:
-        try:
-            reader.GetNext()
-        except Exception:  # noqa: BLE001  (OutOfRangeError at the end; a bad checksum is DataLossError)
-            break
-        read.append(reader.record())
-    assert read == datas
-
-
 def test_rows_of_a_poll_are_stored_before_its_checkpoint_commits(driver, tmp_path):
     """A node's answer holding a rank's rows and then its checkpoint part: the rows are in metrics.jsonl when the
     commit happens (a driver killed after it loses none of the steps it covers)."""

@@ -32,7 +32,7 @@ stage() {  # stage NAME MAX_S CMD...: the bound ends the stage's whole process g
   echo "== $name: rc=$rc at $(at)"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: not found"
-needs="import torch, accelerate, ray, yaml, jsonschema, fsspec, pyarrow, psutil, tensorboardX, google_crc32c, tqdm, matplotlib, jobs.cli"
+needs="import torch, accelerate, ray, yaml, jsonschema, fsspec, pyarrow, psutil, tensorboardX, tqdm, matplotlib, jobs.cli"
 setup() {
   if "$PY" -c "$needs" 2>/dev/null && command -v raylaunch >/dev/null; then
     echo "setup: everything imports; nothing installed"
