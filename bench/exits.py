@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.run import BIN, ROOT, free_port
+from bench.run import BIN, ROOT, start_head
 from cluster.nodes.connect import stop_processes_under
 
 RUNS = int(os.environ.get("EXITS_RUNS", "30"))
@@ -57,9 +57,7 @@ def main() -> int:
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
-    port = free_port()
-    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={tmp}",
-                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    port = start_head(tmp, env, ["--num-cpus=2"])
     cmds = commands(port, tmp / "runs")
     rows: dict[str, list[dict]] = {name: [] for name in cmds}
     try:

@@ -271,6 +271,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_head(tmp: Path, env: dict, resources: list[str]) -> int:
+    """A bench's warm cluster: a Ray head on this machine (``ray start``, its temporary folder in ``tmp``, no
+    dashboard), started once before the repetitions and ended with ``stop_processes_under(tmp)``; its port."""
+    port = free_port()
+    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", *resources, f"--temp-dir={tmp}",
+                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    return port
+
+
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rlb-", dir="/tmp"))
     token = secrets.token_hex(16)
@@ -280,11 +289,8 @@ def main() -> int:
     if not GPU:
         env["ACCELERATE_USE_CPU"] = "true"
     env.pop("RAY_ADDRESS", None)
-    port = free_port()
     # The warm cluster: started once, before the repetitions (its start is not counted).
-    resources = [f"--num-cpus={2 * world}", f"--num-gpus={world}"] if GPU else ["--num-cpus=2"]
-    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", *resources, f"--temp-dir={tmp}",
-                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    port = start_head(tmp, env, [f"--num-cpus={2 * world}", f"--num-gpus={world}"] if GPU else ["--num-cpus=2"])
     storage = str(tmp / "runs")
     base = {"steps": STEPS, "log_block": 10, "storage": storage, "steps_after_restart": 5,
             "checkpoint_at": [STEPS // 3, STEPS // 2, 2 * STEPS // 3, 5 * STEPS // 6],

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.run import BIN, ROOT, free_port  # noqa: E402
+from bench.run import BIN, ROOT, start_head  # noqa: E402
 from cluster.nodes.connect import stop_processes_under  # noqa: E402
 
 GPU = "--gpu" in sys.argv
@@ -68,7 +68,6 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
-    port = free_port()
     if GPU:
         import torch
 
@@ -78,8 +77,7 @@ def main() -> int:
         resources = [f"--num-cpus={2 * gpus}", f"--num-gpus={gpus}"]
     else:
         resources = ["--num-cpus=2"]
-    subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", *resources, f"--temp-dir={tmp}",
-                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    port = start_head(tmp, env, resources)
     rows: dict[tuple, list[dict]] = {}
     failed: dict[tuple, str] = {}
     try:
