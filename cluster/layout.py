@@ -11,11 +11,13 @@ files. Both ``cluster/`` and ``jobs/`` import these; nothing here touches a file
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "CHECKPOINTS", "LATEST", "LOCAL_LATEST", "LOGS", "MANIFEST", "MARKER", "METRICS", "RESULT", "RESUME", "RUN_EVENTS",
     "SCRIPT_FOLDER", "SPEC", "STAGING", "TENSORBOARD", "attempt_dir", "checkpoint_name", "checkpoint_step",
     "events_file", "flight_recorder_log", "flight_recorder_prefix", "heartbeat_file", "is_checkpoint_name",
-    "rank_log_file", "rank_part_file", "run_of_staging", "stack_dump_file", "stacks_file", "staging_dir",
+    "rank_log_file", "rank_part_file", "ranks_lacking", "run_of_staging", "stack_dump_file", "stacks_file", "staging_dir",
 ]
 
 # --- the run directory's own files (``jobs.run.storage.RunDir`` writes them) ------------------
@@ -100,6 +102,30 @@ def run_of_staging(staging_path: str) -> str:
 def rank_part_file(rank: int) -> str:
     """The file every rank writes into a checkpoint (Accelerate's RNG states): its part is there."""
     return f"random_states_{rank}.pkl"
+
+
+# A transformers Trainer's checkpoint-<n> (``cluster.rank.trainer``): its state file, and each rank's RNG states.
+TRAINER_STATE = "trainer_state.json"
+
+
+def ranks_lacking(files: Iterable[str], world_size: int) -> list[int]:
+    """The ranks whose part a checkpoint's files lack: Accelerate's ``random_states_<rank>.pkl``, or in a Trainer's
+    checkpoint its ``rng_state_<rank>.pth`` (``rng_state.pth`` in a world of one; none at all when Trainer saved the
+    model only, ``save_only_model``).
+
+    >>> ranks_lacking(["random_states_0.pkl"], 2), ranks_lacking(["trainer_state.json", "rng_state_1.pth"], 2)
+    ([1], [0])
+    >>> ranks_lacking(["trainer_state.json", "rng_state.pth"], 1), ranks_lacking(["trainer_state.json"], 2)
+    ([], [])
+    """
+    names = set(files)
+    if TRAINER_STATE not in names:
+        return [r for r in range(world_size) if rank_part_file(r) not in names]
+    if not any(n.startswith("rng_state") for n in names):
+        return []
+    if world_size == 1 and "rng_state.pth" in names:
+        return []
+    return [r for r in range(world_size) if f"rng_state_{r}.pth" not in names]
 
 
 def rank_log_file(rank: int) -> str:

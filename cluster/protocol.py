@@ -322,7 +322,8 @@ class Pace(RankEvent):
 class CheckpointPart(RankEvent):
     """The rank's part of the checkpoint of ``step`` is on storage (``files``: {rel: {size, sha256}} on an object
     store); ``requested``: when the save was asked for; ``blocked_s``: how long it held training; ``script_folder``:
-    the folder a script gave ``save_state`` (its name alone when Accelerate named it), None for a function's save."""
+    the folder a script gave ``save_state`` (its name alone when Accelerate named it), or Trainer's ``checkpoint-<n>``
+    (``trainer``), None for a function's save."""
 
     kind: ClassVar[EventKind] = EventKind.CHECKPOINT
     step: int = 0
@@ -331,6 +332,7 @@ class CheckpointPart(RankEvent):
     blocked_s: float = 0.0
     files: dict | None = None
     script_folder: str | None = None
+    trainer: bool = False  # the folder is a transformers Trainer's checkpoint-<n>, not a save_state's
 
 
 @dataclass(frozen=True)

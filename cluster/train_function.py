@@ -41,7 +41,7 @@ class ScriptCheck:
 
     path: str  # as found, under the working directory
     resume_arg: str | None
-    reads_resume_arg: bool  # an argparse option of that name is in the source
+    reads_resume_arg: bool  # an argparse option of that name is in the source, or TrainingArguments' own
 
     def describe(self) -> str:
         """What happens on a restart, in one line."""
@@ -50,7 +50,7 @@ class ScriptCheck:
                     "(committed checkpoints are still written)")
         if self.reads_resume_arg:
             return (f"resume: after a restart the script gets {self.resume_arg} <folder of the latest committed "
-                    f"checkpoint> (it has that argparse option)")
+                    f"checkpoint> (it reads that option: argparse, or TrainingArguments through HfArgumentParser)")
         return (f"resume: after a restart the script gets {self.resume_arg} <folder>, but no argparse option "
                 f"{self.resume_arg} was found in {self.path}: if it does not read it, it fails on the unknown "
                 "argument or starts from the beginning; set resume_arg to the flag it reads (or null)")
@@ -78,6 +78,13 @@ def check_script(script: str, resume_arg: str | None, base: str | os.PathLike = 
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
                     and any(isinstance(a, ast.Constant) and a.value == resume_arg for a in node.args)):
+                found = True
+                break
+            # transformers' HfArgumentParser reads TrainingArguments' fields as options: --resume_from_checkpoint
+            # is one (the examples pass it to trainer.train)
+            if (resume_arg.lstrip("-").replace("-", "_") == "resume_from_checkpoint"
+                    and isinstance(node, (ast.Name, ast.Attribute))
+                    and (getattr(node, "id", None) or getattr(node, "attr", None)) == "HfArgumentParser"):
                 found = True
                 break
     return ScriptCheck(script, resume_arg, found)

@@ -255,7 +255,7 @@ def test_an_unknown_accelerate_option_is_refused_naming_the_spec_key_before_anyt
     ok = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", "--num_processes", "2", "with_flag.py"],
                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    assert "1 nodes x 2 workers, script with_flag.py" in ok.stdout and "(it has that argparse option)" in ok.stdout
+    assert "1 nodes x 2 workers, script with_flag.py" in ok.stdout and "(it reads that option: argparse" in ok.stdout
 
 
 PROBE = """

@@ -241,6 +241,11 @@ class ScriptHooks:
         """The accumulation this Accelerator gets: the script's own (in code) or the runner's, scaled as an
         elastic run scales the runner's at this world size (by 1 at full size), so the global batch is kept."""
         env = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+        from cluster.rank.trainer import made_by_trainer, trainer_accumulation
+
+        if (trainer := made_by_trainer()) is not None:  # Trainer accumulates itself, with 1 here on purpose
+            trainer_accumulation(trainer, self.call, self.say_once)
+            return
         runner, full = self.call.accumulation, max(1, self.call.full_accumulation)
         plugin = kwargs.get("gradient_accumulation_plugin")
         in_code = plugin.num_steps if plugin is not None else kwargs.get("gradient_accumulation_steps")

@@ -126,6 +126,8 @@ class Session:
         self._said: set[str] = set()  # what _clean has said about the values (once each)
         self._device_rows: _DeviceRows | None = None  # from the first row with a value on a GPU: the thread reading
         self.strategy: Resolved | None = None  # set by the worker (cluster.rank.sharding.install)
+        self.resumed_step: int | None = None  # the committed checkpoint's step, once handed to a script or Trainer
+        self._waits: list[Any] = []  # more writes to wait for before the rank is done (Trainer's checkpoints)
 
     @property
     def under_runner(self) -> bool:
@@ -252,6 +254,20 @@ class Session:
                                              mtbf_s=self.payload.mtbf_s))
         return elapsed >= interval
 
+    def stops_cooperatively(self) -> None:
+        """From now on a SIGTERM asks this rank to stop at a step every rank agrees on (``stop_requested``), instead
+        of ending it: what ``preempted`` opts into, for code that checks on its own (Trainer's callback)."""
+        self._cooperative = True
+
+    @property
+    def stop_requested(self) -> bool:
+        """This rank got SIGTERM while stopping cooperatively."""
+        return self._stop_requested
+
+    def stop_for_preemption(self) -> None:
+        """Every rank agreed to stop: the worker reports the rank as preempted when the code returns."""
+        self._stopped_for_preemption = True
+
     @property
     def stopped_for_preemption(self) -> bool:
         """Every rank agreed to stop (``preempted`` answered True): the worker reports it."""
@@ -320,7 +336,27 @@ class Session:
     def resume_folder(self) -> tuple[str, dict] | None:
         """For a script under the runner: the latest committed checkpoint in a folder of this node, and its
         manifest; None when the attempt starts from the beginning."""
-        return self._checkpoints.resume_folder() if self._checkpoints is not None else None
+        found = self._checkpoints.resume_folder() if self._checkpoints is not None else None
+        if found is not None:
+            self.resumed_step = int(found[1]["step"])
+        return found
+
+    def checkpoint_folder(self) -> str | None:
+        """The latest committed checkpoint of the run, verified, as a folder on this node; None when the run starts
+        from the beginning (and outside the runner). For a function that builds a transformers ``Trainer``:
+        ``trainer.train(resume_from_checkpoint=get_session().checkpoint_folder())`` resumes it exactly."""
+        found = self.resume_folder()
+        return found[0] if found is not None else None
+
+    def trainer_saved(self, step: int, uri: str, files: dict[str, dict], requested: float, blocked_s: float,
+                      folder: str) -> None:
+        """This rank's part of Trainer's ``folder`` (``checkpoint-<step>``) is staged at ``uri``."""
+        self.emit(CheckpointPart(step=step, uri=uri, requested=requested, blocked_s=blocked_s, files=files,
+                                 script_folder=folder, trainer=True))
+
+    def also_wait(self, wait: Any) -> None:
+        """``wait()`` too before the rank is done (``wait_for_upload``): another writer of checkpoints."""
+        self._waits.append(wait)
 
     def wait_for_upload(self) -> None:
         """Block until this rank's last checkpoint is uploaded; raise if the upload failed.
@@ -330,6 +366,8 @@ class Session:
         """
         if self._checkpoints is not None:
             self._checkpoints.wait_for_upload()
+        for wait in self._waits:
+            wait()
 
     def restore(self, accelerator: Any) -> int | None:
         """Load the latest committed checkpoint into ``accelerator``; its step, or None.

@@ -10,6 +10,7 @@ from cluster.protocol import Arrived, Joined, Pace, Preempted, Resources, Script
 from cluster.rank.exiting import as_python_ends
 from cluster.rank.pace import install as install_pace
 from cluster.rank.sharding import install as install_strategy
+from cluster.rank.trainer import install as install_trainer
 from cluster.stacks import install_signal_dump
 from cluster.train_function import resolve_train_fn
 
@@ -64,6 +65,8 @@ def run_worker(payload: WorkerPayload) -> Any:
     # group is destroyed by its Python handle, which lets go of the GIL first.
     world_group = dist.group.WORLD
     signal.signal(signal.SIGTERM, session.handle_sigterm)
+    # A transformers Trainer the code makes (now or later) commits its checkpoints, logs and stops through the runner.
+    install_trainer(session, script)
     with as_python_ends():  # its atexit handlers run and the files it left open are written, as python would
         rank = payload.context.world_rank
         result = fn(dict(payload.config)) if script is None else _run_script(session, script, rank)

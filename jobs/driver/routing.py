@@ -251,7 +251,8 @@ class AttemptRouter:
         timing["to_commit_s"] = round(time.time() - asked, 4)
         # A script's log names the staging folder its save_state wrote (Accelerate's "Saving current state to ..."):
         # this line names the folder it asked for, which holds the same files
-        mine = f"the script's save_state({e.script_folder!r}); " if e.script_folder else ""
+        mine = (f"Trainer's {e.script_folder}; " if e.trainer else
+                f"the script's save_state({e.script_folder!r}); " if e.script_folder else "")
         rec.say(f"raylaunch: committed checkpoint of step {step}: {c.uri} ({mine}training held "
                 f"{timing['blocked_s']:.2f} s, committed {timing['to_commit_s']:.2f} s after the save)")
         a.last_commit = (step, time.time())

@@ -16,7 +16,7 @@ from typing import Callable
 
 from pyarrow import fs as pafs
 
-from cluster.layout import LATEST, checkpoint_name, is_checkpoint_name, rank_part_file
+from cluster.layout import LATEST, checkpoint_name, is_checkpoint_name, ranks_lacking
 from cluster.storage_io import MANIFEST, CheckpointError, check_manifest, describe_files
 from cluster.strategy import missing_shards
 from jobs.run.runfiles import RunFiles
@@ -90,11 +90,10 @@ class CheckpointCatalogue:
         whose presence is the commit."""
         self._flush()  # the metrics up to this checkpoint are on storage before it counts
         files = describe_files(self._io.fs, staging, reported)
-        missing = [r for r in range(world_size) if rank_part_file(r) not in files]
-        if missing:
+        if missing := ranks_lacking(files, world_size):
             raise CheckpointError(
-                f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl); "
-                "it was not committed"
+                f"checkpoint of step {step} lacks the part of ranks {missing} (random_states_<rank>.pkl, or a "
+                "Trainer's rng_state_<rank>.pth); it was not committed"
             )
         if lacking := missing_shards(files, world_size):  # a sharded (FSDP) checkpoint needs every rank's shards
             raise CheckpointError(f"checkpoint of step {step} lacks {', '.join(lacking[:5])}; it was not committed")

@@ -1,0 +1,310 @@
+"""transformers' ``Trainer`` in a rank: its ``checkpoint-<n>`` folders committed, its resume handed over, its logs the
+run's metrics, a stop notice honoured at its next step; the script (or function) unchanged.
+
+Trainer never calls ``accelerator.save_state`` or ``accelerator.log``: it saves ``checkpoint-<global_step>`` itself
+and reports through its callbacks. At the first ``Accelerator.prepare`` a Trainer (or a subclass: TRL's
+``SFTTrainer``, ``Seq2SeqTrainer``) calls, before its training begins, :class:`RunnerCallback` is added to it with
+Trainer's public ``add_callback`` (``cluster.rank.prepared``'s callback; nothing of transformers is changed), on every
+rank:
+
+- ``on_save`` (every rank, after Trainer wrote the folder): this rank's files of the folder are copied to the
+  attempt's staging in a thread (training goes on) and reported; the driver commits the checkpoint of step n once
+  every rank's part is there (:func:`owner` says which rank stages which file). A folder Trainer did not finish is
+  never reported, so never committed nor resumed.
+- ``on_log``: every row (loss, grad_norm, learning_rate, epoch, eval_*, train_runtime ...) is a metrics row at
+  Trainer's ``global_step``, on every rank; the user's own trackers (``--report_to``) still get theirs.
+- ``on_step_end``: a stop notice (SIGTERM to the ranks, a preemption) is agreed by every rank at a step all of them
+  check (``StopCheck``), Trainer saves there and the script ends; the restart resumes from that checkpoint.
+- accumulation (:func:`trainer_accumulation`, when a script's Trainer makes its Accelerator): an elastic run's
+  smaller world keeps the global batch through Trainer's own ``gradient_accumulation_steps``; the launch's
+  accumulation is never applied behind Trainer's back (Trainer makes its Accelerator with accumulation 1 and
+  accumulates itself, as under ``accelerate launch``).
+
+After a restart a script gets ``--resume_from_checkpoint <folder>`` (``cluster.rank.worker``); a function passes
+``get_session().checkpoint_folder()`` to ``trainer.train(resume_from_checkpoint=...)``. Imports nothing from Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+from cluster.layout import SCRIPT_FOLDER, checkpoint_name
+from cluster.storage_io import is_local, join_uri, open_uri
+
+if TYPE_CHECKING:
+    from cluster.protocol import ScriptCall
+    from cluster.rank.session import Session
+
+__all__ = ["RunnerCallback", "StopCheck", "install", "made_by_trainer", "owner", "trainer_accumulation"]
+
+TRAINER_MODULE = "transformers.trainer"
+
+# Files of a checkpoint folder that name the rank that wrote them: Trainer's RNG states, DCP's shards (FSDP's
+# SHARDED_STATE_DICT), DeepSpeed ZeRO's partitions. Every other file is global rank 0's (Trainer writes the model,
+# optimizer, scheduler and trainer_state.json on the main process).
+_RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$|^__(\d+)_\d+\.distcp$|zero_pp_rank_(\d+)_")
+
+
+def owner(rel: str) -> int:
+    """The global rank that stages ``rel`` (a path inside a checkpoint folder) into the committed checkpoint.
+
+    >>> owner("rng_state_3.pth"), owner("model.safetensors"), owner("pytorch_model_fsdp_0/__2_0.distcp")
+    (3, 0, 2)
+    >>> owner("global_step8/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"), owner("rng_state.pth")
+    (1, 0)
+    """
+    m = _RANK_FILE.search(os.path.basename(rel))
+    if m is None:
+        return 0
+    return int(next(g for g in m.groups() if g is not None))
+
+
+def made_by_trainer(depth: int = 8) -> Any:
+    """The Trainer (or subclass) whose method called, ``depth`` frames up at most, into what asks (an ``Accelerator``
+    it makes, a ``prepare`` it calls); None when no Trainer did."""
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is None:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if isinstance(me := frame.f_locals.get("self"), module.Trainer):
+            return me
+        frame = frame.f_back
+    return None
+
+
+def install(session: "Session", script: "ScriptCall | None" = None) -> None:
+    """Give every Trainer of this rank the runner's callback: at each ``Accelerator.prepare`` a Trainer makes (its
+    first is its training dataloader's, before ``on_train_begin``), with Trainer's public ``add_callback``."""
+    from cluster.rank.prepared import after_prepare
+
+    def adopt(accelerator: Any, new_models: list[Any]) -> None:
+        trainer = made_by_trainer()
+        if trainer is None or any(isinstance(c, RunnerCallback) for c in trainer.callback_handler.callbacks):
+            return
+        if not _BRIDGES:
+            _BRIDGES.append(_callback_class()(session, script))
+        trainer.add_callback(_BRIDGES[0])
+
+    after_prepare("trainer", adopt)
+
+
+_BRIDGES: list[Any] = []  # the one callback of this rank, shared by its Trainers
+_SCALED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the Trainers whose accumulation was scaled
+
+
+class RunnerCallback:
+    """The runner's side of a Trainer (see the module): made a ``TrainerCallback`` subclass by ``_callback_class``
+    once transformers is imported. One instance serves every Trainer of the rank."""
+
+
+_CLASS: list[type] = []
+
+
+def _callback_class() -> type:
+    if _CLASS:
+        return _CLASS[0]
+    from transformers import TrainerCallback
+
+    class _Runner(_Bridge, RunnerCallback, TrainerCallback):
+        pass
+
+    _Runner.__name__ = _Runner.__qualname__ = "RunnerCallback"
+    _CLASS.append(_Runner)
+    return _Runner
+
+
+class StopCheck:
+    """When the ranks agree on a stop notice: at steps every rank checks (the same count of steps since training
+    began), one all-reduce of one number each. Every step at first; after ``LEARN`` steps, every ``n`` steps so the
+    checks are at least ``EVERY_S`` apart at the slowest rank's pace (a preemption's notice is 30 s or more)."""
+
+    LEARN = 8
+    EVERY_S = 0.5
+
+    def __init__(self) -> None:
+        self.steps, self.every = 0, 1
+        self._began: float | None = None
+        self._group: Any = None
+
+    def begin(self) -> None:
+        import torch.distributed as dist
+
+        self.steps, self.every, self._began = 0, 1, time.monotonic()
+        if dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank begins training together
+
+    def due(self) -> bool:
+        self.steps += 1
+        return self.steps % self.every == 0
+
+    def agreed(self, asked: bool) -> bool:
+        """Whether any rank was asked to stop (every rank calls it at the same step)."""
+        import torch
+        import torch.distributed as dist
+
+        learn = self.steps == self.LEARN and self._began is not None
+        facts = torch.tensor([1.0 if asked else 0.0,
+                              (time.monotonic() - self._began) / self.steps if learn else 0.0], dtype=torch.float64)
+        if self._group is not None:
+            dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=self._group)
+        if learn:
+            self.every = max(1, min(1000, math.ceil(self.EVERY_S / max(float(facts[1]), 1e-6))))
+        return float(facts[0]) > 0
+
+
+class _Copy:
+    """One rank's part of one Trainer checkpoint, copied (and hashed) from the script's folder into staging by a
+    thread; reported when done."""
+
+    def __init__(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(files, folder, uri, report), daemon=True,
+                                        name="raylaunch-trainer-checkpoint")
+        self._thread.start()
+
+    def _run(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
+        try:
+            fs, base = open_uri(uri)
+            local = is_local(fs)
+            described: dict[str, dict] = {}
+            for rel in files:
+                dest = f"{base}/{rel}"
+                fs.create_dir(os.path.dirname(dest), recursive=True)
+                tmp = f"{os.path.dirname(dest)}/.{os.path.basename(dest)}.raylaunch-{os.getpid()}" if local else dest
+                h, size = hashlib.sha256(), 0
+                with open(os.path.join(folder, rel), "rb") as src, fs.open_output_stream(tmp) as out:
+                    while chunk := src.read(1 << 22):
+                        h.update(chunk)
+                        size += len(chunk)
+                        out.write(chunk)
+                if local:
+                    os.replace(tmp, dest)
+                described[rel] = {"size": size, "sha256": h.hexdigest()}
+            report(described)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self.error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            from cluster.checkpoint.staged import CheckpointSaveError
+
+            raise CheckpointSaveError(f"staging Trainer's checkpoint failed: {self.error}. The previous committed "
+                                      "checkpoint is kept.") from self.error
+
+
+class _Bridge:
+    """What ``RunnerCallback`` does (the ``TrainerCallback`` methods), kept apart from transformers' base class so
+    this module imports without it."""
+
+    def __init__(self, session: "Session", script: "ScriptCall | None") -> None:
+        self.session, self.script = session, script
+        ctx = session.payload.context
+        self.rank, self.world = ctx.world_rank, ctx.world_size
+        self._copy: _Copy | None = None
+        self._staged: set[int] = set()
+        self._stop = StopCheck()
+        self._stopping = False
+        self._said: set[str] = set()
+        session.also_wait(self.wait)
+
+    def say_once(self, text: str) -> None:
+        if self.rank == 0 and text not in self._said:
+            self._said.add(text)
+            print(f"raylaunch: {text}", file=sys.stderr, flush=True)
+
+    # --- TrainerCallback ---------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.session.stops_cooperatively()  # a SIGTERM now asks for a save at the next agreed step
+        self._stop.begin()
+        resumed = self.session.resumed_step
+        if resumed is not None and state.global_step == resumed:  # Trainer loaded it (train() began with the load)
+            self.session.restored(resumed, 0.0)
+        if getattr(args, "save_total_limit", None):
+            self.say_once(f"Trainer's save_total_limit={args.save_total_limit} prunes the checkpoint folders of "
+                          f"{args.output_dir}; the run's committed copies are pruned by checkpoint.keep alone")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._stopping or not self._stop.due():
+            return
+        if self._stop.agreed(self.session.stop_requested):
+            self._stopping = True
+            self.session.stop_for_preemption()
+            control.should_save = True
+            control.should_training_stop = True
+            self.say_once(f"stop notice: Trainer saves checkpoint-{state.global_step} and the script ends; the "
+                          "restart resumes there")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if logs:
+            self.session.log(dict(logs), state.global_step)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step
+        folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        if step in self._staged or not os.path.isdir(folder):
+            return
+        self.wait()  # one in flight: the previous part staged (or its failure raised) first
+        self._staged.add(step)
+        files = sorted(os.path.relpath(os.path.join(root, n), folder)
+                       for root, _, names in os.walk(folder) for n in names)
+        mine = [f for f in files if owner(f) == self.rank]
+        uri = join_uri(self.session.payload.staging_uri, checkpoint_name(step))
+        if self.rank == 0:  # the resume folder's name on the nodes: checkpoint-<n>, as Trainer names it
+            fs, base = open_uri(uri)
+            fs.create_dir(base, recursive=True)
+            with fs.open_output_stream(f"{base}/{SCRIPT_FOLDER}") as out:
+                out.write(json.dumps({"folder": os.path.basename(folder)}).encode())
+        requested, began = time.time(), time.perf_counter()
+
+        def report(described: dict) -> None:
+            self.session.trainer_saved(step, uri, described, requested, time.perf_counter() - began, folder)
+
+        self._copy = _Copy(mine, folder, uri, report)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.wait()
+        if self._stopping:  # the script ends here: the rest of it (evaluation, a final save) is the restart's
+            raise SystemExit(0)
+
+    def wait(self) -> None:
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.wait()
+
+
+def trainer_accumulation(trainer: Any, call: "ScriptCall", say_once: Callable[[str], None]) -> None:
+    """A script's Trainer is making its Accelerator: Trainer's own accumulation (``args.gradient_accumulation_steps``)
+    scaled as an elastic run scales the launch's (by 1 at full size), so the global batch is kept; the launch's
+    accumulation itself is Trainer's to take from the script's arguments, as under ``accelerate launch``."""
+    args = trainer.args
+    if trainer in _SCALED:  # a second Accelerator of the same Trainer (a hyperparameter search's trial)
+        return
+    _SCALED.add(trainer)
+    runner, full = call.accumulation, max(1, call.full_accumulation)
+    if full != 1:
+        say_once(f"the launch's gradient_accumulation_steps={full} is not applied to transformers' Trainer, which "
+                 "accumulates itself (as under accelerate launch): give the script --gradient_accumulation_steps "
+                 f"{full} instead")
+    if runner == full:
+        return
+    own = int(args.gradient_accumulation_steps)
+    scaled = own * runner / full
+    chosen = max(1, round(scaled))
+    kept = "keeps" if scaled == chosen else "changes (not a whole number of micro-batches)"
+    args.gradient_accumulation_steps = chosen
+    say_once(f"elastic: Trainer's gradient_accumulation_steps={own} is {chosen} at this world size "
+             f"({args.world_size}), which {kept} the global batch")
