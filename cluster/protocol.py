@@ -314,6 +314,7 @@ class Pace(RankEvent):
     batch_s: float = 0.0
     span_s: float = 0.0
     batches: int = 0
+    optimizer_steps: int = 0  # the optimizer steps the rank took in the window (any optimizer's)
     last_batch: float | None = None
     first_batch: float | None = None  # in the rank's first window only
 

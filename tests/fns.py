@@ -551,13 +551,23 @@ def only_reads(config: dict) -> dict:
     does nothing else: no step logged, no checkpoint, not a call to the runner (its pace is still measured)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    accelerator = Accelerator()
+    accelerator = Accelerator()  # under the runner, with the spec's accumulation
     data = _SlowItems(TensorDataset(torch.arange(256.0)), config["item_s"])
     dl = accelerator.prepare(DataLoader(data, batch_size=4))
+    # ``train``: a model trained on the batches too, an optimizer step at each synced one (still no step logged)
+    model = optimizer = None
+    if config.get("train"):
+        model = torch.nn.Linear(1, 1)
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
     read = 0
     while read < config["batches"]:
-        for _ in dl:
+        for (x,) in dl:
             read += 1
+            if model is not None:
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(x[:, None]).pow(2).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
             if read >= config["batches"]:
                 break
     return {"batches": read}
@@ -602,3 +612,11 @@ def dcp_captured(rank: int, world: int, port: int, base: str) -> None:
 
     sys.stderr.flush()
     os._exit(0)
+
+
+def trainer(config: dict) -> dict:
+    """transformers' Trainer in a function (tests/trainer_script.py's): resumed with the one line docs/launch.md
+    gives, ``trainer.train(resume_from_checkpoint=get_session().checkpoint_folder())``."""
+    from trainer_script import main
+
+    return main(list(config["argv"]), resume=get_session().checkpoint_folder())

@@ -107,6 +107,19 @@ def test_a_function_that_only_reads_slow_data_and_logs_nothing_has_its_pace_and_
     assert {"data_wait", "rank_0/data_wait", "rank_1/data_wait"} <= set(board.Tags()["scalars"])
 
 
+def test_a_function_that_logs_no_step_is_counted_in_optimizer_steps_not_batches(ray_cluster, tmp_path):
+    """20 batches at gradient accumulation 2 are 10 optimizer steps: the run's steps (its metrics' steps, `show`,
+    `runs`) count those, never micro-batches (#56: a Trainer run of 40 steps said 55, evaluation batches included)."""
+    spec = load_spec_text(
+        "name: steps\ntrain_fn: fns:only_reads\nconfig: {batches: 20, item_s: 0.02, train: true}\n"
+        "accelerate: {gradient_accumulation_steps: 2}\n"
+        f"scaling: {{num_nodes: 2, workers_per_node: 1}}\nstorage: {tmp_path / 'runs'}\n")
+    result = Driver(spec, can_grow=False).run()
+    assert result.status == "succeeded", result.error
+    steps = [r["step"] for r in rows(tmp_path, "steps") if "data_wait" in r]
+    assert steps and max(steps) == 10, steps
+
+
 def test_checkpoint_every_auto_saves_at_the_young_daly_interval_and_revises_it(ray_cluster, tmp_path):
     """A failure assumed every 5 s: before a save is measured, sqrt(2 x 1 s x 5 s) = 3.2 s; once the first
     save's hold is measured (a few milliseconds for this model, up to a second on a loaded machine), 0.2-3.2 s; the

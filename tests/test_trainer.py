@@ -22,6 +22,7 @@ import pytest
 
 from conftest import ROOT, wait_for
 from jobs.driver.driver import Driver
+from jobs.spec import load_spec_text
 from jobs.spec.launch import parse
 from test_launch import rank_process
 
@@ -113,10 +114,8 @@ def _in_background(driver: Driver, box: dict) -> threading.Thread:
     return thread
 
 
-def test_a_killed_rank_resumes_trainer_from_the_last_commit_and_ends_bitwise_equal(reference):
-    _, tmp, _ = reference
-    said = io.StringIO()
-    driver = trainer_run(tmp / "runs", "killed", tmp / "out-killed", script=["--throttle_s", "0.4"], terminal=said)
+def _killed_after_the_first_commit(driver: Driver):
+    """The run, with rank 1 SIGKILLed once its first checkpoint is committed; its result."""
     box: dict = {}
     thread = _in_background(driver, box)
     try:
@@ -125,7 +124,14 @@ def test_a_killed_rank_resumes_trainer_from_the_last_commit_and_ends_bitwise_equ
         victim.kill()
     finally:
         thread.join(300)
-    result = box["result"]
+    return box["result"]
+
+
+def test_a_killed_rank_resumes_trainer_from_the_last_commit_and_ends_bitwise_equal(reference):
+    _, tmp, _ = reference
+    said = io.StringIO()
+    driver = trainer_run(tmp / "runs", "killed", tmp / "out-killed", script=["--throttle_s", "0.4"], terminal=said)
+    result = _killed_after_the_first_commit(driver)
     assert result.status == "succeeded", result.error
     assert result.attempts == 2 and result.restarts == 1
     assert "gets --resume_from_checkpoint" in said.getvalue() and "checkpoint-" in said.getvalue()
@@ -157,3 +163,20 @@ def test_a_stop_notice_saves_trainer_at_its_next_step_and_the_restart_loses_none
     assert second[0] == first[-1] + 1, (first, second)
     assert "stop notice: Trainer saves checkpoint-" in said.getvalue()
     assert final(tmp / "out-stopped")["weights"] == final(tmp / "out")["weights"]
+
+
+def test_a_function_that_builds_a_trainer_is_committed_and_resumed_with_one_line(reference):
+    """A train_fn calling the same code with `resume_from_checkpoint=get_session().checkpoint_folder()`: its
+    checkpoints committed, its loss rows logged, a killed rank resumed from the commit, the script's weights."""
+    _, tmp, _ = reference
+    argv = [*TRAIN, "--output_dir", str(tmp / "out-fn"), "--throttle_s", "0.4"]
+    spec = load_spec_text(f"name: fn\ntrain_fn: fns:trainer\nconfig: {{argv: {json.dumps(argv)}}}\n"
+                          f"scaling: {{num_nodes: 2, workers_per_node: 1}}\nfailure: {{max_restarts: 1}}\n"
+                          f"storage: {tmp / 'runs'}\n")
+    driver = Driver(spec, can_grow=False)
+    result = _killed_after_the_first_commit(driver)
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and committed(result.run_dir) == [8, 12]
+    second = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
+    assert second and second[0] > 2 and second[-1] == STEPS
+    assert result.rank_results["0"]["weights"] == final(tmp / "out")["weights"]

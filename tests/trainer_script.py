@@ -8,7 +8,6 @@ folder: the sha256 of every final weight and the Trainer's global step (what the
 import hashlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -47,10 +46,13 @@ class Throttle(TrainerCallback):
         time.sleep(self.seconds)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, resume: str | None = None) -> dict:
+    """The script; a function calls it with its arguments and the folder to resume from."""
     # Seq2SeqTrainingArguments: TrainingArguments and the fields Seq2SeqTrainer reads (the same for a Trainer)
     parser = HfArgumentParser((ModelArguments, Seq2SeqTrainingArguments))
-    model_args, training_args = parser.parse_args_into_dataclasses()
+    model_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if resume is not None:
+        training_args.resume_from_checkpoint = resume
     set_seed(training_args.seed)
     config = GPT2Config(vocab_size=64, n_positions=model_args.seq_len, n_embd=32, n_layer=model_args.n_layer,
                         n_head=2, resid_pdrop=model_args.dropout, embd_pdrop=model_args.dropout,
@@ -66,13 +68,14 @@ def main() -> None:
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     trainer.log_metrics("train", result.metrics)
+    weights = {k: hashlib.sha256(v.detach().contiguous().numpy().tobytes()).hexdigest()
+               for k, v in trainer.model.state_dict().items()}
+    out = {"weights": weights, "global_step": trainer.state.global_step, "world_size": training_args.world_size,
+           "accumulation": training_args.gradient_accumulation_steps}
     if trainer.is_world_process_zero():
-        weights = {k: hashlib.sha256(v.detach().contiguous().numpy().tobytes()).hexdigest()
-                   for k, v in trainer.model.state_dict().items()}
         with open(os.path.join(training_args.output_dir, "final.json"), "w") as f:
-            json.dump({"weights": weights, "global_step": trainer.state.global_step,
-                       "world_size": training_args.world_size,
-                       "accumulation": training_args.gradient_accumulation_steps, "argv": sys.argv[1:]}, f)
+            json.dump(out, f)
+    return out
 
 
 if __name__ == "__main__":

@@ -130,6 +130,13 @@ class PaceMeter:
         self.data_s = 0.0
         self.sync_s = 0.0
         self.batches = 0
+        self.steps_seen = self.steps  # optimizer steps counted before this window
+
+    steps = 0  # optimizer steps taken in this process (``stepped``), for good
+
+    def stepped(self) -> None:
+        """An optimizer took a step (torch's global post hook): a step of training, whatever the batches were."""
+        self.steps += 1
 
     def fetched(self, started: float, ended: float) -> None:
         """One batch was asked for at ``started`` and handed over at ``ended`` (perf_counter)."""
@@ -184,12 +191,14 @@ class PaceMeter:
             span, data, sync, n = self.span_s, self.data_s, self.sync_s, self.batches
             if n < max(min_batches, 1) or span <= 0:
                 return None
+            stepped = self.steps - self.steps_seen
             self._reset()
             first = None if self._first_said else self._first
             self._first_said = True
             last = self._last_wall
         window = {"data_wait": round(min(data / span, 1.0), 4), "sync_wait": round(min(sync / span, 1.0), 4),
-                  "batch_s": round(span / n, 4), "span_s": round(span, 4), "batches": n, "last_batch": round(last, 4)}
+                  "batch_s": round(span / n, 4), "span_s": round(span, 4), "batches": n, "optimizer_steps": stepped,
+                  "last_batch": round(last, 4)}
         return window if first is None else {**window, "first_batch": round(first, 4)}
 
 
@@ -200,9 +209,14 @@ def install(emit: Callable[[dict], None]) -> "_Pace":
     in this process only (a rank is its own process, forked after the fork server imported Accelerate), before the
     training function runs (``cluster.patches`` says why each).
     """
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     meter = PaceMeter()
     _time_dataloaders(meter)
     _time_backward(meter)
+    # A window's optimizer steps: where training stands for a rank that logs no step (evaluation batches and
+    # accumulation's micro-batches are batches, not steps). A counter, on torch's own hook, once a step.
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: meter.stepped())
     pace = _Pace(meter, emit)
     threading.Thread(target=pace._loop, daemon=True, name="raylaunch-pace").start()
     return pace

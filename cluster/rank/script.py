@@ -244,7 +244,7 @@ class ScriptHooks:
         from cluster.rank.trainer import made_by_trainer, trainer_accumulation
 
         if (trainer := made_by_trainer()) is not None:  # Trainer accumulates itself, with 1 here on purpose
-            trainer_accumulation(trainer, self.call, self.say_once)
+            trainer_accumulation(trainer, self.call, self.session.payload.context.world_size, self.say_once)
             return
         runner, full = self.call.accumulation, max(1, self.call.full_accumulation)
         plugin = kwargs.get("gradient_accumulation_plugin")

@@ -286,10 +286,21 @@ class _Bridge:
             copy.wait()
 
 
-def trainer_accumulation(trainer: Any, call: "ScriptCall", say_once: Callable[[str], None]) -> None:
+def trainer_accumulation(trainer: Any, call: "ScriptCall", world: int, say_once: Callable[[str], None]) -> None:
     """A script's Trainer is making its Accelerator: Trainer's own accumulation (``args.gradient_accumulation_steps``)
     scaled as an elastic run scales the launch's (by 1 at full size), so the global batch is kept; the launch's
-    accumulation itself is Trainer's to take from the script's arguments, as under ``accelerate launch``."""
+    accumulation itself is Trainer's to take from the script's arguments, as under ``accelerate launch``.
+
+    >>> from types import SimpleNamespace as N
+    >>> from cluster.protocol import ScriptCall
+    >>> class T:
+    ...     args = N(gradient_accumulation_steps=2)
+    >>> t = T()
+    >>> trainer_accumulation(t, ScriptCall("t.py", accumulation=2, full_accumulation=1), 2, print)
+    elastic: Trainer's gradient_accumulation_steps=2 is 4 at this world size (2), which keeps the global batch
+    >>> t.args.gradient_accumulation_steps
+    4
+    """
     args = trainer.args
     if trainer in _SCALED:  # a second Accelerator of the same Trainer (a hyperparameter search's trial)
         return
@@ -306,5 +317,5 @@ def trainer_accumulation(trainer: Any, call: "ScriptCall", say_once: Callable[[s
     chosen = max(1, round(scaled))
     kept = "keeps" if scaled == chosen else "changes (not a whole number of micro-batches)"
     args.gradient_accumulation_steps = chosen
-    say_once(f"elastic: Trainer's gradient_accumulation_steps={own} is {chosen} at this world size "
-             f"({args.world_size}), which {kept} the global batch")
+    say_once(f"elastic: Trainer's gradient_accumulation_steps={own} is {chosen} at this world size ({world}), which "
+             f"{kept} the global batch")

@@ -47,6 +47,7 @@ class AttemptState:
     save_times: dict[int, dict[int, tuple[float, float]]] = field(default_factory=lambda: defaultdict(dict))
     steps: dict[int, int] = field(default_factory=dict)  # rank -> the latest step it logged
     batches: dict[int, int] = field(default_factory=dict)  # rank -> the batches it read (its pace reports')
+    optimizer_steps: dict[int, int] = field(default_factory=dict)  # rank -> the optimizer steps it took (the same)
     last_commit: tuple[int, float] | None = None  # (step, time) of this attempt's latest committed checkpoint
     # For the goodput ledger: when training began and was last seen, each rank's seconds waiting for input,
     # and each rank's restore (when it reported it, seconds, step).
@@ -55,8 +56,13 @@ class AttemptState:
     data_wait_s: dict[int, float] = field(default_factory=dict)
     restored: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     resume_step: int = 0  # the checkpoint the attempt resumed from (0: the beginning)
-    # Measurements (pace, peak memory) made before any step was logged: (rank, time, values, batches read by then)
+    # Measurements (pace, peak memory) made before any step was logged: (rank, time, values, its progress by then)
     pending: list[tuple[int, float, dict, int]] = field(default_factory=list)
+
+    def progress(self, rank: int) -> int:
+        """How far a rank that logs no step got in this attempt: its optimizer steps, or (an optimizer torch's hooks
+        do not see) the batches it read."""
+        return self.optimizer_steps.get(rank) or self.batches.get(rank, 0)
 
     @property
     def world(self) -> int:
@@ -175,25 +181,25 @@ class AttemptRouter:
         """A rank's measurement (pace, peak memory) as a row at its step; held while no step is known yet."""
         step = self.step_of(rank)
         if step is None:
-            self.a.pending.append((rank, at, values, self.a.batches.get(rank, 0)))
+            self.a.pending.append((rank, at, values, self.a.progress(rank)))
             return []
         return [self.row(rank, at, step, values)]
 
     def _pending(self, final: bool) -> list[dict]:
         """The held measurements: at their rank's step once one is known; ``final`` (the attempt ends, or none came
-        for ``PENDING_S``) the rest at the step the attempt resumed from plus the batches the rank had read. An
+        for ``PENDING_S``) the rest at the step the attempt resumed from plus the optimizer steps the rank had taken. An
         attempt whose ranks never formed their group trained nothing: what they measured is dropped."""
         a = self.a
         if final and a.joined_at is None:
             a.pending = []
             return []
         out, keep = [], []
-        for rank, at, values, batches in a.pending:
+        for rank, at, values, progress in a.pending:
             step = self.step_of(rank)
             if step is None and final:
-                step = a.resume_step + batches
+                step = a.resume_step + progress
             if step is None:
-                keep.append((rank, at, values, batches))
+                keep.append((rank, at, values, progress))
             else:
                 out.append(self.row(rank, at, step, values))
         a.pending = keep
@@ -267,6 +273,7 @@ class AttemptRouter:
             for line in verdict.lines or ["no rank is starved for data or waited for any more"]:
                 self.recorder.say(f"raylaunch: {line}")
         a.batches[rank] = a.batches.get(rank, 0) + e.batches
+        a.optimizer_steps[rank] = a.optimizer_steps.get(rank, 0) + e.optimizer_steps
         a.data_wait_s[rank] = a.data_wait_s.get(rank, 0.0) + e.data_wait * e.span_s
         seen = e.last_batch if e.last_batch is not None else e.time
         self._worked(e.first_batch if e.first_batch is not None else seen - e.span_s, seen)
