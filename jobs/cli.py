@@ -96,6 +96,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     driver = Driver(spec, fresh=args.fresh, out=view, on_event=view.event, started_at=psutil.Process().create_time())
     driver.preflight()  # train_fn and storage are checked before Ray starts
+    if driver.done is not None:  # it already succeeded with this spec (said): nothing to start
+        view.close()
+        if driver.done.return_value is not None:
+            print(f"raylaunch: result {json.dumps(driver.done.return_value)}")
+        return 0
     upload = None
     if address is not None and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
         from cluster.nodes.upload import plan_upload
@@ -152,9 +157,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     address = _address(args)
     if getattr(args, "launch", None) is not None:
-        request = submit.plan_submit_spec(args.launch.spec(), address, implicit_config=args.launch.implicit_config)
+        request = submit.plan_submit_spec(args.launch.spec(), address, implicit_config=args.launch.implicit_config,
+                                          fresh=args.fresh)
     else:
-        request = submit.plan_submit(args.spec, list(args.set or []), address, literals=_literals(args))
+        request = submit.plan_submit(args.spec, list(args.set or []), address, literals=_literals(args),
+                                     fresh=args.fresh)
     if args.dry_run:
         print(request.describe())
         print("raylaunch: --dry-run: nothing was sent")
@@ -311,6 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--address", help="the dashboard, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS)")
     sb.add_argument("--follow", action="store_true", help="show live progress and logs; exit with the job's status")
     sb.add_argument("--dry-run", action="store_true", help="print the request and send nothing")
+    sb.add_argument("--fresh", action="store_true",
+                    help="start over in a new run directory instead of resuming (the old one is kept)")
     sb.add_argument("--quiet", action="store_true", help="with --follow: logs and the outcome, no progress")
     sb.set_defaults(func=cmd_submit)
 

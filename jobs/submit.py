@@ -86,10 +86,12 @@ def plan_submit(
     address: str,
     cwd: str | Path | None = None,
     literals: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> SubmitRequest:
     """Check everything locally and build the request; sends nothing.
 
-    ``literals`` are ``--name``/``--storage`` style values, taken as strings as they are.
+    ``literals`` are ``--name``/``--storage`` style values, taken as strings as they are; ``fresh``: the driver
+    starts a new run directory (``run --fresh``).
     """
     cwd = Path(cwd or os.getcwd()).resolve()
     literals = dict(literals or {})
@@ -108,11 +110,11 @@ def plan_submit(
         entrypoint += ["--set", item]
     for key, value in literals.items():
         entrypoint += [f"--{key}", value]
-    return _plan(spec, entrypoint, address, cwd)
+    return _plan(spec, entrypoint + ["--fresh"] * fresh, address, cwd)
 
 
 def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None,
-                     implicit_config: str | None = None) -> SubmitRequest:
+                     implicit_config: str | None = None, fresh: bool = False) -> SubmitRequest:
     """The request for a spec built where the job is launched (``raylaunch submit`` of a script): the cluster's
     driver runs that spec, sent whole, so it never reads a launch command or a config file of its own.
 
@@ -130,14 +132,14 @@ def plan_submit_spec(spec: JobSpec, address: str, cwd: str | Path | None = None,
                       "project folder that is uploaded: the job runs without it. To use it on the cluster, copy it "
                       "into the project and pass --config_file", file=sys.stderr, flush=True)
                 spec = dataclasses.replace(spec, accelerate=dataclasses.replace(spec.accelerate, config_file=None))
-                return plan_submit_spec(spec, address, cwd)
+                return plan_submit_spec(spec, address, cwd, fresh=fresh)
             raise SpecError([f"accelerate.config_file: {config_file} is on this machine, outside the project folder "
                              f"that is uploaded ({cwd}), so the cluster would not have it. Copy it into the project "
                              f"(cp {config_file} accelerate_config.yaml) and pass --config_file "
                              "accelerate_config.yaml"], "the launch command") from None
         spec = dataclasses.replace(spec, accelerate=dataclasses.replace(spec.accelerate, config_file=str(rel)))
     entrypoint = ["python", "-m", "jobs.cli", "run", "--event-lines", "--spec-json", json.dumps(spec_to_dict(spec))]
-    return _plan(spec, entrypoint, address, cwd)
+    return _plan(spec, entrypoint + ["--fresh"] * fresh, address, cwd)
 
 
 def _plan(spec: JobSpec, entrypoint: list[str], address: str, cwd: Path) -> SubmitRequest:

@@ -85,9 +85,10 @@ def test_the_next_attempt_clears_what_a_crash_left_in_staging(ray_cluster, tmp_p
 
 
 def test_a_rerun_falls_back_from_an_altered_checkpoint_and_fails_on_a_missing_one(ray_cluster, tmp_path):
-    def run(steps: int):
+    def run(steps: int, keep: int = 2):  # another keep: another spec (the same one that succeeded starts nothing)
         spec = load_spec_text(f"name: fall\ntrain_fn: fns:steady\nscaling: {{num_nodes: 2}}\nstorage: {tmp_path}\n"
-                              f"config: {{steps: {steps}, every: 10, step_s: 0.02, pid_dir: {tmp_path / 'pids'}}}\n")
+                              f"config: {{steps: {steps}, every: 10, step_s: 0.02, pid_dir: {tmp_path / 'pids'}}}\n"
+                              f"checkpoint: {{keep: {keep}}}\n")
         out = io.StringIO()
         return Driver(spec, can_grow=False, out=out).run(), out.getvalue()
 
@@ -98,7 +99,7 @@ def test_a_rerun_falls_back_from_an_altered_checkpoint_and_fails_on_a_missing_on
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # one bit of the latest checkpoint's weights flipped on storage
     weights.write_bytes(bytes(data))
-    again, said = run(20)
+    again, said = run(20, keep=3)
     assert again.status == "succeeded", again.error
     altered = checkpoints / "checkpoint-00000020"
     assert f"raylaunch: not loading {altered}: {altered}/model.safetensors does not match the checksum" in said

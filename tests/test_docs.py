@@ -214,10 +214,30 @@ def test_every_figure_of_the_readmes_benchmark_table_is_in_the_results_it_comes_
         source = next((f for label, f in README_TABLE_SOURCES.items() if cells[0].startswith(label)), None)
         assert source is not None, f"README benchmark row without a source: {cells[0]!r} (add it to README_TABLE_SOURCES)"
         results = (ROOT / source).read_text().replace(",", "")
-        for figure in re.findall(r"\d[\d,]*\.\d+", " ".join(cells[1:])):
-            if figure.replace(",", "") not in results:
+        for figure in _WHOLE_OR_DECIMAL.findall(" ".join(cells)):
+            if not held_in(figure, results):
                 missing.append(f"{cells[0]!r}: {figure} is not in {source}")
     assert not missing, "\n".join(missing)
+
+
+# A figure, whole (161, 1,024) or not (0.43): not a part of a word, a version or a size such as 2.1M.
+_WHOLE_OR_DECIMAL = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?!\.\d|[^\Wx]|x\w)")  # 0.50x is one
+
+
+def held_in(figure: str, results: str) -> bool:
+    """Whether ``results`` (commas taken out) holds ``figure`` as a number of its own: 161 is not in 1610 or 0.161.
+
+    >>> held_in("1,024", "at 1024 ranks"), held_in("161", "1610 MB"), held_in("0.43", "p50 0.43 s")
+    (True, False, True)
+    """
+    return re.search(r"(?<![\d.])" + re.escape(figure.replace(",", "")) + r"(?!\d|\.\d)", results) is not None
+
+
+def test_the_table_check_reads_whole_numbers_too():
+    """#57.4: only figures with a decimal point were checked (161 MB, 0 of 30, 1,024 never were)."""
+    assert _WHOLE_OR_DECIMAL.findall("0.17 cores, 161 MB; 0 of 30; 1,024 ranks; a 2.1M-parameter MLP (0.50x)") == [
+        "0.17", "161", "0", "30", "1,024", "0.50"]
+    assert not held_in("162", "161 MB") and held_in("30", "0 of 30 runs")
 
 
 def test_every_table_of_figures_on_the_benchmarks_page_names_its_source_and_holds_to_it():
@@ -276,3 +296,153 @@ def test_the_sentence_check_finds_a_figure_its_file_does_not_hold():
     assert figures_not_in_their_source("It took 9876.54 cores (bench/results-scale.md). Then 1.5 s.") == [
         "9876.54 (in bench/results-scale.md?): It took 9876.54 cores (bench/results-scale.md)...."]
     assert figures_not_in_their_source("A record: 9876.54 cores (2026-12-01).") == []  # names no file: a record
+
+
+# --- claims about the code: line numbers, flags, variables, the launchers -----------------------------------------
+
+_CITED_LINE = re.compile(r"in ([\w.]+) \((\w+\.py):(\d+)(?: <- \w+ ([\w.]+))?\)")
+
+
+def test_every_cited_line_of_a_file_of_the_project_is_where_the_page_says():
+    """#57.5: docs/faults.md's stacks named fns.py lines that had moved. ``in FUNC (FILE.py:N)`` is a frame of
+    FUNC at line N; ``(FILE.py:N <- library CALL)``: line N makes that call. Files not in the project (train.py of
+    an example) are not checked."""
+    files = {}
+    for f in ROOT.rglob("*.py"):
+        if ".venv" not in f.parts:
+            files.setdefault(f.name, []).append(f)
+    wrong, checked = [], 0
+    for page in PAGES:
+        for func, name, line, call in _CITED_LINE.findall(page.read_text()):
+            if len(files.get(name, [])) != 1:
+                continue
+            lines = files[name][0].read_text().splitlines()
+            n = int(line)
+            text = lines[n - 1] if n <= len(lines) else ""
+            checked += 1
+            if call:
+                ok = f"{call.rsplit('.', 1)[-1]}(" in text
+            else:
+                defs = [ln for ln in lines[:n] if re.match(r"\s*def \w+", ln)]
+                ok = bool(defs) and re.match(rf"\s*def {func.rsplit('.', 1)[-1]}\b", defs[-1]) is not None
+            if not ok:
+                wrong.append(f"{page.relative_to(ROOT)}: in {func} ({name}:{line}): line {line} is {text.strip()!r}")
+    assert checked >= 4
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_options_launch_md_gives_each_verb_are_that_verbs():
+    """#57.4: docs/launch.md gave --fresh to every verb while submit refused it. Its paragraph on raylaunch's options:
+    those before "and for `launch`" belong to launch, submit and validate; then launch's, then submit's."""
+    from jobs.spec.launch import _parser_actions
+
+    text = " ".join((ROOT / "docs" / "launch.md").read_text().split())
+    para = text.split("raylaunch's options come before the script:", 1)[1].split(". Without", 1)[0]
+    common, rest = para.split("and for `launch`", 1)
+    own, submit = rest.split("for `submit`", 1)
+    flags = lambda part: set(re.findall(r"`(--[a-z][a-z_-]*)", re.sub(r"\(default: [^)]*\)", "", part)))  # noqa: E731
+    wrong = []
+    for verbs, part in ((("launch", "submit", "validate"), common), (("launch",), own), (("submit",), submit)):
+        assert flags(part), part
+        for verb in verbs:
+            has = {o for a in _parser_actions(verb) for o in a.option_strings}
+            wrong += [f"`raylaunch {verb}` has no {f}" for f in sorted(flags(part) - has)]
+    assert not wrong, wrong
+
+
+def test_every_accelerate_launch_of_n_processes_starts_n():
+    """#57.4: `accelerate launch --cpu --num_processes 2` starts ONE process (Accelerate's simple launcher), so it is
+    not the peer of a 2-process run; ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu ...`` starts two."""
+    import shlex
+
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    wrong = []
+    for where, line in _commands("accelerate launch") + _commands("ACCELERATE_USE_CPU=true"):
+        argv = shlex.split(line.split("  ")[0])
+        args = parser.parse_args(argv[argv.index("launch") + 1:])
+        # accelerate's launch_command: with --cpu every launcher but the one-process one is skipped
+        if (args.num_processes or 1) > 1 and args.cpu:
+            wrong.append(f"{where}: {line}: --cpu starts one process, not {args.num_processes}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_variables_spec_md_says_raylaunch_sets_are_set_by_it():
+    """#57.4: docs/spec.md listed ROLE_RANK and ROLE_WORLD_SIZE among the variables raylaunch sets (reserved only).
+    Each variable the sentence names before "and two that" appears as a key raylaunch's cluster code writes."""
+    text = " ".join((ROOT / "docs" / "spec.md").read_text().split())
+    said = text.split("Variables raylaunch sets itself (", 1)[1].split(";", 1)[0]
+    names = re.findall(r"`([A-Z_]+)`", said)
+    assert len(names) >= 10, said
+    code = "".join(f.read_text() for f in (ROOT / "cluster").rglob("*.py"))
+    assert [n for n in names if f'"{n}"' not in code] == []
+
+
+def test_the_ray_commands_of_the_docs_are_rays():
+    """`ray up`, `ray get-auth-token --generate`, ... as the README walks them: each a command of Ray's own CLI,
+    with options it has (read by its click parser, nothing run)."""
+    import shlex
+
+    from ray.scripts.scripts import cli
+
+    commands = _commands("ray")
+    assert {line.split()[1] for _, line in commands} >= {"get-auth-token", "up", "dashboard", "down"}
+    wrong = []
+    for where, line in commands:
+        argv = shlex.split(re.sub(r"\s+&\s*$", "", line))[1:]  # `ray dashboard FILE &`: in the background
+        command = cli.get_command(None, argv[0])
+        try:
+            assert command is not None, f"no command {argv[0]}"
+            command.make_context(f"ray {argv[0]}", argv[1:])
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - click raises its usage errors
+            wrong.append(f"{where}: {line}: {exc}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_submit_of_a_multi_node_spec_names_storage_every_node_sees():
+    """#57.3: the README's `raylaunch submit jobs/examples/digits.yaml --address ... --follow` kept runs in the spec's
+    ~/raylaunch-runs, each node's own disk, which a run on several nodes refuses. Each submit of a spec file in the
+    docs is planned as `--dry-run` plans it (the spec, its function, the upload; nothing sent), and one of more than
+    one node gives a storage that is not a home folder."""
+    import shlex
+
+    from jobs.submit import plan_submit
+
+    wrong, planned = [], 0
+    for where, line in _commands("raylaunch submit"):
+        argv = shlex.split(line)[2:]
+        spec = next((a for a in argv if a.endswith((".yaml", ".yml"))), None)
+        if spec is None or not (ROOT / spec).exists():
+            continue
+        storage = argv[argv.index("--storage") + 1] if "--storage" in argv else None
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        request = plan_submit(spec, sets, "http://127.0.0.1:8265", cwd=ROOT,
+                              literals={"storage": storage} if storage else {})
+        planned += 1
+        if request.spec.scaling.num_nodes > 1 and request.spec.storage.startswith(("~", "/home", "/root")):
+            wrong.append(f"{where}: {line}: runs in {request.spec.storage}, each node's own disk: give --storage")
+    assert planned >= 2
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_progress_line_of_cli_md_is_the_one_run_prints():
+    """#57.5: docs/cli.md's example line had lost its ending (` world N`). A plain progress line printed by the
+    view, every figure read as 9, is the page's example read the same way."""
+    import io
+
+    from jobs.progress import ProgressView
+    from jobs.run.events import AttemptStarted, ProgressShown, Reserved
+
+    out = io.StringIO()
+    view = ProgressView.for_stream(out)
+    for e in (AttemptStarted(time=0, attempt=1), Reserved(time=0, attempt=1, world_size=2),
+              ProgressShown(time=0, step=436, values={"total_steps": "1800", "loss": "1.056", "samples_per_s": "719.6"})):
+        view.event(e)
+    view.close()
+    # (a first line knows no rate yet: its remaining time is ?)
+    shape = lambda line: re.sub(r"\d+(\.\d+)?", "9", line).replace("remaining ?", "remaining 9:9")  # noqa: E731
+    printed = [shape(line) for line in out.getvalue().splitlines() if line.startswith("raylaunch: step ")]
+    page = (ROOT / "docs" / "cli.md").read_text()
+    shown = [shape(line) for line in page.splitlines() if line.startswith("raylaunch: step ")]
+    assert printed and shown == printed[:1], (shown, printed)

@@ -202,11 +202,11 @@ def test_dry_run_sends_nothing(head):
     before = job_ids(head)
     # no --address: RAY_ADDRESS names the cluster; an argument with spaces stays one argument
     proc = cli(head, "submit", "jobs/examples/digits.yaml", "--dry-run", "--set", "scaling.num_nodes=4",
-               "--set", "config.note=two words", env={"RAY_ADDRESS": head["address"]})
+               "--set", "config.note=two words", "--fresh", env={"RAY_ADDRESS": head["address"]})
     assert proc.returncode == 0, proc.stderr
     assert f"address:       {head['address']}" in proc.stdout
     assert ("entrypoint:    python -m jobs.cli run --event-lines jobs/examples/digits.yaml --set scaling.num_nodes=4 "
-            "--set 'config.note=two words'") in proc.stdout
+            "--set 'config.note=two words' --fresh") in proc.stdout  # --fresh: a new run directory, on the cluster
     assert "nothing was sent" in proc.stdout
     assert job_ids(head) == before
 

@@ -85,6 +85,33 @@ def test_a_failed_attempt_without_a_commit_loses_all_its_steps():
     assert seconds == {"startup": 4, "recompute": 16, "failure": 6}
 
 
+def test_a_failed_attempt_that_showed_no_step_books_its_start_up_as_start_up():
+    """#56.9: rank 1 was killed about a second into training, before any rank had logged a step or reported its
+    pace; the driver knew only when the ranks joined (FirstStep not seen) and when the failure came. Nothing is
+    known to have trained: start-up until the failure, then failure; recompute only from a step that was seen.
+    Before, the rendezvous stood for the first step and the attempt's end for its last work: 6 s of recompute."""
+    events = [
+        SessionStarted(time=0), AttemptStarted(time=5, attempt=1), Reserved(time=7, attempt=1),
+        FirstStep(time=14, attempt=1, seen=False),  # every rank joined; imports, model, data still to come
+        Work(time=20.5, attempt=1, last=19),  # no step seen; the failure came at 19, the attempt ended at 20.5
+        AttemptEnded(time=20.5, attempt=1, outcome=Outcome.FAILED, restarts=1),
+        AttemptStarted(time=20.5, attempt=2, restarts=1), FirstStep(time=24, attempt=2),
+        Work(time=27, attempt=2, last=26.5), AttemptEnded(time=27, attempt=2, outcome=Outcome.SUCCEEDED),
+        SessionEnded(time=27.5, status="succeeded"),
+    ]
+    seconds, wall = books(events)
+    assert wall == 27.5
+    assert seconds == {"startup": 5 + 14 + 3.5, "failure": 20.5 - 19, "training": 2.5, "other": 1}
+    # a function that never logs nor reads a prepared dataloader and succeeds: trained from the rendezvous, as before
+    quiet = [SessionStarted(time=0), AttemptStarted(time=1, attempt=1), FirstStep(time=4, attempt=1, seen=False),
+             Work(time=10, attempt=1, last=10), AttemptEnded(time=10, attempt=1, outcome=Outcome.SUCCEEDED),
+             SessionEnded(time=11, status="succeeded")]
+    assert books(quiet)[0] == {"startup": 4, "training": 6, "other": 1}
+    # a step seen after the rendezvous (a pace report, a logged row) starts training there, whatever the outcome
+    seen = events[:4] + [Work(time=20.5, attempt=1, last=19, first=17)] + events[5:]
+    assert books(seen)[0]["recompute"] == 19 - 17 and books(seen)[0]["startup"] == 5 + 12 + 3.5
+
+
 def test_waiting_for_nodes_and_growing_back():
     events = [
         SessionStarted(time=0), AttemptStarted(time=1, attempt=1), Waiting(time=2, attempt=1),

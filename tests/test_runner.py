@@ -236,7 +236,8 @@ def test_checkpoints_are_committed_with_a_manifest_and_pruned(digits_run):
 
 def test_resubmitting_restores_the_saved_weights(digits_run, ray_cluster):
     result, storage = digits_run
-    again = run_spec(DIGITS.format(name="digits", storage=storage))
+    # another spec (checkpoint.keep): the same one that succeeded would start nothing (the test below)
+    again = run_spec(DIGITS.format(name="digits", storage=storage).replace("keep: 2", "keep: 3"))
     assert again.status == "succeeded", again.error
     r0 = again.rank_results["0"]
     assert r0["restored_step"] == 135 and r0["steps"] == 135
@@ -244,6 +245,29 @@ def test_resubmitting_restores_the_saved_weights(digits_run, ray_cluster):
     # and the weights file itself holds them: every tensor the final model had, bit for bit
     weights = load_file(str(Path(storage, "digits", "checkpoints", "checkpoint-00000135", "model.safetensors")))
     assert weights_digest(weights) == result.rank_results["0"]["weights"]
+
+
+def test_a_run_that_succeeded_says_so_when_run_again_and_starts_nothing(ray_cluster, tmp_path):
+    """#56.8: the same command again retrained a finished run and said only "succeeded after 2 attempt(s)"."""
+    text = f"name: done\ntrain_fn: fns:probe\nscaling: {{num_nodes: 2}}\nstorage: {tmp_path}\n"
+    first = run_spec(text)
+    assert first.status == "succeeded" and first.attempts == 1, first.error
+    events = (tmp_path / "done" / "events.jsonl").read_text()
+    # the CLI, as a user runs it: exit 0, where the result is, how to run it anew; no Ray started, nothing written
+    (tmp_path / "done.yaml").write_text(text)
+    again = subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(tmp_path / "done.yaml")], cwd=tmp_path,
+                           capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "raylaunch: done already succeeded (1 attempt(s), ended " in again.stdout, again.stdout
+    assert f"nothing was started. Its result: {tmp_path}/done/result.json" in again.stdout, again.stdout
+    assert "--fresh runs it again in a new run directory" in again.stdout
+    assert f"raylaunch: result {json.dumps(first.return_value)}" in again.stdout
+    assert (tmp_path / "done" / "events.jsonl").read_text() == events  # no session, no attempt
+    assert json.loads((tmp_path / "done" / "result.json").read_text())["attempts"] == 1
+    # --fresh: a new run directory beside it, which trains
+    fresh = Driver(load_spec_text(text), can_grow=False, fresh=True).run()
+    assert fresh.status == "succeeded" and fresh.attempts == 1 and fresh.run_dir != first.run_dir
+    assert fresh.run_dir.startswith(f"{tmp_path}/done-")
 
 
 def test_exception_in_train_fn_fails_with_grouped_traceback(ray_cluster, tmp_path):

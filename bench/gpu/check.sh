@@ -51,7 +51,7 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 probe() {
   local n=gp$(date +%s)
   raylaunch run bench/gpu/gpuprobe.yaml --storage /tmp/gp-runs --name "$n" && cp /tmp/gp-runs/"$n"/result.json "$O/probe-first.json" &&
-    raylaunch run bench/gpu/gpuprobe.yaml --storage /tmp/gp-runs --name "$n" && cp /tmp/gp-runs/"$n"/result.json "$O/probe-resumed.json" &&
+    raylaunch run bench/gpu/gpuprobe.yaml --storage /tmp/gp-runs --name "$n" --set checkpoint.keep=3 && cp /tmp/gp-runs/"$n"/result.json "$O/probe-resumed.json" &&
     "$PY" - "$O" <<'PYEOF'
 import json, statistics, sys
 a, b = (json.load(open(f"{sys.argv[1]}/probe-{k}.json"))["return_value"] for k in ("first", "resumed"))

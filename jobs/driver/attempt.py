@@ -150,6 +150,7 @@ class Attempt:
     def _decide(self) -> AttemptOutcome | None:
         a, rec, group = self.state, self.recorder, self.group
         if self.failures:
+            a.failed_at = a.failed_at or time.time()  # the goodput books' end of an attempt that showed no step
             return self._fail()
         if all(s == NodeState.SUCCEEDED for s in group.states):
             return self._succeeded()

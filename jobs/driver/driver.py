@@ -15,6 +15,7 @@ import time
 from typing import Callable, TextIO
 
 import psutil
+import yaml
 
 from cluster.context import WorkerContext
 from cluster.nodes.connect import holds_embedded_cluster, job_workdir, machine_gpus
@@ -73,6 +74,8 @@ class Driver:
         self.accelerate: AccelerateConfig | None = None  # the accelerate section and its config file, in preflight
         self.node_request: NodeRequest | None = None  # an elastic run's ask to the autoscaler while below num_nodes
         self._open: int | None = None  # the attempt begun and not yet ended (for its AttemptEnded)
+        # The run as it ended, when this spec already succeeded in this run directory: nothing is started (preflight)
+        self.done: RunResult | None = None
         self._route: AttemptRouter | None = None  # the running attempt's router
 
     @property
@@ -97,7 +100,7 @@ class Driver:
         Raises ``ImportError``/``AttributeError`` for a train_fn that does not
         exist and ``StorageError`` for storage that cannot be written.
         """
-        if self._token is not None:
+        if self._token is not None or self.done is not None:
             return
         # before anything is written: a missing one is a spec error
         self.recorder.secrets = Secrets.read(self.spec.env)
@@ -108,6 +111,15 @@ class Driver:
             self._say(note)
         if warning := check_requirements(self.spec.env.requirements):
             self._say(warning)
+        if not self.fresh and (done := self._succeeded_before()) is not None:
+            # #56.8: running a finished run again retrained it from its last checkpoint (from scratch when nothing
+            # was committed) and said only "succeeded after 2 attempt(s)"
+            self.done = done
+            self._say(f"raylaunch: {self.spec.name} already succeeded ({done.attempts} attempt(s), ended "
+                      f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(done.end_time))}) with this spec: nothing "
+                      f"was started. Its result: {self.run_dir.uri}/result.json (raylaunch show {self.spec.name} "
+                      f"--storage {self.spec.storage}); --fresh runs it again in a new run directory")
+            return
         if self.fresh and self.run_dir.exists():
             name = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             self._say(f"raylaunch: --fresh: starting a new run directory {name} (the old one is kept)")
@@ -116,9 +128,26 @@ class Driver:
             self.recorder.result.run_dir = self.run_dir.uri
         self._token = self.run_dir.prepare(spec_to_dict(self.spec))
 
+    def _succeeded_before(self) -> RunResult | None:
+        """The run as ``result.json`` holds it, when this run directory already succeeded with this very spec; None
+        otherwise (a new run, one that failed or was stopped, or a changed spec: those resume from the latest
+        committed checkpoint)."""
+        if not self.run_dir.exists():
+            return None
+        result = self.run_dir.read_result() or {}
+        if result.get("status") != RunStatus.SUCCEEDED:
+            return None
+        if self.run_dir.read_spec() != yaml.safe_load(yaml.safe_dump(spec_to_dict(self.spec), sort_keys=False)):
+            return None
+        known = {f.name for f in dataclasses.fields(RunResult)}
+        return RunResult(**{**{k: v for k, v in result.items() if k in known}, "status": RunStatus.SUCCEEDED})
+
     def run(self) -> RunResult:
-        """Run to the end; returns the result, which is also in ``result.json``."""
+        """Run to the end; returns the result, which is also in ``result.json`` (a run that already succeeded with
+        this spec: as it ended, and nothing starts)."""
         self.preflight()
+        if self.done is not None:
+            return self.done
         rec = self.recorder
         r = rec.result
         r.start_time = time.time()

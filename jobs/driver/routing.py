@@ -40,6 +40,7 @@ class AttemptState:
     pids: dict[int, int] = field(default_factory=dict)  # world rank -> its process, as it arrived
     joined: set[int] = field(default_factory=set)  # ranks in the process group
     joined_at: float | None = None  # when the last of them joined
+    failed_at: float | None = None  # when the driver first saw a rank fail
     preempted: set[int] = field(default_factory=set)  # ranks that checkpointed in a grace period and stopped
     # step -> rank -> the files of its saved part it reported ({rel: {size, sha256}}; empty on a local path)
     parts: dict[int, dict[int, dict]] = field(default_factory=lambda: defaultdict(dict))
@@ -207,12 +208,17 @@ class AttemptRouter:
 
     def finish(self) -> None:
         """The attempt ended: what it measured before any step was known is stored, and where its training stood
-        is said (a function that reported no step at all trained from the rendezvous to now)."""
+        is said. When no step was seen at all, the ranks' rendezvous is said as a first step not seen and the failure
+        (or now) as the last moment known: the books count it as training only if the attempt succeeded (a function
+        that neither logs nor reads a prepared dataloader), as start-up otherwise (#56.9: a rank killed before its
+        first pace report made the whole start-up of its attempt recompute)."""
         a, rec = self.a, self.recorder
         rec.metrics(self._pending(final=True))
         if a.first_step is None and a.joined_at is not None:
-            rec.event(FirstStep(time=a.joined_at, attempt=a.number))
-            a.first_step, a.last_work = a.joined_at, time.time()
+            now = time.time()
+            rec.event(FirstStep(time=a.joined_at, attempt=a.number, seen=False))
+            rec.event(Work(time=now, attempt=a.number, last=min(a.failed_at or now, now), first=None))
+            return
         if w := self.work():
             rec.event(w)
 

@@ -148,10 +148,13 @@ class Restored(RunEvent):
 
 @dataclass(frozen=True)
 class FirstStep(RunEvent):
-    """The attempt's first step began (the first batch asked for, or the first step logged)."""
+    """The attempt's first step began (the first batch asked for, or the first step logged); ``seen`` False: no step
+    was seen all through the attempt, and ``time`` is when its ranks joined (which stands for its first step only
+    if the attempt succeeded: a function that neither logs nor reads a prepared dataloader)."""
 
     kind: ClassVar[str] = "first_step"
     attempt: int = 0
+    seen: bool = True
 
 
 @dataclass(frozen=True)

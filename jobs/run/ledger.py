@@ -10,7 +10,7 @@ Categories, and what each is measured from:
   does it again.
 - ``startup``: from the command's start to its first attempt, and from each attempt's start to its first step
   (placement, node actors, the environment, processes, imports, rendezvous), less the waits for nodes and the
-  restore.
+  restore; an attempt that did not succeed and showed no step at all is start-up until its failure.
 - ``restore``: the ranks loading the checkpoint an attempt resumes from (the slowest rank).
 - ``checkpoint``: the time saves held training (``checkpoint_blocked_s``, the slowest rank of each save).
 - ``data_wait``: the time the ranks waited for their next batch (the most any rank waited, from the pace
@@ -97,6 +97,7 @@ class _Attempt:
     waits: list[tuple[float, float | None]] = field(default_factory=list)
     restore: tuple[float, float] | None = None  # (when reported, seconds)
     first_step: float | None = None
+    joined: float | None = None  # no step seen all through the attempt: when its ranks joined (FirstStep not seen)
     saves: list[tuple[float, float]] = field(default_factory=list)  # (asked for, held_s)
     commits: list[float] = field(default_factory=list)  # state times
     last_work: float | None = None
@@ -137,6 +138,8 @@ def _sessions(events: list[RunEvent]) -> list[tuple[float, float, list[_Attempt]
             a.waits = [(s, e.time if t is None else t) for s, t in a.waits]
         elif isinstance(e, Restored):
             a.restore = (e.time, e.seconds)
+        elif isinstance(e, FirstStep) and not e.seen:
+            a.joined = e.time
         elif isinstance(e, FirstStep):
             a.first_step = e.time if a.first_step is None else min(a.first_step, e.time)
         elif isinstance(e, Saved):
@@ -193,7 +196,12 @@ def _attempt_segments(a: _Attempt, end: float, lost_to: Category) -> list[Segmen
     session's end); ``lost_to``: what the time after its last training is (failure, waiting, other)."""
     n, t0 = a.number, a.start
     ended = min(a.end if a.end is not None else end, end)
-    first = min(max(a.first_step if a.first_step is not None else ended, t0), ended)
+    if a.first_step is None and a.joined is not None and a.outcome == Outcome.SUCCEEDED:
+        a.first_step = a.joined  # no step seen, and it succeeded: it trained from the rendezvous
+    if a.first_step is None:  # no step seen: start-up to the last moment known (the failure), nothing trained
+        first = min(max(a.last_work if a.last_work is not None else ended, t0), ended)
+    else:
+        first = min(max(a.first_step, t0), ended)
     holes = [(s, e if e is not None else first, Category.WAITING) for s, e in a.waits]
     if a.restore is not None:
         at, secs = a.restore

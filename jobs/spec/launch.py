@@ -100,9 +100,10 @@ def _raylaunch_options(p: argparse.ArgumentParser, verb: str) -> None:
     if verb == "launch":
         g.add_argument("--local-nodes", type=int, metavar="N", dest="local_nodes",
                        help="the embedded cluster's real Ray nodes on this machine (default: --num_machines)")
-        g.add_argument("--fresh", action="store_true", help="start over in a new run directory instead of resuming")
         g.add_argument("--keep-temp", action="store_true", dest="keep_temp",
                        help="keep the embedded cluster's Ray session folder when the command ends")
+    if verb in ("launch", "submit"):
+        g.add_argument("--fresh", action="store_true", help="start over in a new run directory instead of resuming")
     if verb == "submit":
         g.add_argument("--follow", action="store_true", help="show live progress and logs; exit with the job's status")
         g.add_argument("--dry-run", action="store_true", dest="dry_run", help="print the request and send nothing")
