@@ -180,3 +180,20 @@ def test_a_function_that_builds_a_trainer_is_committed_and_resumed_with_one_line
     second = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
     assert second and second[0] > 2 and second[-1] == STEPS
     assert result.rank_results["0"]["weights"] == final(tmp / "out")["weights"]
+
+
+def test_an_elastic_trainer_run_below_its_size_keeps_the_global_batch_through_trainers_accumulation(reference):
+    """Four nodes asked for, two in the cluster (min_nodes 1): the run starts on two, and Trainer's own
+    gradient_accumulation_steps (1 in the script) is 2 there, so each step still sees four nodes' batches."""
+    _, tmp, _ = reference
+    cmd = parse("launch", ["--storage", str(tmp / "runs"), "--name", "elastic", "--num_machines", "4",
+                           "--num_processes", "4", "--set", "scaling.min_nodes=1", SCRIPT, *TRAIN, "--max_steps", "4",
+                           "--output_dir", str(tmp / "out-elastic")])
+    result = Driver(cmd.spec(), can_grow=False).run()
+    assert result.status == "succeeded", result.error
+    assert result.world_size == 2
+    ran = final(tmp / "out-elastic")
+    assert (ran["world_size"], ran["accumulation"], ran["global_step"]) == (2, 2, 4)
+    logs = Path(result.run_dir, "logs", "rank-0.log").read_text()
+    assert "elastic: Trainer's gradient_accumulation_steps=1 is 2 at this world size (2), which keeps the global " \
+           "batch" in logs, logs[-2000:]
