@@ -620,3 +620,46 @@ def trainer(config: dict) -> dict:
     from trainer_script import main
 
     return main(list(config["argv"]), resume=get_session().checkpoint_folder())
+
+
+def step_calls(config: dict) -> dict:
+    """What raylaunch's own code does on a training step: an MLP trained with a prepared loader, DDP model, optimizer
+    and scheduler, logging every step through ``accelerator.log`` (the defaults on: pace, sync_wait, data_wait,
+    metrics); after ``warm`` steps, ``steps`` more under ``sys.setprofile``, counting the Python calls made into
+    files of raylaunch's packages. Returns the calls a step, by function."""
+    import collections
+    import sys
+
+    import cluster
+
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(cluster.__file__)))
+    packages = tuple(os.path.join(ours, p) + os.sep for p in ("cluster", "jobs"))
+    accelerator = Accelerator(**get_session().accelerator_kwargs())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+    data = torch.utils.data.TensorDataset(torch.randn(4096, 8), torch.randn(4096, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(packages):
+            calls[f"{os.path.relpath(frame.f_code.co_filename, ours)}:{frame.f_code.co_name}"] += 1
+
+    warm, steps = int(config.get("warm", 20)), int(config.get("steps", 20))
+    for step, (x, y) in enumerate(loader, start=1):
+        if step == warm + 1:
+            sys.setprofile(profile)
+            threading_profile = __import__("threading").setprofile
+            threading_profile(None)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        accelerator.log({"loss": loss.item()}, step=step)
+        if step == warm + steps:
+            sys.setprofile(None)
+            break
+    return {k: v / steps for k, v in sorted(calls.items())}

@@ -49,8 +49,10 @@ def test_the_first_save_copies_into_memory_prepared_at_the_first_step(tmp_path):
         sizes_at = checkpoints.prepared
         step(model, optimizer)  # once: a second step prepares nothing more
         assert checkpoints.prepared is sizes_at
+        assert checkpoints._first_step is None  # and its hook is gone, not called on every step after (#58)
     finally:
-        checkpoints._first_step.remove()
+        if checkpoints._first_step is not None:
+            checkpoints._first_step.remove()
         checkpoints._writer.close()
 
 

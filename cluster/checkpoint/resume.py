@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 from cluster.layout import rank_part_file
 
-__all__ = ["at_next_batch", "init_optimizers_for_load", "keep_random_states_for_the_first_batch",
+__all__ = ["NEXT_BATCH", "at_next_batch", "init_optimizers_for_load", "keep_random_states_for_the_first_batch",
            "load_loader_states", "next_batch", "save_loader_states", "seed_missing_rng"]
 
 
@@ -105,19 +105,21 @@ def keep_random_states_for_the_first_batch() -> None:
 
 
 # Called once, with the dataloader, just before the next batch any prepared dataloader hands the training code.
-_NEXT_BATCH: list[Callable[[Any], None]] = []
+# What runs before the next batch; read by the dataloaders' iteration before it calls ``next_batch`` (a list's truth
+# test on every batch, not a call: #58)
+NEXT_BATCH: list[Callable[[Any], None]] = []
 
 
 def at_next_batch(call: Callable[[Any], None]) -> None:
     """Run ``call(dataloader)`` once, just before the next batch of any prepared dataloader reaches the training
     code (the random states a resume restored, put back there); ``next_batch`` runs them."""
-    _NEXT_BATCH.append(call)
+    NEXT_BATCH.append(call)
 
 
 def next_batch(loader: Any) -> None:
     """Called by the prepared dataloaders' iteration (``cluster.rank.pace``) before each batch it hands over."""
-    while _NEXT_BATCH:
-        _NEXT_BATCH.pop(0)(loader)
+    while NEXT_BATCH:
+        NEXT_BATCH.pop(0)(loader)
 
 
 def seed_missing_rng(files: Iterable[str], rank: int, step: int) -> int | None:

@@ -166,6 +166,7 @@ class StagedCheckpoints:
         self._segments = SegmentPool()  # the last save's shared memory, copied into again by the next
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
         self.prepared: threading.Thread | None = None  # the first save's host memory, being made
+        self._first_fired = False  # the first optimizer step's hook ran (its handle goes at the next step)
         self._first_step = _on_first_optimizer_step(self._prepare_first_save) if background else None
         # A save's copies of what only an optimizer step changes are made after it returns; the next step waits for
         # them. Off (this rank, for good) once a save found such a tensor changed before its copy was made.
@@ -181,6 +182,7 @@ class StagedCheckpoints:
         pinned blocks in torch's caching host allocator on GPUs. Without it the first save held training 1.6 s for
         3 GiB of GPU state where later ones held 0.06 s. Skipped, said once, past ``PREPARE_SHARE`` of the memory
         available to each of the node's ranks."""
+        self._first_fired = True
         if self._steps:
             return
         sizes, cuda = _state_sizes(optimizer)
@@ -249,9 +251,13 @@ class StagedCheckpoints:
 
     def _before_optimizer_step(self) -> None:
         """Before any optimizer's step: the last save's deferred copies are made before the step changes what they
-        copy (waited for here, and counted in that save's hold)."""
+        copy (waited for here, and counted in that save's hold). The first step's hook, once it fired, is removed
+        here, outside the post hooks torch is iterating over (it was called on every later step, for nothing)."""
         if self._copying is not None:
             self._settle(at_step=True)
+        if self._first_fired and self._first_step is not None:
+            self._first_step.remove()
+            self._first_step = None
 
     def _settle(self, at_step: bool) -> None:
         hold, self._copying = self._copying, None

@@ -39,7 +39,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from cluster import patches
-from cluster.checkpoint.resume import next_batch
+from cluster.checkpoint.resume import NEXT_BATCH, next_batch
 from cluster.rank.prepared import after_prepare
 
 __all__ = ["CpuTimer", "CudaTimer", "PaceMeter", "Timer", "install"]
@@ -134,8 +134,9 @@ class PaceMeter:
 
     steps = 0  # optimizer steps taken in this process (``stepped``), for good
 
-    def stepped(self) -> None:
-        """An optimizer took a step (torch's global post hook): a step of training, whatever the batches were."""
+    def stepped(self, *_: Any) -> None:
+        """An optimizer took a step (torch's global post hook, itself: one call a step): a step of training, whatever
+        the batches were."""
         self.steps += 1
 
     def fetched(self, started: float, ended: float) -> None:
@@ -176,7 +177,7 @@ class PaceMeter:
                     break
                 self._pending.pop(0)
                 waited += max(seconds, 0.0)
-        self.synced(waited)
+            self.sync_s += waited
 
     def synced(self, seconds: float) -> None:
         """A backward waited ``seconds`` for the other ranks."""
@@ -216,7 +217,7 @@ def install(emit: Callable[[dict], None]) -> "_Pace":
     _time_backward(meter)
     # A window's optimizer steps: where training stands for a rank that logs no step (evaluation batches and
     # accumulation's micro-batches are batches, not steps). A counter, on torch's own hook, once a step.
-    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: meter.stepped())
+    register_optimizer_step_post_hook(meter.stepped)
     pace = _Pace(meter, emit)
     threading.Thread(target=pace._loop, daemon=True, name="raylaunch-pace").start()
     return pace
@@ -261,7 +262,8 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
                 except StopIteration:
                     return
                 meter.fetched(started, clock())
-                next_batch(self)
+                if NEXT_BATCH:  # a resume's random states to put back
+                    next_batch(self)
                 yield batch
         finally:
             batches.close()  # a loop left early ends Accelerate's iterator now, as without us
@@ -300,13 +302,14 @@ class _LastGradients:
         self.meter.gradient_ready()
         if not self._queued:
             self._queued = True
-            engine = _engine()
+            engine = _ENGINE[0] if _ENGINE else _engine()
             engine.queue_callback(lambda: engine.queue_callback(self._ended))
 
     def _ended(self) -> None:
         self._queued = False
         self.meter.backward_ended()
-        self.backward_done()
+        if self._learned < self.LEARN:
+            self.backward_done()
 
     def backward_done(self) -> None:
         if self._learned >= self.LEARN or self._last is None:
@@ -326,7 +329,11 @@ def _engine() -> Any:
     themselves use it; ``cluster.patches`` lists it)."""
     from torch.autograd import Variable
 
-    return Variable._execution_engine
+    _ENGINE[:] = [Variable._execution_engine]
+    return _ENGINE[0]
+
+
+_ENGINE: list[Any] = []  # torch's engine, once looked up (a step's backward asks for it)
 
 
 def _time_backward(meter: PaceMeter) -> None:
