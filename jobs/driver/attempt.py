@@ -176,10 +176,15 @@ class Attempt:
             self._last_work = now
         return None
 
-    def _stop(self) -> None:
-        """Stop every rank on every node, routing what they left to read."""
+    def _stop(self) -> set[int]:
+        """Stop every rank on every node, routing what they left to read; the nodes that could not be reached to
+        stop them (their actor dead, or no answer) are returned."""
+        gone = set()
         for node_rank, p in enumerate(self.group.stop()):
             self.route.forward(node_rank, p)
+            if p.state is NodeState.LOST:
+                gone.add(node_rank)
+        return gone
 
     def _succeeded(self) -> AttemptOutcome:
         a, r = self.state, self.recorder.result
@@ -216,10 +221,11 @@ class Attempt:
         # A hang: where was every rank? Read before they are stopped.
         where = where_ranks_are(group, self.run_dir, self.number, failures) if is_hang(failures) else ""
         # Stop everyone else now: a rank blocked in a collective would wait forever.
-        self._stop()
-        # A node whose death was known only after its peers failed (they lost their connections to it first) is
-        # lost all the same: the next attempt needs other nodes.
-        self.lost += [i for i, s in enumerate(group.states) if s == NodeState.LOST and i not in self.lost]
+        gone = self._stop()
+        # A node whose death was known only after its peers failed (they lost their connections to it first), or
+        # only when it could not be stopped (a host gone without a word: Ray learns it after its health checks),
+        # is lost all the same: the next attempt needs other nodes, and the failure was not the code's.
+        self.lost += [i for i, s in enumerate(group.states) if (s == NodeState.LOST or i in gone) and i not in self.lost]
         error = self._mask(group_failures(failures) + (f"\n{where}" if where else ""))
         print(f"raylaunch: attempt {self.number} failed:\n{error}", file=sys.stderr, flush=True)
         lost = bool(self.lost)
