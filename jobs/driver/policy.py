@@ -155,7 +155,7 @@ def attempt_ended(failures: Iterable[RankFailure], lost_nodes: bool, preempted: 
 
 
 # How to ask for restarts after a failure of the code: the spec's key, the command line's, accelerate launch's.
-ASK_RESTARTS = ("set failure.max_restarts to restart from the last committed checkpoint after it "
+_ASK_RESTARTS = ("set failure.max_restarts to restart from the last committed checkpoint after it "
                 "(--set failure.max_restarts=2; raylaunch launch also takes accelerate launch's --max_restarts 2)")
 
 
@@ -198,7 +198,7 @@ def decide(kind: Outcome, attempt: int, restarts: int, preemptions: int, budgets
     if not spent and b.max_restarts == 0:
         said = ("not restarted: the training code failed (an exception, an exit code it chose, a crash or a "
                 "collective that timed out), and restarting the same code from the same checkpoint most likely "
-                f"fails the same way; {ASK_RESTARTS}")
+                f"fails the same way; {_ASK_RESTARTS}")
     else:
         used = f"{spent} and " if spent else ""
         said = (f"not restarted: {used}the {b.max_restarts} restarts of failure.max_restarts are used up; raise "
