@@ -447,7 +447,7 @@ def main() -> None:
 NOTES = [
     "What each side does between the loss and its first step at world size 1:", "",
     "- **raylaunch**: the rank on the node that is left fails at its next collective (gloo: connection closed by "
-    "peer); the attempt ends and counts as a restart (`failure.max_restarts`). The driver waits up to "
+    "peer); the attempt ends and counts as a restart (a lost node: `failure.max_infra_restarts`). The driver waits up to "
     "`timeouts.resize_s` for 2 nodes (1 s here; with the default of 30 s this figure is about 29 s longer, by "
     "design: a lost spot node rarely comes back within seconds), places the one node there is, starts a fresh node "
     "actor and rank there, and the rank restores the last committed checkpoint with gradient accumulation 2 (the "

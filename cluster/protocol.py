@@ -149,6 +149,9 @@ class FailureCause(StrEnum):
     SIGNAL = "signal"  # a signal ended it (``RankFailure.signal`` says which)
     SILENT = "silent"  # no heartbeat for ``timeouts.heartbeat_s``: stopped or frozen
     NODE_LOST = "node_lost"  # its node (actor, raylet, host or link) is gone
+    # it raised because a peer of its collective went away (its connection reset or closed): what another rank's
+    # end does to the ranks that were waiting for it, a consequence and not a cause of its own
+    PEER_LOST = "peer_lost"
 
     @property
     def is_hang(self) -> bool:
@@ -159,6 +162,10 @@ class FailureCause(StrEnum):
 # What torch says when a collective outlives the process group's timeout: gloo, then NCCL's watchdog. Torch's
 # own text, read once where a rank's exception enters (``RankFailure.raised``).
 _COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout")
+# What torch says when a collective's peer went away: gloo (a connection reset or closed; its Python name for the
+# backend, to say which), then NCCL's remote error.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer",
+                    "remote process exited or there was a network error")
 
 
 @dataclass(frozen=True)
@@ -179,16 +186,33 @@ class RankFailure:
         """Ended by SIGTERM (a spot node's notice, an orchestrator's stop): the one signal that means preemption."""
         return self.cause is FailureCause.SIGNAL and self.exitcode == -_signal.SIGTERM
 
+    @property
+    def peer_loss(self) -> str:
+        """A collective's lost peer in torch's words, short, for the line of the ranks that failed after another
+        ("gloo: Connection reset by peer"); "" for any other failure.
+
+        >>> RankFailure.raised(0, 1, "RuntimeError: [../gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+        ...                    "[127.0.0.1]:3291", "").peer_loss
+        'gloo: Connection closed by peer'
+        """
+        if self.cause is not FailureCause.PEER_LOST:
+            return ""
+        said = next((m for m in _PEER_LOST if m in self.message), "")
+        backend = next((b for b in ("gloo", "NCCL") if b.lower() in self.message.lower()), "")
+        return f"{backend}: {said}" if backend else said
+
     @classmethod
     def killed(cls, rank: int, exitcode: int, signal: str) -> "RankFailure":
         return cls(rank, exitcode, f"killed by signal {signal}", "", signal, FailureCause.SIGNAL)
 
     @classmethod
     def raised(cls, rank: int, exitcode: int, message: str, traceback: str) -> "RankFailure":
-        """The function raised: a collective's timeout is told apart here, from torch's message."""
-        timed_out = any(m in message for m in _COLLECTIVE_TIMEOUTS)
-        return cls(rank, exitcode, message, traceback,
-                   cause=FailureCause.COLLECTIVE_TIMEOUT if timed_out else FailureCause.EXCEPTION)
+        """The function raised: a collective's timeout, and a collective whose peer went away, are told apart here,
+        from torch's message."""
+        cause = (FailureCause.COLLECTIVE_TIMEOUT if any(m in message for m in _COLLECTIVE_TIMEOUTS)
+                 else FailureCause.PEER_LOST if any(m in message for m in _PEER_LOST)
+                 else FailureCause.EXCEPTION)
+        return cls(rank, exitcode, message, traceback, cause=cause)
 
     @classmethod
     def exited(cls, rank: int, exitcode: int) -> "RankFailure":

@@ -124,7 +124,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.return_value is not None:
         print(f"raylaunch: result {json.dumps(result.return_value)}")
     if result.status != RunStatus.SUCCEEDED:
-        print(f"raylaunch: {spec.name} {result.status}: {result.error}", file=sys.stderr)
+        error = result.error or ""
+        if driver.error_said and "\n" in error:  # printed in full as its attempt ended: the cause's line here
+            error = error.split("\n", 1)[0] + " (in full above)"
+        print(f"raylaunch: {spec.name} {result.status}: {error}", file=sys.stderr)
         return 1
     return 0
 

@@ -275,7 +275,14 @@ def test_an_exception_in_the_training_function_fails_the_run(tmp_path, ray_tmp):
     assert (ray_tmp / "ray").is_dir() and not list(ray_tmp.glob("ray/session_*")), list(ray_tmp.rglob("*"))[:20]
     assert "[rank 0] ValueError: bad batch shape (3, 4)" in proc.stderr
     assert 'fns.py", line' in proc.stderr  # the rank's traceback
-    assert "raylaunch: boom failed: [rank 0] ValueError" in proc.stderr
+    # printed once, where the attempt failed; the last line gives the cause's line (#56)
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr
+    assert "raylaunch: boom failed: [rank 0] ValueError: bad batch shape (3, 4) (in full above)" in proc.stderr
+    # with the defaults, a bug is not restarted, and the line says how to ask for it (#57)
+    assert ("raylaunch: not restarted: the training code failed (an exception, an exit code it chose, a crash or a "
+            "collective that timed out)") in proc.stdout
+    assert "--set failure.max_restarts=2; raylaunch launch also takes accelerate launch's --max_restarts 2" in proc.stdout
+    assert "raylaunch: failed after 1 attempt(s)" in proc.stdout
 
 
 def test_validate_prints_the_world_sizes_an_elastic_spec_can_run_at(tmp_path):

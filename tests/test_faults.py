@@ -27,17 +27,22 @@ name: {name}
 train_fn: fns:steady
 config: {{steps: {steps}, every: 10, step_s: 0.05, pid_dir: {pid_dir}}}
 scaling: {{num_nodes: 2, workers_per_node: 1}}
-failure: {{max_restarts: {restarts}}}
-timeouts: {{heartbeat_s: 10, placement_s: 60}}
+{failure}timeouts: {{heartbeat_s: 10, placement_s: 60}}
 storage: {storage}
 """
 
 
-def start(tmp_path: Path, name: str, steps: int = 60, restarts: int = 1, can_grow: bool = False,
+def steady(name: str, tmp_path: Path, steps: int = 60, restarts: int | None = 1) -> str:
+    """The steady job's spec; ``restarts`` None leaves ``failure`` to its defaults."""
+    failure = "" if restarts is None else f"failure: {{max_restarts: {restarts}}}\n"
+    return STEADY.format(name=name, steps=steps, failure=failure, pid_dir=tmp_path / "pids",
+                         storage=tmp_path / "runs")
+
+
+def start(tmp_path: Path, name: str, steps: int = 60, restarts: int | None = 1, can_grow: bool = False,
           overrides: list[str] | None = None, out: io.StringIO | None = None):
     """The steady job, run by a driver in a thread, so the test can inject faults meanwhile."""
-    spec = load_spec_text(STEADY.format(name=name, steps=steps, restarts=restarts,
-                                        pid_dir=tmp_path / "pids", storage=tmp_path / "runs"), overrides)
+    spec = load_spec_text(steady(name, tmp_path, steps, restarts), overrides)
     driver = Driver(spec, can_grow=can_grow, out=out)
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
@@ -64,17 +69,18 @@ def rows(tmp_path: Path, name: str) -> list[dict]:
 
 
 def assert_resumed(tmp_path: Path, name: str, result, killed_after: int, steps: int = 60,
-                   restarts: int = 1, preemptions: int = 0) -> None:
+                   restarts: int = 1, preemptions: int = 0, infra: int = 0) -> None:
     """The second attempt went on from the checkpoint it restored: its first step is the one after
     it, it ran to the last step, and the restart (or preemption) was counted as such."""
     assert result.status == "succeeded", result.error
     assert result.attempts == 2 and result.restarts == restarts and result.preemptions == preemptions
+    assert result.infra_restarts == infra
     restored = result.rank_results["0"]["restored_step"]
     assert restored is not None and restored >= killed_after
     assert result.rank_results["0"]["steps"] == steps
     saved = json.loads((tmp_path / "runs" / name / "result.json").read_text())
     assert saved["status"] == "succeeded" and saved["attempts"] == 2
-    assert saved["restarts"] == restarts and saved["preemptions"] == preemptions
+    assert saved["restarts"] == restarts and saved["preemptions"] == preemptions and saved["infra_restarts"] == infra
     # metrics.jsonl continues from the checkpoint's step with the new attempt number
     for rank in (0, 1):
         second = [r["step"] for r in rows(tmp_path, name) if r["attempt"] == 2 and r["rank"] == rank
@@ -88,21 +94,31 @@ def assert_resumed(tmp_path: Path, name: str, result, killed_after: int, steps: 
 
 
 def test_a_killed_rank_restarts_the_world_from_the_last_checkpoint(ray_cluster, tmp_path, capsys):
-    driver, thread, box = start(tmp_path, "kill")
+    """With the spec's defaults (no failure key): a rank killed from outside (the OOM killer's SIGKILL) is not the
+    code's fault, and restarts (#57); the kill is said first, its peer's lost connection in one line after it and
+    without its traceback (#56), and the restart names the checkpoint it resumes from."""
+    driver, thread, box = start(tmp_path, "kill", restarts=None)
     victim = rank_pid(tmp_path, 1)
     step = wait_for(lambda: committed(tmp_path, "kill"), 60, "a committed checkpoint")
     survivor = rank_pid(tmp_path, 0)
     os.kill(victim, signal.SIGKILL)
     thread.join(180)
-    assert "[rank 1] killed by signal SIGKILL" in capsys.readouterr().err
+    said = capsys.readouterr()
+    failed = said.err.split("raylaunch: attempt 1 failed:\n", 1)[1].splitlines()
+    assert failed[0] == "[rank 1] killed by signal SIGKILL", said.err
+    assert all(line.startswith("[rank 0] failed after it: lost its peer (") for line in failed[1:]), said.err
+    assert "Traceback" not in said.err
     result = box["result"]
-    assert_resumed(tmp_path, "kill", result, step)
+    assert_resumed(tmp_path, "kill", result, step, infra=1)
+    restored = result.rank_results["0"]["restored_step"]
+    assert (f"raylaunch: attempt 1 failed outside the training code; restarting from checkpoint {restored} (1 of 3 "
+            "infrastructure restarts: failure.max_infra_restarts)") in said.out
     assert not psutil.pid_exists(survivor) and not psutil.pid_exists(victim)
     assert not psutil.pid_exists(rank_pid(tmp_path, 0, attempt=2))
 
 
 def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path, capsys):
-    driver, thread, box = start(tmp_path, "sigstop")
+    driver, thread, box = start(tmp_path, "sigstop", restarts=None)  # the defaults restart a frozen rank
     victim = rank_pid(tmp_path, 1)
     step = wait_for(lambda: committed(tmp_path, "sigstop"), 60, "a committed checkpoint")
     os.kill(victim, signal.SIGSTOP)
@@ -114,7 +130,7 @@ def test_a_stopped_rank_is_detected_by_its_heartbeat(ray_cluster, tmp_path, caps
     silent = re.match(r"\[rank 1\] no heartbeat for (\d+) s \(timeouts.heartbeat_s is 10\): "
                       r"the process is stopped or frozen", failed)
     assert silent and int(silent.group(1)) >= 10, failed
-    assert_resumed(tmp_path, "sigstop", box["result"], step)
+    assert_resumed(tmp_path, "sigstop", box["result"], step, infra=1)
     assert not psutil.pid_exists(victim)
     # where the ranks were when it was noticed: the stopped one is named as such
     assert "[rank 1] no heartbeat for " in err and "where each rank was (every thread: " in err
@@ -158,8 +174,7 @@ def test_a_hung_collective_fails_after_collective_s(ray_cluster, tmp_path):
 
 def test_storage_that_a_node_reads_differently_is_refused_before_any_rank_starts(ray_cluster, tmp_path):
     """A "shared" path that is local to each node: the nodes find another marker than the driver's."""
-    spec = load_spec_text(STEADY.format(name="unshared", steps=10, restarts=0, pid_dir=tmp_path / "pids",
-                                        storage=tmp_path / "runs"))
+    spec = load_spec_text(steady("unshared", tmp_path, steps=10, restarts=0))
     driver = Driver(spec, can_grow=False)
     driver.preflight()  # the driver writes its marker
     marker = tmp_path / "runs" / "unshared" / ".marker"
@@ -188,7 +203,7 @@ def test_a_lost_node_moves_the_run_to_the_nodes_left(ray_cluster, tmp_path):
     wait_for(lambda: not psutil.pid_exists(orphan), 10, "the lost node's rank to exit")
     thread.join(240)
     result = box["result"]
-    assert_resumed(tmp_path, "lost", result, step)
+    assert_resumed(tmp_path, "lost", result, step, infra=1)
     assert lost_id not in {n["node_id"] for n in result.nodes}
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert {n["node_id"] for n in result.nodes} == alive and len(alive) == 2
@@ -196,9 +211,7 @@ def test_a_lost_node_moves_the_run_to_the_nodes_left(ray_cluster, tmp_path):
 
 def test_waiting_for_nodes_is_visible_and_bounded(ray_cluster, tmp_path, capsys):
     """On a cluster that may grow, too few nodes wait timeouts.placement_s, then fail with the numbers."""
-    spec = load_spec_text(STEADY.format(name="wait", steps=10, restarts=0, pid_dir=tmp_path / "pids",
-                                        storage=tmp_path / "runs"),
-                          ["scaling.num_nodes=4", "timeouts.placement_s=12"])
+    spec = load_spec_text(steady("wait", tmp_path, steps=10, restarts=0), ["scaling.num_nodes=4", "timeouts.placement_s=12"])
     began = time.monotonic()
     result = Driver(spec, can_grow=True).run()
     assert 11 < time.monotonic() - began < 60

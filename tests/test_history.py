@@ -79,11 +79,13 @@ def runs(ray_cluster, tmp_path_factory):
     cli = raylaunch("run", "jobs/examples/digits.yaml", "--address", ray_cluster.address, "--storage", str(storage),
                     "--set", "config.epochs=1", "--set", "config.dropout=0.0")
     assert cli.returncode == 0, cli.stderr[-3000:]
+    broken = io.StringIO()
     failed = Driver(load_spec_text(f"name: broken\ntrain_fn: fns:fail_on_all_ranks\nscaling: {{num_nodes: 2}}\n"
-                                   f"storage: {storage}\nfailure: {{max_restarts: 0}}\n"), can_grow=False,
-                    out=io.StringIO()).run()
+                                   f"storage: {storage}\nfailure: {{max_restarts: 1}}\n"), can_grow=False,
+                    out=broken).run()
     assert failed.status == "failed"
-    return {"storage": storage, "while_running": while_running, "cli": cli, "steady": done["result"]}
+    return {"storage": storage, "while_running": while_running, "cli": cli, "steady": done["result"],
+            "said": {"steady": out.getvalue(), "broken": broken.getvalue()}}
 
 
 def test_runs_lists_every_run_with_its_outcome(runs):
@@ -119,6 +121,12 @@ def test_show_tells_restarts_checkpoints_logs_and_errors(runs):
     out = proc.stdout
     assert "run steady: succeeded" in out
     assert "attempts    2 (restarts 1, preemptions 0)" in out
+    # the restart says what it resumes from, and that there is nothing when nothing was committed (#56)
+    assert "raylaunch: attempt 1 failed; restarting from checkpoint 20 (1 of 1 restarts)" in runs["said"]["steady"]
+    assert ("raylaunch: attempt 1 failed; restarting from the beginning: nothing was committed (1 of 1 restarts)"
+            in runs["said"]["broken"])
+    assert ("raylaunch: not restarted: the 1 restarts of failure.max_restarts are used up; raise it to allow more "
+            "(--set failure.max_restarts=N)") in runs["said"]["broken"]
     ckpt = storage / "steady" / "checkpoints" / "checkpoint-00000040"
     size = sum(f.stat().st_size for f in ckpt.iterdir() if f.name != "manifest.json") / 2**20
     assert f"step 40       {size:9.1f} MiB  {ckpt}" in out
@@ -334,7 +342,7 @@ def test_an_attempt_that_starts_without_a_checkpoint_shows_its_own_number():
         ProgressShown(time=1, step=3, values={"loss": "0.9", "total_steps": "10"}),
         "raylaunch: attempt 1 failed:", "[rank 1] RuntimeError: injected failure at step 3",
         AttemptEnded(time=2, attempt=1, outcome="failed", restarts=1),
-        "raylaunch: restarting from the beginning (1 of 1 restarts)",
+        "raylaunch: attempt 1 failed; restarting from the beginning: nothing was committed (1 of 1 restarts)",
         AttemptStarted(time=3, attempt=2, restarts=1, max_restarts=1),
         ProgressShown(time=4, step=2, values={"loss": "0.95", "total_steps": "10"}),
     )

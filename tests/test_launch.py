@@ -203,8 +203,11 @@ def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp
                             "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
                             "--fsdp_transformer_layer_cls_to_wrap", "BertLayer,BertEmbeddings",
                             "--fsdp_reshard_after_forward", "false", "--fsdp_activation_checkpointing", "true",
-                            "train.py", "--num_processes", "9"])
+                            "--max_restarts", "2", "train.py", "--num_processes", "9"])
     s = spec.spec()
+    # accelerate launch's restarts after a failure (torchrun's): the restarts a failure of the code may use
+    assert (s.failure.max_restarts, s.failure.max_infra_restarts) == (2, 3)
+    assert parse("launch", ["t.py"]).spec().failure.max_restarts == 0
     assert (s.scaling.num_nodes, s.scaling.workers_per_node, s.scaling.use_gpu) == (2, 2, False)
     assert (s.accelerate.mixed_precision, s.accelerate.gradient_accumulation_steps) == ("bf16", 2)
     f = s.accelerate.fsdp
@@ -240,11 +243,11 @@ def test_accelerate_options_become_spec_keys_and_the_others_name_what_to_use(tmp
 def test_an_unknown_accelerate_option_is_refused_naming_the_spec_key_before_anything_starts(tmp_path):
     (tmp_path / "train.py").write_text("raise SystemExit('must not run')\n")
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "launch", "--num_cpu_threads_per_process", "4",
-                           "--max_restarts", "3", "--zero_stage", "2", "--storage", str(tmp_path / "runs"),
+                           "--monitor_interval", "3", "--zero_stage", "2", "--storage", str(tmp_path / "runs"),
                            "train.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--num_cpu_threads_per_process: not an option of raylaunch launch; use scaling.cpus_per_worker" in proc.stderr
-    assert "--max_restarts: not an option of raylaunch launch; use failure.max_restarts" in proc.stderr
+    assert "--monitor_interval: not an option of raylaunch launch, and not needed: the runner watches" in proc.stderr
     assert "--zero_stage: not an option of raylaunch launch; put it in accelerate.config_file" in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing started, no run directory
     wrong = subprocess.run([sys.executable, "-m", "jobs.cli", "validate", "--num_processes", "2", "nope.py"],

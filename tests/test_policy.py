@@ -10,9 +10,10 @@ import pytest
 from cluster.protocol import FailureCause, RankFailure
 from jobs.driver.hangs import is_hang
 from jobs.driver.policy import (
-    Action, AttemptOutcome, WorldSize, attempt_ended, decide, fit, grow_to, next_step, resize_note,
+    Action, AttemptOutcome, Fault, WorldSize, attempt_ended, blame, decide, fit, grow_to, next_step, resize_note,
     resize_reason, world_sizes,
 )
+from jobs.driver.routing import group_failures
 from jobs.run.events import Outcome
 from jobs.spec import FailureSpec, ScalingSpec
 
@@ -21,6 +22,10 @@ SIGTERM = RankFailure.killed(1, -15, "SIGTERM")
 SIGKILL = RankFailure.killed(1, -9, "SIGKILL")
 RAISED = RankFailure(0, 1, "ValueError: bad shape", "Traceback ...")
 RESET = RankFailure(0, 1, "RuntimeError: Connection reset by peer", "")
+# torch's words, as a rank's error enters (``RankFailure.raised``)
+GLOO_RESET = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5821: " \
+             "Connection reset by peer"
+PEER = RankFailure.raised(0, 1, GLOO_RESET, "Traceback (most recent call last):\n  ...\n" + GLOO_RESET)
 
 
 @pytest.mark.parametrize("failures, lost, kind", [
@@ -58,38 +63,123 @@ def test_every_rank_failure_is_built_in_one_place():
     assert "RankFailure" in (ROOT / "jobs" / "driver" / "attempt.py").read_text()  # the walk reads the product
 
 
-# kind, restarts used, preemptions used, max_restarts, max_preemptions -> action, restarts, preemptions
+# kind, whose fault, (restarts, preemptions, infrastructure restarts) used, (max_restarts, max_preemptions,
+# max_infra_restarts) -> action, used after it
 CASES = [
-    # a failure restarts while restarts last
-    (Outcome.FAILED, 0, 0, 2, 10, Action.RESTART, 1, 0),
-    (Outcome.FAILED, 1, 0, 2, 10, Action.RESTART, 2, 0),
+    # a failure of the code restarts while restarts last
+    (Outcome.FAILED, Fault.CODE, (0, 0, 0), (2, 10, 3), Action.RESTART, (1, 0, 0)),
+    (Outcome.FAILED, Fault.CODE, (1, 0, 0), (2, 10, 3), Action.RESTART, (2, 0, 0)),
     # then the run has failed
-    (Outcome.FAILED, 2, 0, 2, 10, Action.GIVE_UP, 2, 0),
-    (Outcome.FAILED, 0, 0, 0, 10, Action.GIVE_UP, 0, 0),
+    (Outcome.FAILED, Fault.CODE, (2, 0, 0), (2, 10, 3), Action.GIVE_UP, (2, 0, 0)),
+    # by default not at all: a bug never loops, whatever the infrastructure's budget
+    (Outcome.FAILED, Fault.CODE, (0, 0, 0), (0, 10, 3), Action.GIVE_UP, (0, 0, 0)),
+    # a failure outside the code restarts on its own budget, even with no restart allowed (the defaults)
+    (Outcome.FAILED, Fault.INFRA, (0, 0, 0), (0, 10, 3), Action.RESTART, (1, 0, 1)),
+    (Outcome.FAILED, Fault.INFRA, (2, 0, 2), (0, 10, 3), Action.RESTART, (3, 0, 3)),
+    # ... which leaves max_restarts to the code
+    (Outcome.FAILED, Fault.CODE, (2, 0, 2), (1, 10, 3), Action.RESTART, (3, 0, 2)),
+    # that budget spent: it counts as any failure
+    (Outcome.FAILED, Fault.INFRA, (3, 0, 3), (0, 10, 3), Action.GIVE_UP, (3, 0, 3)),
+    (Outcome.FAILED, Fault.INFRA, (3, 0, 3), (1, 10, 3), Action.RESTART, (4, 0, 3)),
+    (Outcome.FAILED, Fault.INFRA, (0, 0, 0), (1, 10, 0), Action.RESTART, (1, 0, 0)),
     # a preemption restarts without using a restart, even with none allowed
-    (Outcome.PREEMPTED, 0, 0, 0, 10, Action.RESTART, 0, 1),
-    (Outcome.PREEMPTED, 2, 9, 2, 10, Action.RESTART, 2, 10),
-    # preemptions spent: it counts as a failure
-    (Outcome.PREEMPTED, 0, 10, 1, 10, Action.RESTART, 1, 10),
-    (Outcome.PREEMPTED, 1, 10, 1, 10, Action.GIVE_UP, 1, 10),
-    (Outcome.PREEMPTED, 0, 0, 0, 0, Action.GIVE_UP, 0, 0),
+    (Outcome.PREEMPTED, Fault.INFRA, (0, 0, 0), (0, 10, 3), Action.RESTART, (0, 1, 0)),
+    (Outcome.PREEMPTED, Fault.INFRA, (2, 9, 0), (2, 10, 3), Action.RESTART, (2, 10, 0)),
+    # preemptions spent: it counts as a failure of max_restarts (never of the infrastructure's budget)
+    (Outcome.PREEMPTED, Fault.INFRA, (0, 10, 0), (1, 10, 3), Action.RESTART, (1, 10, 0)),
+    (Outcome.PREEMPTED, Fault.INFRA, (1, 10, 0), (1, 10, 3), Action.GIVE_UP, (1, 10, 0)),
+    (Outcome.PREEMPTED, Fault.INFRA, (0, 0, 0), (0, 0, 3), Action.GIVE_UP, (0, 0, 0)),
 ]
 
 
-@pytest.mark.parametrize("kind, restarts, preemptions, max_restarts, max_preemptions, action, after_r, after_p", CASES)
-def test_the_restart_decision(kind, restarts, preemptions, max_restarts, max_preemptions, action, after_r, after_p):
-    d = decide(kind, 3, restarts, preemptions, FailureSpec(max_restarts=max_restarts, max_preemptions=max_preemptions))
-    assert (d.action, d.restarts, d.preemptions) == (action, after_r, after_p)
+@pytest.mark.parametrize("kind, fault, used, budgets, action, after", CASES)
+def test_the_restart_decision(kind, fault, used, budgets, action, after):
+    restarts, preemptions, infra = used
+    max_restarts, max_preemptions, max_infra = budgets
+    d = decide(kind, 3, restarts, preemptions, FailureSpec(max_restarts=max_restarts, max_preemptions=max_preemptions,
+                                                          max_infra_restarts=max_infra), fault, infra)
+    assert (d.action, (d.restarts, d.preemptions, d.infra_restarts)) == (action, after)
+
+
+# what failed, a node lost -> whose fault
+@pytest.mark.parametrize("failures, lost, fault", [
+    ([SIGKILL], False, Fault.INFRA),  # the OOM killer, a person, a scheduler
+    ([PEER, SIGKILL], False, Fault.INFRA),  # the survivor's lost peer is the kill's consequence, reported first
+    ([RankFailure.silent(1, 12.0, 10.0)], False, Fault.INFRA),  # a stopped or frozen process
+    ([RankFailure.node_lost(1, "node 1", "was lost"), PEER], True, Fault.INFRA),
+    ([RAISED], True, Fault.INFRA),  # a node was lost: whatever the ranks said, the next attempt needs other nodes
+    ([RAISED], False, Fault.CODE),
+    ([RankFailure.exited(1, 3)], False, Fault.CODE),  # an exit code the code chose
+    ([RankFailure.killed(1, -11, "SIGSEGV")], False, Fault.CODE),  # signals the process's own execution raises
+    ([RankFailure.killed(1, -6, "SIGABRT")], False, Fault.CODE),
+    ([RankFailure.raised(0, 1, "RuntimeError: Timed out waiting 5000ms for recv", "")], False, Fault.CODE),
+    ([RAISED, SIGKILL], False, Fault.CODE),  # an error of the code beside the kill: the code's, never a loop
+    ([PEER], False, Fault.CODE),  # only lost peers: a rank returned early, its peers' collectives lost it
+    # the cause is read from fields, never the text: a message that reads like a kill is the code's
+    ([RankFailure.raised(0, 1, "killed by signal SIGKILL", "")], False, Fault.CODE),
+])
+def test_whose_fault_a_failure_was(failures, lost, fault):
+    assert blame(failures, lost_nodes=lost) is fault
+
+
+def test_the_defaults_restart_what_the_code_did_not_cause_and_nothing_else():
+    """The spec's defaults, with no failure key written: a kill or a lost node restarts, a bug does not, and the
+    line says why and how to ask for it."""
+    defaults = FailureSpec()
+    kill = next_step(AttemptOutcome(Outcome.FAILED, "killed", fault=blame([PEER, SIGKILL], False)), 1, 0, 0,
+                     defaults, 30.0)
+    lost = next_step(AttemptOutcome(Outcome.FAILED, "lost", lost_nodes=(1,)), 1, 0, 0, defaults, 30.0)
+    assert (kill.action, kill.restarts, kill.infra_restarts) == (Action.RESTART, 1, 1)
+    assert (lost.action, lost.restarts, lost.infra_restarts) == (Action.RESERVE, 1, 1)
+    bug = next_step(AttemptOutcome(Outcome.FAILED, "boom", fault=blame([RAISED], False)), 1, 0, 0, defaults, 30.0)
+    assert bug.action is Action.GIVE_UP
+    assert bug.line() == (
+        "raylaunch: not restarted: the training code failed (an exception, an exit code it chose, a crash or a "
+        "collective that timed out), and restarting the same code from the same checkpoint most likely fails the "
+        "same way; set failure.max_restarts to restart from the last committed checkpoint after it (--set "
+        "failure.max_restarts=2; raylaunch launch also takes accelerate launch's --max_restarts 2)")
+    # three kills in a row: the fourth is not restarted, and the line names the budget spent
+    fourth = next_step(AttemptOutcome(Outcome.FAILED, "killed", fault=Fault.INFRA), 4, 3, 0, defaults, 30.0,
+                       infra_restarts=3)
+    assert fourth.action is Action.GIVE_UP
+    assert fourth.line() == ("raylaunch: not restarted: the 3 infrastructure restarts of failure.max_infra_restarts "
+                             "and the 0 restarts of failure.max_restarts are used up; raise "
+                             "failure.max_infra_restarts to allow more (--set failure.max_infra_restarts=N)")
 
 
 def test_what_the_driver_says_when_it_restarts():
+    """It names the checkpoint the restart resumes from, or says there is none (#56: it claimed "the last committed
+    checkpoint" with nothing committed)."""
     budgets = FailureSpec(max_restarts=2, max_preemptions=10)
-    assert decide(Outcome.FAILED, 3, 0, 0, budgets).message == (
-        "raylaunch: attempt 3 failed; restarting from the last committed checkpoint (1 of 2 restarts)")
-    assert decide(Outcome.PREEMPTED, 3, 0, 4, budgets).message == (
-        "raylaunch: attempt 3 was preempted (SIGTERM); restarting from the last committed checkpoint "
+    assert decide(Outcome.FAILED, 3, 0, 0, budgets).line(10) == (
+        "raylaunch: attempt 3 failed; restarting from checkpoint 10 (1 of 2 restarts)")
+    assert decide(Outcome.FAILED, 3, 0, 0, budgets).line(None) == (
+        "raylaunch: attempt 3 failed; restarting from the beginning: nothing was committed (1 of 2 restarts)")
+    assert decide(Outcome.PREEMPTED, 3, 0, 4, budgets).line(20) == (
+        "raylaunch: attempt 3 was preempted (SIGTERM); restarting from checkpoint 20 "
         "(5 of 10 preemptions; restarts are not used up)")
-    assert decide(Outcome.FAILED, 3, 2, 0, budgets).message == ""
+    assert decide(Outcome.FAILED, 3, 1, 0, budgets, Fault.INFRA, 1).line(20) == (
+        "raylaunch: attempt 3 failed outside the training code; restarting from checkpoint 20 "
+        "(2 of 3 infrastructure restarts: failure.max_infra_restarts)")
+    assert decide(Outcome.FAILED, 3, 2, 0, budgets).line() == (
+        "raylaunch: not restarted: the 2 restarts of failure.max_restarts are used up; raise it to allow more "
+        "(--set failure.max_restarts=N)")
+
+
+def test_the_cause_is_said_first_and_the_ranks_that_lost_their_peer_in_one_line():
+    """Rank 1 killed, ranks 0, 2 and 3 lose their peer and raise (reported before the kill): the kill first, the
+    others in one line without their tracebacks (#56: the survivor's error stood as large as the cause)."""
+    peers = [RankFailure.raised(r, 1, GLOO_RESET.replace("Read error", f"Read error {r}"), "Traceback ...")
+             for r in (3, 0, 2)]
+    assert group_failures([*peers, SIGKILL]) == (
+        "[rank 1] killed by signal SIGKILL\n"
+        "[ranks 0, 2, 3] failed after it: lost their peer (gloo: Connection reset by peer)")
+    # a cause with its traceback, once
+    assert group_failures([RankFailure.raised(2, 1, GLOO_RESET, "tb"), RAISED]) == (
+        "[rank 0] ValueError: bad shape\nTraceback ...\n[rank 2] failed after it: lost its peer (gloo: Connection "
+        "reset by peer)")
+    # nothing but lost peers: they are what there is to say, in full
+    assert group_failures([PEER]) == f"[rank 0] {GLOO_RESET}\n{PEER.traceback}"
 
 
 # --- elastic world size -------------------------------------------------------------
@@ -161,6 +251,12 @@ def test_what_the_driver_says_when_the_world_resizes():
     (RankFailure.raised(1, 1, "DistBackendError: [Rank 1] Watchdog caught collective operation timeout", ""),
      FailureCause.COLLECTIVE_TIMEOUT, True),
     (RankFailure.killed(1, -9, "SIGKILL"), FailureCause.SIGNAL, False),
+    # torch's words for a collective whose peer went away: a consequence of another rank's end
+    (PEER, FailureCause.PEER_LOST, False),
+    (RankFailure.raised(0, 1, "RuntimeError: [../gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                              "[10.0.0.2]:5821", "tb"), FailureCause.PEER_LOST, False),
+    (RankFailure.raised(0, 1, "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or "
+                              "there was a network error", "tb"), FailureCause.PEER_LOST, False),
     (RankFailure(1, -1, "no heartbeat for 12 s", "", cause=FailureCause.SILENT), FailureCause.SILENT, True),
     # a function's own message that reads like the runner's words is still an exception, not a hang
     (RankFailure.raised(0, 1, "no heartbeat for 12 s (timeouts.heartbeat_s is 10)", ""), FailureCause.EXCEPTION,
@@ -171,7 +267,7 @@ def test_a_failure_carries_its_cause_from_where_it_entered(failure, cause, hang)
     assert failure.cause is cause and is_hang([failure]) is hang
 
 
-GIVE = FailureSpec(max_restarts=1, max_preemptions=1)
+GIVE = FailureSpec(max_restarts=1, max_preemptions=1, max_infra_restarts=0)
 W1, W2 = WorldSize(1, 1, 2), WorldSize(2, 2, 1)
 
 
@@ -204,7 +300,7 @@ def test_what_the_driver_does_after_an_attempt(outcome, used, action, after, wai
     assert (step.action, (step.restarts, step.preemptions), step.wait_full_s, step.resize_why) == (
         action, after, wait_s, why)
     assert step.action.status == {Action.FINISH: "succeeded", Action.GIVE_UP: "failed"}.get(action)
-    assert bool(step.message) == (action is Action.RESTART or (action is Action.RESERVE and not step.grew))
+    assert bool(step.line()) == (action is not Action.FINISH and not step.grew)
     assert next_step(AttemptOutcome(Outcome.GROW, "grow", grow=W2), 3, 0, 0, GIVE, resize_s=1.0).wait_full_s == 10.0
 
 

@@ -47,7 +47,7 @@ def test_every_default_is_the_documented_one():
                        "fsdp": None, "config_file": None},
         "storage": "~/raylaunch-runs",
         "checkpoint": {"keep": 2, "async": True, "every": None, "mtbf_s": 86400.0},
-        "failure": {"max_restarts": 0, "max_preemptions": 10},
+        "failure": {"max_restarts": 0, "max_infra_restarts": 3, "max_preemptions": 10},
         "timeouts": {"placement_s": 120.0, "rendezvous_s": 300.0, "heartbeat_s": 60.0, "collective_s": 600.0,
                      "resize_s": 30.0},
         "rendezvous": {"ports": "any", "socket_ifname": "auto"},

@@ -6,7 +6,7 @@ Everything that ends an attempt is decided here, each rule in one method:
 
 - a rank failed (its node said so, or the silence rule made one): the others get ``FAILURE_GRACE_S`` to report
   theirs, then every rank is stopped (``_fail``); how it ended, a failure or a preemption, is
-  ``policy.attempt_ended``'s, the one place a preemption is decided;
+  ``policy.attempt_ended``'s, the one place a preemption is decided, and whose fault it was ``policy.blame``'s;
 - silence (``_silence``): a node whose poll waited past ``timeouts.heartbeat_s`` is lost, a rank whose heartbeat
   is older is stopped or frozen; both become rank failures (``RankFailure.node_lost``, ``RankFailure.silent``);
 - every node's ranks returned: succeeded, or preempted when they checkpointed within a stop notice's grace period;
@@ -24,7 +24,7 @@ from cluster.nodes.group import NodeGroup
 from cluster.nodes.node import NodeInfo
 from cluster.protocol import NodePoll, NodeState, RankFailure
 from jobs.driver.hangs import is_hang, where_ranks_are
-from jobs.driver.policy import AttemptOutcome, WorldSize, attempt_ended
+from jobs.driver.policy import AttemptOutcome, WorldSize, attempt_ended, blame
 from jobs.driver.record import Recorder
 from jobs.driver.routing import AttemptRouter, AttemptState, group_failures
 from jobs.run.events import Outcome
@@ -177,10 +177,15 @@ class Attempt:
             self._last_work = now
         return None
 
-    def _stop(self) -> None:
-        """Stop every rank on every node, routing what they left to read."""
+    def _stop(self) -> set[int]:
+        """Stop every rank on every node, routing what they left to read; the nodes that could not be reached to
+        stop them (their actor dead, or no answer) are returned."""
+        gone = set()
         for node_rank, p in enumerate(self.group.stop()):
             self.route.forward(node_rank, p)
+            if p.state is NodeState.LOST:
+                gone.add(node_rank)
+        return gone
 
     def _succeeded(self) -> AttemptOutcome:
         a, r = self.state, self.recorder.result
@@ -217,10 +222,13 @@ class Attempt:
         # A hang: where was every rank? Read before they are stopped.
         where = where_ranks_are(group, self.run_dir, self.number, failures) if is_hang(failures) else ""
         # Stop everyone else now: a rank blocked in a collective would wait forever.
-        self._stop()
-        # A node whose death was known only after its peers failed (they lost their connections to it first) is
-        # lost all the same: the next attempt needs other nodes.
-        self.lost += [i for i, s in enumerate(group.states) if s == NodeState.LOST and i not in self.lost]
+        gone = self._stop()
+        # A node whose death was known only after its peers failed (they lost their connections to it first), or
+        # only when it could not be stopped (a host gone without a word: Ray learns it after its health checks),
+        # is lost all the same: the next attempt needs other nodes, and the failure was not the code's.
+        self.lost += [i for i, s in enumerate(group.states) if (s == NodeState.LOST or i in gone) and i not in self.lost]
         error = self._mask(group_failures(failures) + (f"\n{where}" if where else ""))
         print(f"raylaunch: attempt {self.number} failed:\n{error}", file=sys.stderr, flush=True)
-        return AttemptOutcome(attempt_ended(failures, lost_nodes=bool(self.lost)), error, tuple(self.lost))
+        lost = bool(self.lost)
+        return AttemptOutcome(attempt_ended(failures, lost_nodes=lost), error, tuple(self.lost),
+                              fault=blame(failures, lost_nodes=lost), said=True)

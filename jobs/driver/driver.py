@@ -77,6 +77,9 @@ class Driver:
         # The run as it ended, when this spec already succeeded in this run directory: nothing is started (preflight)
         self.done: RunResult | None = None
         self._route: AttemptRouter | None = None  # the running attempt's router
+        # The run's error was printed in full when its last attempt ended: the command's last line gives only its
+        # first line (the cause), so a traceback is printed once.
+        self.error_said = False
 
     @property
     def secrets(self) -> Secrets:
@@ -248,6 +251,8 @@ class Driver:
                 rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
                                          max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
                                          resume_step=latest.step if latest else None))
+            if step is not None and (line := step.line(latest.step if latest else None)):
+                self._say(line)  # the restart, once what it resumes from is known
             if action is Action.RESERVE:
                 old = self.size
                 if elastic:
@@ -277,9 +282,9 @@ class Driver:
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, latest.step if latest else 0)
             # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
             step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
-                             self.spec.timeouts.resize_s)
+                             self.spec.timeouts.resize_s, r.infra_restarts)
             action = step.action
-            r.restarts, r.preemptions = step.restarts, step.preemptions
+            r.restarts, r.preemptions, r.infra_restarts = step.restarts, step.preemptions, step.infra_restarts
             r.error = None if outcome.ok or step.grew else outcome.error
             if action is Action.RESERVE:  # the bundles of lost nodes are gone; growing needs a larger group
                 self.group.shutdown()
@@ -287,9 +292,11 @@ class Driver:
             self._end_attempt(outcome.ended)
             if (status := action.status) is not None:
                 r.status = status
+                if status is RunStatus.FAILED:
+                    self.error_said = outcome.said
+                    if line := step.line():
+                        self._say(line)  # why it is not restarted, and how to ask for it
                 return
-            if step.message:
-                self._say(step.message)
 
     def _end_attempt(self, outcome: Outcome) -> None:
         """Say how the open attempt ended (and where its training stood), and write result.json's books."""
@@ -352,7 +359,7 @@ class Driver:
             contexts = group.start(payload, attempt, spec.timeouts.rendezvous_s, spec.rendezvous.port_range)
         except NodeLostError as exc:  # a node lost between its reservation and its ranks' start
             self._say(f"raylaunch: attempt {attempt}: {exc}")
-            return AttemptOutcome(Outcome.FAILED, str(exc), tuple(exc.nodes))
+            return AttemptOutcome(Outcome.FAILED, str(exc), tuple(exc.nodes), said=True)
         self.recorder.mark("ranks_started")
         state = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
         self._route = AttemptRouter(state, self.recorder, self.run_dir, spec.checkpoint.keep,

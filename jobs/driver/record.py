@@ -43,8 +43,9 @@ class RunResult:
     status: RunStatus
     run_dir: str
     attempts: int = 0
-    restarts: int = 0
+    restarts: int = 0  # restarts after a failed attempt (preemptions apart)
     preemptions: int = 0
+    infra_restarts: int = 0  # of the restarts, those after a failure outside the code (failure.max_infra_restarts)
     num_nodes: int = 0
     world_size: int = 0
     last_step: int | None = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cluster.layout import checkpoint_name
 from cluster.metric_rows import RowBatch, RowBatcher, keep_latest, metrics_row
 from cluster.protocol import (
-    Arrived, CheckpointInterval, CheckpointPart, Joined, NodePoll, Pace, PreemptNotice, Preempted, RankFailure,
+    Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, NodePoll, Pace, PreemptNotice, Preempted, RankFailure,
     Resources, RestoredPart, decode_rank_event,
 )
 from cluster.storage_io import join_uri
@@ -70,17 +70,34 @@ class AttemptState:
         return len(self.node_of)
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def group_failures(failures: list[RankFailure]) -> str:
-    """``[ranks 0, 1] ValueError: ...`` once per distinct error, with one traceback each."""
+    """The cause first, ``[ranks 0, 1] ValueError: ...`` once per distinct error with one traceback each; then, in
+    one line, the ranks that only lost their peer to it (their collective's connection reset or closed: a
+    consequence, whenever it was reported). When nothing but lost peers was seen, they are the cause.
+
+    >>> print(group_failures([RankFailure.raised(0, 1, "RuntimeError: [gloo/pair.cc:534] Read error: Connection "
+    ...                                          "reset by peer", "Traceback ..."), RankFailure.killed(1, -9, "SIGKILL")]))
+    [rank 1] killed by signal SIGKILL
+    [rank 0] failed after it: lost its peer (gloo: Connection reset by peer)
+    """
+    causes = [f for f in failures if f.cause is not FailureCause.PEER_LOST]
+    after = [f for f in failures if f.cause is FailureCause.PEER_LOST] if causes else []
     groups: dict[str, list[RankFailure]] = defaultdict(list)
-    for f in failures:
+    for f in causes or failures:
         groups[f.message].append(f)
     parts = []
     for message, fs in groups.items():
-        ranks = sorted(f.rank for f in fs)
-        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         tb = next((f.traceback for f in fs if f.traceback), "")
-        parts.append(f"[{label}] {message}" + (f"\n{tb.rstrip()}" if tb else ""))
+        parts.append(f"[{_ranks(sorted(f.rank for f in fs))}] {message}" + (f"\n{tb.rstrip()}" if tb else ""))
+    if after:
+        ranks = sorted({f.rank for f in after})
+        said = ", ".join(dict.fromkeys(f.peer_loss for f in after))
+        parts.append(f"[{_ranks(ranks)}] failed after {'it' if len(groups) == 1 else 'them'}: lost "
+                     f"{'its' if len(ranks) == 1 else 'their'} peer ({said})")
     return "\n".join(parts)
 
 

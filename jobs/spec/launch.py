@@ -38,6 +38,7 @@ SUPPORTED = (
     "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
     "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params",
     "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation",
+    "max_restarts",
 )
 # Options a single raylaunch command makes unnecessary: accepted, and said once.
 NOT_NEEDED = ("machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "same_network")
@@ -46,7 +47,6 @@ _CONFIG_FILE = "accelerate.config_file (a file written by `accelerate config`)"
 # Every other option: what to use instead.
 _INSTEAD = {
     "num_cpu_threads_per_process": "scaling.cpus_per_worker (each rank's threads are the CPUs it reserves)",
-    "max_restarts": "failure.max_restarts",
     "monitor_interval": "nothing: the runner watches every rank itself (timeouts.heartbeat_s bounds a silent one)",
     "gpu_ids": "scaling.use_gpu (Ray gives each rank its own GPU)",
     "main_training_function": "train_fn: module:function in a spec",
@@ -248,7 +248,7 @@ def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> str | None:
     """The spec keys Accelerate's options stand for, written into ``raw``; the config file read without
     ``--config_file`` (the one `accelerate config` saved), if any."""
     path, file_cfg = _config_file(accel, notes)
-    acc = _section(raw, "accelerate") if (path or any(k in accel for k in SUPPORTED[3:])) else {}
+    acc = _section(raw, "accelerate") if (path or any(k in accel for k in SUPPORTED[3:-1])) else {}
     if path is not None:
         acc["config_file"] = path
     spec_scaling = raw.get("scaling") if isinstance(raw.get("scaling"), dict) else {}
@@ -294,6 +294,8 @@ def _from_accelerate(accel: dict, raw: dict, notes: list[str]) -> str | None:
         acc["fsdp"] = {**(acc.get("fsdp") or {}), **fsdp}
     if acc and "accelerate" not in raw:
         raw["accelerate"] = acc
+    if "max_restarts" in accel:  # restarts after any failure, as accelerate launch's (torchrun's) own
+        _section(raw, "failure")["max_restarts"] = int(accel["max_restarts"])
     dynamo = _dynamo(accel)
     if dynamo:
         _section(_section(raw, "env"), "vars").update(dynamo)

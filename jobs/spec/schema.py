@@ -143,9 +143,15 @@ class CheckpointSpec:
 
 @dataclass(frozen=True)
 class FailureSpec:
-    """Restarts from the last committed checkpoint after a failed attempt."""
+    """Restarts from the last committed checkpoint after a failed attempt: a budget for failures of the training
+    code, one for failures outside it, one for preemptions (docs/faults.md has the table)."""
 
+    # Failures of the training code (an exception, an exit code it chose, a crash, a collective that timed out),
+    # and any failure once the budgets below are spent: not restarted unless asked, so a bug never loops.
     max_restarts: int = _within(0, _MANY, 0)
+    # Failures outside the code (a node lost, a rank killed by a signal from outside such as the OOM killer's
+    # SIGKILL, a rank stopped or frozen) restart without using max_restarts, up to this many times.
+    max_infra_restarts: int = _within(0, _MANY, 3)
     # Ranks ended by SIGTERM (a spot node's preemption notice) restart without using
     # max_restarts, up to this many times.
     max_preemptions: int = _within(0, _MANY, 10)
