@@ -25,7 +25,7 @@ from pathlib import Path
 import ray
 from conftest import ROOT, TESTS, free_ports
 
-from cluster.nodes.autoscaler import launchable_node_types
+from cluster.nodes.autoscaler import HEAD_RESOURCE, launchable_node_types, node_types_from_config, read_on_head
 from cluster.nodes.connect import stop_processes_under
 from cluster.nodes.group import NodeGroup
 from cluster.nodes.placement import resolve_placement
@@ -78,6 +78,10 @@ def main() -> dict:
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}})
         out["gpu_nodes_before"] = gpu_nodes()
         out["node_types"] = [[t.name, dict(t.resources), t.max_nodes] for t in launchable_node_types() or ()]
+        # the same, read by a task on the head (a driver that runs elsewhere)
+        head = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_RESOURCE in n["Resources"])
+        seen, read = read_on_head(head, ray.get_runtime_context().gcs_address, 60)
+        out["read_on_head"] = [seen, [t.name for t in node_types_from_config(read or {})]]
         placement = resolve_placement(2, "auto", "auto", 1.0, can_grow=True)
         out["placement"] = {"use_gpu": placement.use_gpu, "workers_per_node": placement.workers_per_node,
                             "bundle": placement.bundle}

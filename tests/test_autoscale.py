@@ -115,6 +115,7 @@ def test_a_use_gpu_auto_job_from_zero_gpu_workers_gets_gpu_nodes_from_the_autosc
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # as the head's autoscaler sees them: its worker type, none of it alive when the job asked
     assert out["node_types"] == [["gpu_worker", {"CPU": 1.0, "GPU": 1.0, "object_store_memory": 80000000.0}, 2]]
+    assert out["read_on_head"] == [True, ["gpu_worker"]]  # a driver elsewhere reads it through a task on the head
     assert out["gpu_nodes_before"] == 0
     assert out["placement"] == {"use_gpu": True, "workers_per_node": 1, "bundle": {"CPU": 1.0, "GPU": 1.0}}
     assert out["said"][0] == ("raylaunch: waiting for 2 nodes with 1 GPU each: the autoscaler is starting them "

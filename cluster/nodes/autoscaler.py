@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import ray
 
-__all__ = ["NodeType", "launchable_node_types", "node_types_from_config"]
+__all__ = ["NodeType", "head_autoscaling_config", "launchable_node_types", "node_types_from_config", "read_on_head"]
 
 # A node type without a bound (a GCS node group's max_count of -1): more than any job asks for.
 UNBOUNDED = 1 << 20
@@ -132,12 +132,18 @@ def launchable_node_types(timeout_s: float = 30.0) -> list[NodeType] | None:
         head = _head_node_id()
         if head is None or head == context.get_node_id():
             return None
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        read = ray.remote(num_cpus=0, max_retries=0)(head_autoscaling_config).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
         try:
-            seen, config = ray.get(read.remote(address), timeout=timeout_s)
+            seen, config = read_on_head(head, address, timeout_s)
         except Exception:  # noqa: BLE001 - no answer from the head: only the nodes alive count
             return None
     return None if config is None else node_types_from_config(config)
+
+
+def read_on_head(head: str, gcs_address: str, timeout_s: float) -> tuple[bool, dict | None]:
+    """``head_autoscaling_config`` run on the head node (``head``, its node id) by a task of no CPU: where this
+    process runs elsewhere (a driver on a worker node, or through Ray Client)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    read = ray.remote(num_cpus=0, max_retries=0)(head_autoscaling_config).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
+    return ray.get(read.remote(gcs_address), timeout=timeout_s)
