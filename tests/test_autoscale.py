@@ -28,7 +28,9 @@ HEAD = {"CPU": 0.0}  # cluster.yaml's head: the autoscaler runs there, no rank d
 def shipped_types(gpu_worker: dict) -> list[NodeType]:
     """cluster.yaml's node types as the head's autoscaler reads them: ``ray up`` fills each type's resources from
     its instance type into ``~/ray_bootstrap_config.yaml`` (AWS's describe-instance-types)."""
-    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    from ray.autoscaler._private.util import prepare_config
+
+    config = prepare_config(yaml.safe_load((ROOT / "cluster.yaml").read_text()))  # as `ray up` does first
     config["available_node_types"]["gpu_worker"]["resources"] = gpu_worker
     return node_types_from_config(config)
 
@@ -73,7 +75,9 @@ def test_no_gpu_anywhere_the_cluster_can_start_is_cpu_as_before_said_once():
     assert cpu_by_choice(placement, False) is None
     assert cpu_by_choice(decide_placement(2, 1, "auto", 1.0, [{"CPU": 2.0}] * 2), "auto") is None
     # a type whose resources the provider detects only at start: nothing known to hold a GPU
-    unknown = node_types_from_config({"max_workers": 2, "available_node_types": {"local.cluster.node": {}}})
+    # (the on-premises local provider's one type, the head's too, as Ray's prepare_config makes it)
+    unknown = node_types_from_config({"max_workers": 2, "head_node_type": "local.cluster.node", "available_node_types": {
+        "local.cluster.node": {"node_config": {}, "resources": {}, "min_workers": 0, "max_workers": 2}}})
     assert [t.describe() for t in unknown] == ["local.cluster.node {resources unknown} x2"]
     assert decide_placement(2, 1, "auto", 1.0, [HEAD], unknown).use_gpu is False
 

@@ -36,21 +36,23 @@ class NodeType:
 
 
 def node_types_from_config(config: Mapping[str, Any]) -> list[NodeType]:
-    """The worker node types of a cluster config (``ray up``'s YAML as the head's autoscaler reads it: on the head,
-    ``~/ray_bootstrap_config.yaml``, whose types' resources the provider has filled in from the instance type), each
-    bounded by its own ``max_workers`` and the cluster's; the head's type and types that may start none are left out.
+    """The node types a cluster config lets the autoscaler start workers of (``ray up``'s YAML as the head's
+    autoscaler reads it: on the head, ``~/ray_bootstrap_config.yaml``, whose types' resources the provider has
+    filled in from the instance type), each bounded by its own ``max_workers`` and the cluster's; as Ray fills them
+    in, a type without ``max_workers`` may start the cluster's, the head's type none (the local provider's one
+    type is both, with the cluster's). Types that may start none are left out.
 
     >>> node_types_from_config({"max_workers": 8, "head_node_type": "head", "available_node_types": {
-    ...     "head": {"resources": {"CPU": 0}}, "gpu_worker": {"resources": {"CPU": 48, "GPU": 4}, "max_workers": 8},
+    ...     "head": {"resources": {"CPU": 0}}, "gpu_worker": {"resources": {"CPU": 48, "GPU": 4}},
     ...     "idle": {"resources": {"CPU": 2}, "max_workers": 0}}})
     [NodeType(name='gpu_worker', resources={'CPU': 48.0, 'GPU': 4.0}, max_nodes=8)]
     """
     cap = config.get("max_workers")
     out = []
     for name, spec in (config.get("available_node_types") or {}).items():
-        if name == config.get("head_node_type") or not isinstance(spec, Mapping):
+        if not isinstance(spec, Mapping):
             continue
-        most = spec.get("max_workers", cap if cap is not None else 0)
+        most = spec.get("max_workers", 0 if name == config.get("head_node_type") else cap or 0)
         most = min(int(most), int(cap)) if cap is not None else int(most)
         if most > 0:
             resources = {k: float(v) for k, v in (spec.get("resources") or {}).items()
