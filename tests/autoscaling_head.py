@@ -64,7 +64,7 @@ def main() -> dict:
     path.write_text(json.dumps(config(f"{ip}:{port}")))
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     env.pop("RAY_ADDRESS", None)
-    out: dict = {}
+    out: dict = {"temp": temp}
     try:
         started = subprocess.run(
             [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--node-ip-address={ip}", f"--port={port}",

@@ -14,12 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from conftest import ROOT, TESTS, cli_env
 
-from cluster.nodes.autoscaler import NodeType, _node_types_from_gcs, node_types_from_config
+from cluster.nodes.autoscaler import NodeType, _node_types_from_gcs, head_autoscaling_config, node_types_from_config
 from cluster.nodes.placement import Placement, PlacementError, cpu_by_choice, decide_placement, waiting_line
 
 HEAD = {"CPU": 0.0}  # cluster.yaml's head: the autoscaler runs there, no rank does
@@ -59,7 +60,8 @@ def test_the_wait_says_the_autoscaler_is_starting_them_with_the_numbers():
         "2 of the 3 can hold one now")
     # no type the autoscaler may start holds a bundle (or none is known): what every wait said before
     big = Placement(2, 8, True, 1.0)
-    assert waiting_line(big, 0, types, 600) == waiting_line(big, 0, None, 600) == (
+    unknown = [NodeType("local.cluster.node", {}, 2)]  # resources the provider detects at start
+    assert waiting_line(big, 0, types, 600) == waiting_line(big, 0, unknown, 600) == waiting_line(big, 0, None, 600) == (
         "raylaunch: waiting for 2 nodes with {'CPU': 8.0, 'GPU': 8.0}; 0 can hold one now, the cluster may add the "
         "rest (up to 600 s, timeouts.placement_s)")
 
@@ -104,6 +106,34 @@ def test_node_types_an_autoscaler_reported_to_the_gcs_are_read_the_same():
         ("gpu_worker", {"CPU": 48.0, "GPU": 4.0}, False), ("spot", {"CPU": 8.0}, True)]
 
 
+def test_the_heads_autoscaler_config_is_the_one_its_process_was_started_with(tmp_path):
+    """Read from /proc as ``ray up`` starts it: ``--autoscaling-config=~/ray_bootstrap_config.yaml``, the ``~`` the
+    autoscaler's own home; a process of another cluster (another GCS address) is not taken for it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "ray_bootstrap_config.yaml").write_text(yaml.safe_dump(
+        {"max_workers": 2, "head_node_type": "head", "available_node_types": {
+            "head": {"resources": {"CPU": 0}}, "gpu_worker": {"resources": {"CPU": 4, "GPU": 1}}}}))
+    monitor = [sys.executable, "-c", "import time; time.sleep(60)"]  # named as Ray's autoscaler process is
+    procs = [subprocess.Popen(["bash", "-c", 'exec -a "$0" "$@"', "/x/ray/autoscaler/v2/monitor.py", *monitor,
+                               f"--gcs-address={address}", *config], env={**os.environ, "HOME": str(home)})
+             for address, config in (("10.0.0.9:6379", ["--autoscaling-config=~/ray_bootstrap_config.yaml"]),
+                                     ("10.0.0.9:7000", []))]
+    try:
+        deadline = time.monotonic() + 10
+        while not all(head_autoscaling_config(a)[0] for a in ("10.0.0.9:6379", "10.0.0.9:7000")):
+            assert time.monotonic() < deadline, "the stand-in processes did not start"
+            time.sleep(0.1)
+        seen, config = head_autoscaling_config("10.0.0.9:6379")
+        assert seen and [t.describe() for t in node_types_from_config(config)] == ["gpu_worker {CPU: 4, GPU: 1} x2"]
+        assert head_autoscaling_config("10.0.0.9:7000") == (True, None)  # a head that does not autoscale
+        assert head_autoscaling_config("10.0.0.9:7001") == (False, None)  # no such head here
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def _in_own_pid_namespace() -> list[str]:
     """``unshare`` into a PID namespace of the run's own (root): whatever the fake autoscaler's nodes leave ends
     with the script. Without root, the script ends what it started by its temporary folder alone."""
@@ -117,6 +147,8 @@ def test_a_use_gpu_auto_job_from_zero_gpu_workers_gets_gpu_nodes_from_the_autosc
                           cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the script removed its folder, but a node's last log line can bring it back before the namespace ends
+    shutil.rmtree(out["temp"], ignore_errors=True)
     # as the head's autoscaler sees them: its worker type, none of it alive when the job asked
     assert out["node_types"] == [["gpu_worker", {"CPU": 1.0, "GPU": 1.0, "object_store_memory": 80000000.0}, 2]]
     assert out["read_on_head"] == [True, ["gpu_worker"]]  # a driver elsewhere reads it through a task on the head

@@ -95,7 +95,8 @@ def head_autoscaling_config(gcs_address: str) -> tuple[bool, dict | None]:
         path = next((a.split("=", 1)[1] for a in argv if a.startswith("--autoscaling-config=")), "")
         if not path:
             return True, None
-        path = os.path.expanduser(path)
+        if path == "~" or path.startswith("~/"):  # as the autoscaler expands it: with its own home
+            path = os.path.join(_home_of(pid), path[2:])
         try:
             if not os.path.isabs(path):
                 path = os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)
@@ -105,6 +106,18 @@ def head_autoscaling_config(gcs_address: str) -> tuple[bool, dict | None]:
             return True, None
         return True, config if isinstance(config, dict) else None
     return False, None
+
+
+def _home_of(pid: str) -> str:
+    """The HOME a process runs with (this one's where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"HOME="):
+                    return item[5:].decode(errors="replace")
+    except OSError:
+        pass
+    return os.path.expanduser("~")
 
 
 def _head_node_id() -> str | None:
