@@ -1,18 +1,21 @@
-"""Placement: how many nodes with how much each, read from the cluster, and reserving them (one
-STRICT_SPREAD bundle per node), or an error with the numbers of what is missing."""
+"""Placement: how many nodes with how much each, read from the cluster (the nodes alive, and on a cluster that
+autoscales the node types its autoscaler may start), and reserving them (one STRICT_SPREAD bundle per node), or an
+error with the numbers of what is missing."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Mapping, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from cluster.errors import RaylaunchError
+from cluster.nodes.autoscaler import NodeType, launchable_node_types
 
-__all__ = ["Placement", "PlacementError", "cpu_beside_gpus", "fitting_nodes", "reserve", "resolve_placement"]
+__all__ = ["Placement", "PlacementError", "cpu_beside_gpus", "cpu_by_choice", "decide_placement", "fitting_nodes",
+           "reserve", "resolve_placement", "waiting_line"]
 
 
 class PlacementError(RaylaunchError, RuntimeError):
@@ -27,6 +30,9 @@ class Placement:
     workers_per_node: int
     use_gpu: bool
     cpus_per_worker: float
+    # The node types the cluster's autoscaler may start, where they were read to decide (None: not read, or no
+    # autoscaler); what the wait for nodes says comes from them.
+    node_types: tuple[NodeType, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -67,36 +73,71 @@ def fitting_nodes(placement: "Placement", held: Collection[str] = ()) -> int:
     return count
 
 
-def _describe_nodes(nodes: list[dict]) -> str:
-    parts = []
-    for n in nodes:
-        r = n.get("Resources", {})
-        parts.append("{" + ", ".join(f"{k}: {r[k]:g}" for k in ("CPU", "GPU") if k in r) + "}")
+def _describe_resources(resources: Sequence[Mapping[str, float]]) -> str:
+    parts = ["{" + ", ".join(f"{k}: {r[k]:g}" for k in ("CPU", "GPU") if k in r) + "}" for r in resources]
     return ", ".join(parts) if parts else "none"
 
 
-def resolve_placement(
-    num_nodes: int, workers_per_node: int | str, use_gpu: bool | str, cpus_per_worker: float
+def _describe_nodes(nodes: list[dict]) -> str:
+    return _describe_resources([n.get("Resources", {}) for n in nodes])
+
+
+def _per_node(resources: Mapping[str, float], use_gpu: bool, cpus_per_worker: float) -> int:
+    return int(resources.get("GPU", 0) // 1 if use_gpu else resources.get("CPU", 0) // cpus_per_worker)
+
+
+def decide_placement(
+    num_nodes: int, workers_per_node: int | str, use_gpu: bool | str, cpus_per_worker: float,
+    nodes: Sequence[Mapping[str, float]], node_types: Sequence[NodeType] | None = None,
 ) -> Placement:
-    """Turn ``auto`` values into numbers by looking at the cluster's nodes."""
-    nodes = _alive_nodes()
+    """``auto`` values turned into numbers from the resources of the ``nodes`` alive and, on a cluster that
+    autoscales, the ``node_types`` its autoscaler may start (each counts as up to ``max_nodes`` more nodes): GPUs
+    when any node has one or any node type declares one; every GPU (or CPU slot) that ``num_nodes`` nodes can each
+    give. A node type's nodes alive are counted twice over (alive, and among those it may start): the reservation
+    then waits, and says so, rather than deciding on fewer.
+
+    >>> from cluster.nodes.autoscaler import NodeType
+    >>> head, gpus = {"CPU": 0.0}, NodeType("gpu_worker", {"CPU": 48.0, "GPU": 4.0}, 8)
+    >>> decide_placement(2, "auto", "auto", 1.0, [head], [gpus])
+    Placement(num_nodes=2, workers_per_node=4, use_gpu=True, cpus_per_worker=1.0)
+    >>> decide_placement(2, 1, "auto", 1.0, [head], [NodeType("cpu_worker", {"CPU": 8.0}, 4)]).use_gpu
+    False
+    """
+    types = tuple(node_types) if node_types is not None else None
+    could = [*nodes, *(t.resources for t in types or () for _ in range(min(t.max_nodes, num_nodes)))]
     if use_gpu == "auto":
-        use_gpu = any(n.get("Resources", {}).get("GPU", 0) > 0 for n in nodes)
+        use_gpu = any(r.get("GPU", 0) > 0 for r in could)
     if workers_per_node == "auto":
-        key = "GPU" if use_gpu else "CPU"
-        per_node = sorted(
-            (int(n.get("Resources", {}).get(key, 0) // (1 if use_gpu else cpus_per_worker)) for n in nodes),
-            reverse=True,
-        )
+        per_node = sorted((_per_node(r, bool(use_gpu), cpus_per_worker) for r in could), reverse=True)
         # The largest count that num_nodes nodes can each give.
         workers_per_node = per_node[num_nodes - 1] if len(per_node) >= num_nodes else 0
         if workers_per_node < 1:
+            started = f"; node types the autoscaler may start: {', '.join(t.describe() for t in types)}" if types else ""
             raise PlacementError(
                 f"scaling.workers_per_node is 'auto' but no {num_nodes} nodes each have a "
-                f"{'GPU' if use_gpu else 'CPU slot'} (nodes: {_describe_nodes(nodes)}). "
+                f"{'GPU' if use_gpu else 'CPU slot'} (nodes: {_describe_resources(nodes)}{started}). "
                 "Set scaling.workers_per_node to a number, or add nodes."
             )
-    return Placement(num_nodes, int(workers_per_node), bool(use_gpu), cpus_per_worker)
+    return Placement(num_nodes, int(workers_per_node), bool(use_gpu), cpus_per_worker, node_types=types)
+
+
+def resolve_placement(
+    num_nodes: int, workers_per_node: int | str, use_gpu: bool | str, cpus_per_worker: float, *,
+    can_grow: bool = False,
+) -> Placement:
+    """Turn ``auto`` values into numbers by looking at the cluster's nodes; on a cluster that may grow
+    (``can_grow``), where the nodes alive leave ``auto`` short (no GPU, or fewer than ``num_nodes`` nodes with a
+    GPU or CPU slot), at the node types its autoscaler may start too (``decide_placement``)."""
+    nodes = [n.get("Resources", {}) for n in _alive_nodes()]
+    if not can_grow or (use_gpu != "auto" and workers_per_node != "auto"):
+        return decide_placement(num_nodes, workers_per_node, use_gpu, cpus_per_worker, nodes)
+    try:
+        alive = decide_placement(num_nodes, workers_per_node, use_gpu, cpus_per_worker, nodes)
+    except PlacementError:
+        alive = None
+    if alive is not None and (alive.use_gpu or use_gpu != "auto"):
+        return alive
+    return decide_placement(num_nodes, workers_per_node, use_gpu, cpus_per_worker, nodes, launchable_node_types())
 
 
 def cpu_beside_gpus(placement: Placement, asked: bool | str, here: int, embedded: bool) -> str | None:
@@ -115,6 +156,47 @@ def cpu_beside_gpus(placement: Placement, asked: bool | str, here: int, embedded
                "its GPUs in cluster.yaml's resources)")
         return f"raylaunch: training on CPUs although this machine has {here} GPU(s): {why}"
     return None
+
+
+def cpu_by_choice(placement: Placement, asked: bool | str) -> str | None:
+    """The one line an ``auto`` job on a cluster that autoscales gets when it trains on CPUs because neither its
+    nodes nor any node type its autoscaler may start has a GPU; None otherwise (``cpu_beside_gpus`` says the rest).
+
+    >>> from cluster.nodes.autoscaler import NodeType
+    >>> cpu_by_choice(Placement(2, 1, False, 1.0, node_types=(NodeType("cpu_worker", {"CPU": 8.0}, 4),)), "auto")
+    'raylaunch: training on CPUs: scaling.use_gpu is auto and no node has a GPU, nor any node type the autoscaler may start (cpu_worker {CPU: 8} x4)'
+    """
+    if placement.use_gpu or asked != "auto" or placement.node_types is None:
+        return None
+    types = ", ".join(t.describe() for t in placement.node_types) or "none"
+    return ("raylaunch: training on CPUs: scaling.use_gpu is auto and no node has a GPU, nor any node type the "
+            f"autoscaler may start ({types})")
+
+
+def waiting_line(placement: Placement, fitting: int, node_types: Sequence[NodeType] | None, timeout_s: float,
+                 timeout_name: str = "timeouts.placement_s") -> str:
+    """What a reservation says at once when fewer than ``num_nodes`` nodes can hold a bundle now (``fitting``): on a
+    cluster whose autoscaler may start node types that hold one, that it is starting them, with the numbers.
+
+    >>> from cluster.nodes.autoscaler import NodeType
+    >>> gpus = (NodeType("gpu_worker", {"CPU": 4.0, "GPU": 1.0}, 2),)
+    >>> waiting_line(Placement(2, 1, True, 1.0), 0, gpus, 600)
+    'raylaunch: waiting for 2 nodes with 1 GPU each: the autoscaler is starting them (node type gpu_worker; 0 of the 2 can hold one now; up to 600 s, timeouts.placement_s)'
+    >>> waiting_line(Placement(2, 1, False, 1.0), 1, None, 600)
+    "raylaunch: waiting for 2 nodes with {'CPU': 1.0}; 1 can hold one now, the cluster may add the rest (up to 600 s, timeouts.placement_s)"
+    """
+    starting = [t.name for t in node_types or () if _fits(t.resources, placement.bundle)]
+    if not starting:
+        return (f"raylaunch: waiting for {placement.num_nodes} nodes with {placement.bundle}; {fitting} can hold one "
+                f"now, the cluster may add the rest (up to {timeout_s:g} s, {timeout_name})")
+    missing = placement.num_nodes - fitting
+    if placement.use_gpu:
+        each = f"{placement.workers_per_node} GPU{'s' if placement.workers_per_node != 1 else ''}"
+    else:
+        each = f"{placement.bundle['CPU']:g} CPU{'s' if placement.bundle['CPU'] != 1 else ''}"
+    return (f"raylaunch: waiting for {missing} node{'s' if missing != 1 else ''} with {each} each: the autoscaler is "
+            f"starting them (node type{'s' if len(starting) != 1 else ''} {', '.join(starting)}; {fitting} of the "
+            f"{placement.num_nodes} can hold one now; up to {timeout_s:g} s, {timeout_name})")
 
 
 def _unplaceable(placement: Placement, nodes: list[dict]) -> str:
@@ -152,8 +234,8 @@ def reserve(placement: Placement, *, timeout_s: float, can_grow: bool, on_wait: 
     pg = placement_group([placement.bundle] * placement.num_nodes, strategy="STRICT_SPREAD")
     deadline = time.monotonic() + timeout_s
     if fitting < placement.num_nodes:  # say so at once: an autoscaler may take minutes to add them
-        on_wait(f"raylaunch: waiting for {placement.num_nodes} nodes with {placement.bundle}; {fitting} can "
-                f"hold one now, the cluster may add the rest (up to {timeout_s:g} s, {timeout_name})")
+        types = placement.node_types if placement.node_types is not None else launchable_node_types()
+        on_wait(waiting_line(placement, fitting, types, timeout_s, timeout_name))
     while True:
         ready, _ = ray.wait([pg.ready()], timeout=min(10.0, max(0.0, deadline - time.monotonic())))
         if ready:

@@ -20,7 +20,8 @@ import yaml
 from cluster.context import WorkerContext
 from cluster.nodes.connect import holds_embedded_cluster, job_workdir, machine_gpus
 from cluster.nodes.group import NodeGroup, NodeLostError, RendezvousError
-from cluster.nodes.placement import Placement, PlacementError, cpu_beside_gpus, fitting_nodes, resolve_placement
+from cluster.nodes.placement import (Placement, PlacementError, cpu_beside_gpus, cpu_by_choice, fitting_nodes,
+                                     resolve_placement)
 from cluster.protocol import RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
 from jobs.driver.attempt import Attempt
@@ -90,9 +91,11 @@ class Driver:
         self.recorder.say(text)
 
     def _say_idle_gpus(self, placement: Placement) -> None:
-        """A run on CPUs where GPUs are (on the cluster's nodes, or on this machine) says so once, and why."""
+        """A run on CPUs where GPUs are (on the cluster's nodes, or on this machine) says so once, and why; so does an
+        ``auto`` one on a cluster whose autoscaler can start no node with a GPU."""
         here = len(machine_gpus(override=False))
-        if note := cpu_beside_gpus(placement, self.spec.scaling.use_gpu, here, holds_embedded_cluster()):
+        if note := (cpu_beside_gpus(placement, self.spec.scaling.use_gpu, here, holds_embedded_cluster())
+                    or cpu_by_choice(placement, self.spec.scaling.use_gpu)):
             self._say(note)
 
     # --- the whole run ------------------------------------------------------------
@@ -163,7 +166,8 @@ class Driver:
         rec.open_board()
         try:
             s = self.spec.scaling
-            placement = resolve_placement(s.num_nodes, s.workers_per_node, s.use_gpu, s.cpus_per_worker)
+            placement = resolve_placement(s.num_nodes, s.workers_per_node, s.use_gpu, s.cpus_per_worker,
+                                          can_grow=self.can_grow)
             r.num_nodes, r.world_size = placement.num_nodes, placement.world_size
             self._say(
                 f"raylaunch: {self.spec.name}: {placement.num_nodes} nodes x {placement.workers_per_node} "
