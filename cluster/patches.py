@@ -157,6 +157,17 @@ PATCHES: tuple[Patch, ...] = (
     # --- private reads: nothing changed; each checked by tests/test_patches.py
     Patch("ray._private.state.available_resources_per_node", _R, Kind.READ, "cluster.nodes.placement",
           "what each node has free, to say which nodes could hold a bundle", "ray.available_resources(): the sum"),
+    Patch("ray._private.state.state.get_cluster_config", _R, Kind.READ, "cluster.nodes.autoscaler",
+          "the node types an autoscaler reported to the GCS (a later Ray's v2 autoscaler reports them; Ray 2.60's "
+          "do not), for use_gpu/workers_per_node auto on a cluster that autoscales",
+          "none public: ray.autoscaler.sdk only requests resources; the v2 sdk's get_cluster_status names node "
+          "types once launched, never what they hold"),
+    Patch("ray._private.services.start_monitor", _R, Kind.READ, "cluster.nodes.autoscaler",
+          "the config file the head's autoscaler process was started with (the --autoscaling-config of the command "
+          "start_monitor writes), read from /proc on the head: the node types it may start, as it sees them",
+          "get_cluster_config (above): empty under Ray 2.60's v1 and v2 autoscalers; the status `ray status` "
+          "prints (DEBUG_AUTOSCALING_STATUS, get_cluster_status) holds no node type's resources",
+          ("autoscaling_config",)),
     Patch("ray._private.runtime_env.packaging._zip_files", _R, Kind.READ, "cluster.nodes.upload",
           "the upload zipped as Ray would, to measure it first", "none public"),
     Patch("ray._private.runtime_env.packaging._dir_travel", _R, Kind.READ, "cluster.nodes.upload",
