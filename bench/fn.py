@@ -4,7 +4,9 @@ A 2.1M-parameter MLP on synthetic data, where gradient communication matters.
 One run measures everything a launcher is compared on:
 
 - the time of the first optimizer step (``first_step_at``);
-- steady step times, with metrics logged in alternating blocks of ``log_block``
+- steady step times (wall clock, and the rank's CPU seconds a step, which the machine's other load moves less),
+  every launcher reading each batch through the prepared dataloader, with metrics logged in alternating blocks of
+  ``log_block``
   steps (``accelerator.log`` + ``session.log`` every step) and not at all, so the
   cost of metrics is a ratio within one run;
 - under raylaunch, the cost of measuring each rank's pace (``cluster/rank/pace.py``) the same way:
@@ -95,6 +97,9 @@ def train(config: dict) -> dict:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, model.config.vocab_size, (8, seq), generator=g).to(accelerator.device)
         y = x
+    elif config.get("model") == "tiny_mlp":  # a step of 1-3 ms on a CPU (a GPU step's regime: fixed costs show)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128))
+        x, y = torch.randn(8, 128).to(accelerator.device), torch.randn(8, 128).to(accelerator.device)
     else:
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                     torch.nn.ReLU(), torch.nn.Linear(1024, 512))
@@ -115,6 +120,8 @@ def train(config: dict) -> dict:
         twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-4)
         untimed = type(loader).__iter__.__wrapped__  # Accelerate's own iterator, without the clock
 
+    # Every launcher reads each step's batch through the prepared loader (the same step code everywhere, #58); under
+    # raylaunch the blocks without pace measurement read it through Accelerate's own iterator, unwrapped.
     def batch(timed: bool):
         for xb, yb in (loader if timed else untimed(loader)):
             return xb, yb
@@ -129,7 +136,7 @@ def train(config: dict) -> dict:
         # return float32), and the GPU's mse_loss backward refuses a bf16 input against float32 targets.
         return torch.nn.functional.mse_loss(net(xb).float(), yb)
 
-    logged, quiet, first_step_at, saves, local_saves = [], [], None, [], []
+    logged, quiet, first_step_at, saves, local_saves, cpu = [], [], None, [], [], []
     with_pace, without_pace = [], []
     mark = _steady_marker(pid_dir if rank == 0 and not restarted else None)
     for step in range(1, steps + 1):
@@ -138,8 +145,8 @@ def train(config: dict) -> dict:
         log = block > 0 and (step // block) % 2 == 0
         timed = not paced or block <= 0 or (step // (2 * block)) % 2 == 0
         net, opt = (model, optimizer) if timed else (twin, twin_optimizer)
-        began = time.perf_counter()
-        loss = compute_loss(net, *batch(timed)) if paced else compute_loss(model, x, y)
+        began, cpu_began = time.perf_counter(), time.process_time()
+        loss = compute_loss(net, *batch(timed))
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -149,6 +156,7 @@ def train(config: dict) -> dict:
             accelerator.log({"loss": loss.detach()}, step=step)
             session.log({"rank_loss": loss.detach()}, step=step)
         took = time.perf_counter() - began
+        cpu.append((step, time.process_time() - cpu_began))  # the rank's every thread: gloo's, the launcher's
         (logged if log else quiet).append((step, took))
         (with_pace if timed else without_pace).append((step, took))
         if first_step_at is None:
@@ -178,6 +186,7 @@ def train(config: dict) -> dict:
         return statistics.median(warm) if warm else None
 
     result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet), "held_mb": _held_mb(optimizer),
+              "steady_cpu_s": steady(cpu),
               "steady_logged_s": steady(logged), "steady_quiet_s": steady(quiet),
               "steady_paced_s": steady(with_pace) if paced else None,
               "steady_unpaced_s": steady(without_pace) if paced else None,

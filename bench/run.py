@@ -332,6 +332,10 @@ def main() -> int:
         models = []
         if GPU:  # a model whose step takes 20 ms or more on one GPU (GPT-2 small, bf16), metrics every other block
             models.append(("gpt", "GPT-2 small", {**base, "model": "gpt2_small", "steps": 120, "checkpoint_at": []}))
+        # A model whose step takes 1-3 ms here (a GPU step's regime, where a launcher's fixed costs show): the time
+        # raylaunch adds to a step, in microseconds (#58), metrics every other block as in the main model's runs
+        models.append(("tiny", "tiny MLP", {**base, "model": "tiny_mlp", "steps": 1200 if FULL else 600,
+                                            "checkpoint_at": []}))
         if FULL:  # the transformers example's model: steady steps only
             models.append(("bert", "digits BERT", {**base, "model": "digits_bert", "steps": 120, "checkpoint_at": [],
                                                    "log_block": 0}))
@@ -358,7 +362,20 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
     figures: dict[str, dict] = {}
     bert = {k[len("bert_"):]: v for k, v in rows.items() if k.startswith("bert_")}
     gpt = {k[len("gpt_"):]: v for k, v in rows.items() if k.startswith("gpt_")}
-    rows = {k: v for k, v in rows.items() if not k.startswith(("bert_", "gpt_"))}
+    tiny = {k[len("tiny_"):]: v for k, v in rows.items() if k.startswith("tiny_")}
+    rows = {k: v for k, v in rows.items() if not k.startswith(("bert_", "gpt_", "tiny_"))}
+    for name, rs in tiny.items():
+        base_rows = tiny["torchrun"]
+        figures[f"tiny_mlp_{name}"] = {
+            "steady_step_ms": summary([1000 * r["steady_step_s"] for r in rs]),
+            "steady_ratio": summary([r["steady_step_s"] / f["steady_step_s"] for r, f in zip(rs, base_rows)]),
+            # what the launcher adds to a step, against torchrun's of the same repetition
+            "added_us": summary([1e6 * (r["steady_step_s"] - f["steady_step_s"]) for r, f in zip(rs, base_rows)]),
+            "cpu_ratio": summary([r["steady_cpu_s"] / f["steady_cpu_s"] for r, f in zip(rs, base_rows)
+                                  if r.get("steady_cpu_s") and f.get("steady_cpu_s")] or [float("nan")]),
+            "paced_ratio": summary([r["steady_paced_s"] / r["steady_unpaced_s"] for r in rs
+                                    if r.get("steady_paced_s") and r.get("steady_unpaced_s")] or [float("nan")]),
+        }
     for name, rs in gpt.items():
         figures[f"gpt2_small_{name}"] = {
             "steady_step_ms": summary([1000 * r["steady_step_s"] for r in rs]),
@@ -380,6 +397,10 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
             "steady_step_ms": summary([1000 * r["steady_step_s"] for r in rs]),
             "steady_ratio": summary([r["steady_step_s"] / f["steady_step_s"] for r, f in zip(rs, floor)]),
             "peak_tree_mb": summary([r["peak_tree_mb"] for r in rs]),
+            # the rank's CPU seconds a step (every thread of it), which the machine's other load moves less
+            "steady_cpu_ms": summary([1000 * r["steady_cpu_s"] for r in rs if r.get("steady_cpu_s")] or [float("nan")]),
+            "cpu_ratio": summary([r["steady_cpu_s"] / f["steady_cpu_s"] for r, f in zip(rs, floor)
+                                  if r.get("steady_cpu_s") and f.get("steady_cpu_s")] or [float("nan")]),
         }
         if rs[0]["recovery_s"] is not None:
             figures[name]["recovery_s"] = summary([r["recovery_s"] for r in rs])
@@ -426,14 +447,16 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
     lines = [f"Machine: {machine}; {out['mode']} mode, {REPS} interleaved repetition(s) of {STEPS} steps, "
              f"world size {world}, {backend}, 2.1M-parameter MLP; median (min-max) where there are several.", "",
              "| launcher | command -> first step | ratio to torchrun | steady step | ratio to torchrun "
-             "| rank killed -> restarted world's first step | peak memory of the process tree |",
-             "|---|---|---|---|---|---|---|"]
+             "(worst) | CPU of a rank a step | ratio to torchrun | rank killed -> restarted world's first step "
+             "| peak memory of the process tree |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in rows:
         f = figures[name]
         rec = f"{cell(f['recovery_s'], '.1f')} s" if "recovery_s" in f else "-"
         lines.append(f"| {name} | {cell(f['first_step_s'], '.1f')} s | {cell(f['first_step_ratio'], '.2f')} | "
-                     f"{cell(f['steady_step_ms'], '.1f')} ms | {cell(f['steady_ratio'], '.3f')} | {rec} | "
-                     f"{f['peak_tree_mb']['median']:.0f} MB |")
+                     f"{cell(f['steady_step_ms'], '.1f')} ms | {cell(f['steady_ratio'], '.3f')} "
+                     f"({f['steady_ratio']['max']:.3f}) | {cell(f['steady_cpu_ms'], '.1f')} ms | "
+                     f"{cell(f['cpu_ratio'], '.3f')} | {rec} | {f['peak_tree_mb']['median']:.0f} MB |")
     lines += ["",
               f"- raylaunch cold start against Ray Train's: {cell(figures['cold_first_step_ratio_to_ray_train'], '.2f')} x; "
               f"recovery against Ray Train's: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
@@ -465,6 +488,16 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
             f"({cell(figures[f'gpt2_small_{name}']['steady_ratio'], '.3f')}; metrics "
             f"{cell(figures[f'gpt2_small_{name}']['logged_ratio'], '.3f')}; pace "
             f"{cell(figures[f'gpt2_small_{name}']['paced_ratio'], '.3f')})" for name in gpt))
+    if tiny:
+        lines.append("- a tiny MLP (33k parameters, a step of a few ms: fixed costs show), steady step (ratio to torchrun, "
+                     "worst repetition; time added to a step against torchrun's; the rank's CPU a step against "
+                     "torchrun's): " + ", ".join(
+            f"{name} {cell(figures[f'tiny_mlp_{name}']['steady_step_ms'], '.2f')} ms "
+            f"({cell(figures[f'tiny_mlp_{name}']['steady_ratio'], '.3f')}, worst "
+            f"{figures[f'tiny_mlp_{name}']['steady_ratio']['max']:.3f}; "
+            f"{figures[f'tiny_mlp_{name}']['added_us']['median']:+.0f} us, worst "
+            f"{figures[f'tiny_mlp_{name}']['added_us']['max']:+.0f} us; CPU "
+            f"{cell(figures[f'tiny_mlp_{name}']['cpu_ratio'], '.3f')})" for name in tiny if name != "torchrun"))
     if bert:
         lines.append("- the transformers example's model (digits BERT, 78k parameters), steady step: " + ", ".join(
             f"{name} {cell(figures[f'digits_bert_{name}']['steady_step_ms'], '.1f')} ms "

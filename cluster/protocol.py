@@ -166,6 +166,8 @@ _COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout")
 # backend, to say which), then NCCL's remote error.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer",
                     "remote process exited or there was a network error")
+# ... said by torch's collectives, not by the user's own sockets (a hub download's ConnectionResetError is the code's)
+_BACKEND_MARKS = ("gloo", "NCCL", "DistBackendError", "ProcessGroup")
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,8 @@ class RankFailure:
         >>> RankFailure.raised(0, 1, "RuntimeError: [../gloo/transport/tcp/pair.cc:598] Connection closed by peer "
         ...                    "[127.0.0.1]:3291", "").peer_loss
         'gloo: Connection closed by peer'
+        >>> RankFailure.raised(0, 1, "ConnectionResetError: [Errno 104] Connection reset by peer", "").peer_loss
+        ''
         """
         if self.cause is not FailureCause.PEER_LOST:
             return ""
@@ -210,7 +214,8 @@ class RankFailure:
         """The function raised: a collective's timeout, and a collective whose peer went away, are told apart here,
         from torch's message."""
         cause = (FailureCause.COLLECTIVE_TIMEOUT if any(m in message for m in _COLLECTIVE_TIMEOUTS)
-                 else FailureCause.PEER_LOST if any(m in message for m in _PEER_LOST)
+                 else FailureCause.PEER_LOST if (any(m in message for m in _PEER_LOST)
+                                                 and any(b in message for b in _BACKEND_MARKS))
                  else FailureCause.EXCEPTION)
         return cls(rank, exitcode, message, traceback, cause=cause)
 

@@ -310,3 +310,14 @@ def test_a_run_that_meant_to_grow_and_got_fewer_nodes_says_so():
     assert resize_reason(grow, old_nodes=1, new_nodes=2) == "nodes came back"
     assert resize_reason(grow, old_nodes=2, new_nodes=1) == "nodes left while it grew back"
     assert resize_reason(lost, old_nodes=2, new_nodes=1) == "node 1 lost"
+
+
+def test_a_connection_reset_the_code_met_itself_is_its_own_error_not_a_lost_peer():
+    """Only torch's collectives say a peer was lost: a ConnectionResetError from the code's own download is the
+    code's fault (so a kill beside it does not make the attempt the infrastructure's, restarted by default)."""
+    from jobs.driver.policy import Fault, blame
+
+    own = RankFailure.raised(0, 1, "ConnectionResetError: [Errno 104] Connection reset by peer", "")
+    assert own.cause is FailureCause.EXCEPTION and own.peer_loss == ""
+    assert PEER.cause is FailureCause.PEER_LOST
+    assert blame([own, SIGKILL], lost_nodes=False) is Fault.CODE

@@ -101,11 +101,14 @@ def test_the_launchs_accumulation_leaves_trainer_alone_and_a_subclass_is_committ
     reference_result, tmp, _ = reference
     said = io.StringIO()
     result = trainer_run(tmp / "runs", "accumulation", tmp / "out-acc", ["--gradient_accumulation_steps", "2"],
-                         ["--trainer_class", "Seq2SeqTrainer"], terminal=said).run()
+                         ["--trainer_class", "Seq2SeqTrainer", "--save_only_model", "true"], terminal=said).run()
     assert result.status == "succeeded", result.error
     assert "the launch's gradient_accumulation_steps=2 is not applied to transformers' Trainer" in said.getvalue()
     assert final(tmp / "out-acc")["weights"] == final(tmp / "out")["weights"]
+    # save_only_model: rank 1 writes nothing into the folder, and its (empty) part still lets the commit happen
     assert committed(result.run_dir) == [8, 12]
+    manifest = json.loads(Path(result.run_dir, "checkpoints", "checkpoint-00000012", "manifest.json").read_text())
+    assert "model.safetensors" in manifest["files"] and "optimizer.pt" not in manifest["files"]
 
 
 def _in_background(driver: Driver, box: dict) -> threading.Thread:
@@ -127,10 +130,27 @@ def _killed_after_the_first_commit(driver: Driver):
     return box["result"]
 
 
+def _stopped_after_step_3(driver: Driver):
+    """The run, with rank 1 sent SIGTERM (what a spot node's shutdown sends its processes) once rank 0 logged the
+    loss of step 3; its result."""
+    box: dict = {}
+    thread = _in_background(driver, box)
+    try:
+        metrics = Path(driver.run_dir.uri, "metrics.jsonl")
+        wait_for(lambda: metrics.exists() and any(r.get("step", 0) and r["step"] >= 3 and "loss" in r
+                                                  for r in rows(driver.run_dir.uri)), 120, "step 3")
+        rank_process(1).send_signal(signal.SIGTERM)
+    finally:
+        thread.join(300)
+    return box["result"]
+
+
 def test_a_killed_rank_resumes_trainer_from_the_last_commit_and_ends_bitwise_equal(reference):
     _, tmp, _ = reference
     said = io.StringIO()
-    driver = trainer_run(tmp / "runs", "killed", tmp / "out-killed", script=["--throttle_s", "0.4"], terminal=said)
+    # save_total_limit 1: Trainer deletes checkpoint-4 while checkpoint-8 is saved, maybe while it is still copied
+    driver = trainer_run(tmp / "runs", "killed", tmp / "out-killed", terminal=said,
+                         script=["--throttle_s", "0.4", "--save_total_limit", "1"])
     result = _killed_after_the_first_commit(driver)
     assert result.status == "succeeded", result.error
     assert result.attempts == 2 and result.restarts == 1
@@ -145,16 +165,7 @@ def test_a_stop_notice_saves_trainer_at_its_next_step_and_the_restart_loses_none
     said = io.StringIO()
     driver = trainer_run(tmp / "runs", "stopped", tmp / "out-stopped", launcher=["--set", "failure.max_restarts=0"],
                          script=["--throttle_s", "0.4", "--logging_steps", "1", "--save_steps", "1000"], terminal=said)
-    box: dict = {}
-    thread = _in_background(driver, box)
-    try:
-        metrics = Path(driver.run_dir.uri, "metrics.jsonl")
-        wait_for(lambda: metrics.exists() and any(r.get("step", 0) and r["step"] >= 3 and "loss" in r
-                                                  for r in rows(driver.run_dir.uri)), 120, "step 3")
-        rank_process(1).send_signal(signal.SIGTERM)  # what a spot node's shutdown sends its processes
-    finally:
-        thread.join(300)
-    result = box["result"]
+    result = _stopped_after_step_3(driver)
     assert result.status == "succeeded", result.error
     assert result.preemptions == 1 and result.restarts == 0
     first = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 1 and r["rank"] == 0 and "loss" in r]
@@ -197,3 +208,21 @@ def test_an_elastic_trainer_run_below_its_size_keeps_the_global_batch_through_tr
     logs = Path(result.run_dir, "logs", "rank-0.log").read_text()
     assert "elastic: Trainer's gradient_accumulation_steps=1 is 2 at this world size (2), which keeps the global " \
            "batch" in logs, logs[-2000:]
+
+
+def test_a_function_that_builds_a_trainer_stops_on_a_notice_and_resumes_where_it_saved(reference):
+    """The stop notice in a function: Trainer saves at the agreed step, the function ends there (reported as
+    preempted, never as finished), and the restart resumes it from that step to the script's weights."""
+    _, tmp, _ = reference
+    argv = [*TRAIN, "--output_dir", str(tmp / "out-fn-stop"), "--throttle_s", "0.4", "--logging_steps", "1",
+            "--save_steps", "1000"]
+    spec = load_spec_text(f"name: fn-stop\ntrain_fn: fns:trainer\nconfig: {{argv: {json.dumps(argv)}}}\n"
+                          f"scaling: {{num_nodes: 2, workers_per_node: 1}}\nstorage: {tmp / 'runs'}\n")
+    driver = Driver(spec, can_grow=False)
+    result = _stopped_after_step_3(driver)
+    assert result.status == "succeeded", result.error
+    assert result.preemptions == 1 and result.attempts == 2
+    first = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 1 and r["rank"] == 0 and "loss" in r]
+    second = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
+    assert first[-1] < STEPS and second[0] == first[-1] + 1, (first, second)
+    assert result.rank_results["0"]["weights"] == final(tmp / "out")["weights"]

@@ -110,7 +110,8 @@ class Session:
             self._events_path = local_dir / f"metrics-rank{rank}.jsonl"
         self._events_path.parent.mkdir(parents=True, exist_ok=True)
         self._events = open(self._events_path, "a", buffering=1)
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler emits, and may run on the main thread while it is inside emit.
+        self._lock = threading.RLock()
         self._cooperative = False  # the function calls preempted()
         # checkpoint_due(): when the last save returned (or training began), how long the last save held
         # training (None before the first), and the interval last announced
@@ -254,10 +255,17 @@ class Session:
                                              mtbf_s=self.payload.mtbf_s))
         return elapsed >= interval
 
-    def stops_cooperatively(self) -> None:
+    def stops_cooperatively(self, on: bool = True) -> None:
         """From now on a SIGTERM asks this rank to stop at a step every rank agrees on (``stop_requested``), instead
-        of ending it: what ``preempted`` opts into, for code that checks on its own (Trainer's callback)."""
-        self._cooperative = True
+        of ending it: what ``preempted`` opts into, for code that checks on its own (Trainer's callback, from its
+        first step to its last). ``on`` False: a SIGTERM ends the rank again, and one that came meanwhile and was
+        never agreed on ends it now."""
+        self._cooperative = on
+        if not on and self._stop_requested and not self._stopped_for_preemption:
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def stop_requested(self) -> bool:

@@ -7,14 +7,17 @@ and reports through its callbacks. At the first ``Accelerator.prepare`` a Traine
 Trainer's public ``add_callback`` (``cluster.rank.prepared``'s callback; nothing of transformers is changed), on every
 rank:
 
-- ``on_save`` (every rank, after Trainer wrote the folder): this rank's files of the folder are copied to the
-  attempt's staging in a thread (training goes on) and reported; the driver commits the checkpoint of step n once
+- ``on_save`` (every rank, after Trainer wrote the folder): this rank's files of the folder are hard-linked aside
+  (Trainer may prune the folder meanwhile) and copied to the attempt's staging by a thread (training goes on), then
+  reported; the driver commits the checkpoint of step n once
   every rank's part is there (:func:`owner` says which rank stages which file). A folder Trainer did not finish is
   never reported, so never committed nor resumed.
 - ``on_log``: every row (loss, grad_norm, learning_rate, epoch, eval_*, train_runtime ...) is a metrics row at
   Trainer's ``global_step``, on every rank; the user's own trackers (``--report_to``) still get theirs.
 - ``on_step_end``: a stop notice (SIGTERM to the ranks, a preemption) is agreed by every rank at a step all of them
-  check (``StopCheck``), Trainer saves there and the script ends; the restart resumes from that checkpoint.
+  check (``StopCheck``), Trainer saves there and the training code ends (:class:`TrainerStopped`); the restart
+  resumes from that checkpoint. From Trainer's first step to its last, that is: before and after, a SIGTERM ends
+  the rank, as it ends a process.
 - accumulation (:func:`trainer_accumulation`, when a script's Trainer makes its Accelerator): an elastic run's
   smaller world keeps the global batch through Trainer's own ``gradient_accumulation_steps``; the launch's
   accumulation is never applied behind Trainer's back (Trainer makes its Accelerator with accumulation 1 and
@@ -31,6 +34,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
     from cluster.protocol import ScriptCall
     from cluster.rank.session import Session
 
-__all__ = ["RunnerCallback", "StopCheck", "install", "made_by_trainer", "owner", "trainer_accumulation"]
+__all__ = ["RunnerCallback", "StopCheck", "TrainerStopped", "install", "made_by_trainer", "owner", "trainer_accumulation"]
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -102,6 +106,12 @@ def install(session: "Session", script: "ScriptCall | None" = None) -> None:
 
 _BRIDGES: list[Any] = []  # the one callback of this rank, shared by its Trainers
 _SCALED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the Trainers whose accumulation was scaled
+
+
+class TrainerStopped(BaseException):
+    """Raised out of ``trainer.train()`` once every rank agreed to stop and Trainer saved: the training code ends
+    there (the rest of a script, an evaluation or a final save, is the restart's); the worker reports the rank as
+    preempted. A BaseException, as SystemExit is: the training code's ``except Exception`` does not take it."""
 
 
 class RunnerCallback:
@@ -164,9 +174,27 @@ class StopCheck:
         return float(facts[0]) > 0
 
 
+# This rank's links to the files of a checkpoint it stages, in Trainer's output folder (hidden from Trainer's
+# checkpoint-* globs): <output_dir>/.raylaunch-stage-<rank>-<step>
+_LINKS = ".raylaunch-stage-{rank}-"
+
+
+def _linked(files: list[str], folder: str, into: str) -> None:
+    """``files`` of ``folder`` as hard links in ``into`` (made at once, on the training thread): Trainer may delete
+    the folder (``save_total_limit``, the best model's pruning at the end) while the copy runs, never the links. A
+    file that cannot be linked (another filesystem) is copied here instead."""
+    for rel in files:
+        dest = os.path.join(into, rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        try:
+            os.link(os.path.join(folder, rel), dest)
+        except OSError:
+            shutil.copy2(os.path.join(folder, rel), dest)
+
+
 class _Copy:
-    """One rank's part of one Trainer checkpoint, copied (and hashed) from the script's folder into staging by a
-    thread; reported when done."""
+    """One rank's part of one Trainer checkpoint, copied (and hashed) from this rank's links to it into staging by a
+    thread; reported when done, the links removed."""
 
     def __init__(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
         self.error: BaseException | None = None
@@ -175,6 +203,12 @@ class _Copy:
         self._thread.start()
 
     def _run(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
+        try:
+            self._copy(files, folder, uri, report)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _copy(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
         try:
             fs, base = open_uri(uri)
             local = is_local(fs)
@@ -230,6 +264,12 @@ class _Bridge:
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.session.stops_cooperatively()  # a SIGTERM now asks for a save at the next agreed step
         self._stop.begin()
+        self._staged = set()  # per train(): a second one saves its own steps
+        prefix = _LINKS.format(rank=self.rank)
+        if os.path.isdir(args.output_dir):  # this rank's links left by an attempt that was killed while copying
+            for name in os.listdir(args.output_dir):
+                if name.startswith(prefix):
+                    shutil.rmtree(os.path.join(args.output_dir, name), ignore_errors=True)
         resumed = self.session.resumed_step
         if resumed is not None and state.global_step == resumed:  # Trainer loaded it (train() began with the load)
             self.session.restored(resumed, 0.0)
@@ -255,13 +295,22 @@ class _Bridge:
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
         folder = os.path.join(args.output_dir, f"checkpoint-{step}")
-        if step in self._staged or not os.path.isdir(folder):
+        if step in self._staged:
+            return
+        if not os.path.isdir(folder) and self.rank == 0:  # a hyperparameter search's run-<n>/checkpoint-<n>
+            self.say_once(f"Trainer saved step {step}, but not into {folder}: its checkpoints are not committed "
+                          "(a hyperparameter search's trials save elsewhere)")
             return
         self.wait()  # one in flight: the previous part staged (or its failure raised) first
         self._staged.add(step)
         files = sorted(os.path.relpath(os.path.join(root, n), folder)
-                       for root, _, names in os.walk(folder) for n in names)
+                       for root, _, names in os.walk(folder) for n in names) if os.path.isdir(folder) else []
+        # (a rank with nothing of its own, save_only_model's, still reports: the commit waits for every rank)
         mine = [f for f in files if owner(f) == self.rank]
+        links = os.path.join(args.output_dir, f"{_LINKS.format(rank=self.rank)}{step}")
+        shutil.rmtree(links, ignore_errors=True)
+        os.makedirs(links)
+        _linked(mine, folder, links)
         uri = join_uri(self.session.payload.staging_uri, checkpoint_name(step))
         if self.rank == 0:  # the resume folder's name on the nodes: checkpoint-<n>, as Trainer names it
             fs, base = open_uri(uri)
@@ -273,12 +322,13 @@ class _Bridge:
         def report(described: dict) -> None:
             self.session.trainer_saved(step, uri, described, requested, time.perf_counter() - began, folder)
 
-        self._copy = _Copy(mine, folder, uri, report)
+        self._copy = _Copy(mine, links, uri, report)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.wait()
-        if self._stopping:  # the script ends here: the rest of it (evaluation, a final save) is the restart's
-            raise SystemExit(0)
+        if self._stopping:  # the code ends here: the rest of it (evaluation, a final save) is the restart's
+            raise TrainerStopped()
+        self.session.stops_cooperatively(False)  # after training, a SIGTERM ends the rank again
 
     def wait(self) -> None:
         copy, self._copy = self._copy, None

@@ -10,6 +10,7 @@ from cluster.protocol import Arrived, Joined, Pace, Preempted, Resources, Script
 from cluster.rank.exiting import as_python_ends
 from cluster.rank.pace import install as install_pace
 from cluster.rank.sharding import install as install_strategy
+from cluster.rank.trainer import TrainerStopped
 from cluster.rank.trainer import install as install_trainer
 from cluster.stacks import install_signal_dump
 from cluster.train_function import resolve_train_fn
@@ -69,7 +70,12 @@ def run_worker(payload: WorkerPayload) -> Any:
     install_trainer(session, script)
     with as_python_ends():  # its atexit handlers run and the files it left open are written, as python would
         rank = payload.context.world_rank
-        result = fn(dict(payload.config)) if script is None else _run_script(session, script, rank)
+        try:
+            result = fn(dict(payload.config)) if script is None else _run_script(session, script, rank)
+        except TrainerStopped:  # every rank agreed to stop and Trainer saved: reported as preempted below
+            if not session.stopped_for_preemption:
+                raise
+            result = None
     session.flush_metrics()  # rows whose values a thread reads off the GPU
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.

@@ -94,7 +94,8 @@ def blame(failures: Iterable[RankFailure], lost_nodes: bool) -> Fault:
     is a kill from outside, a silent rank or a lost node; the code's otherwise, also when only consequences were
     seen (a rank that returned early leaves its peers' collectives without a peer).
 
-    >>> killed, reset = RankFailure.killed(1, -9, "SIGKILL"), RankFailure.raised(0, 1, "Connection reset by peer", "")
+    >>> killed = RankFailure.killed(1, -9, "SIGKILL")
+    >>> reset = RankFailure.raised(0, 1, "gloo: Connection reset by peer", "")
     >>> blame([reset, killed], lost_nodes=False), blame([reset], lost_nodes=False)
     (<Fault.INFRA: 'infra'>, <Fault.CODE: 'code'>)
     >>> blame([RankFailure.killed(1, -11, "SIGSEGV")], lost_nodes=False)
