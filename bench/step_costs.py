@@ -1,17 +1,18 @@
-"""Where raylaunch's time on a training step goes, cause by cause, in microseconds (#58): `python -m bench.step_costs`.
+"""What raylaunch's own code costs a training step, part by part, in microseconds (#58): `python -m bench.step_costs`.
 
-One process, no Ray, world size 1 (gloo): a tiny model's step (the regime of a GPU step, where fixed costs show) with
-each of raylaunch's per-step parts on, against the same step without it, in alternating blocks of the same process
-(the machine's other load cancels out), each part alone:
+One process, no Ray and no collective (their noise on this 2-core machine is hundreds of microseconds a step): a tiny
+model's step (the regime of a GPU step, where fixed costs show) with each of raylaunch's per-step parts on, against
+the same step without it, in alternating blocks (the machine's other load cancels out), each part alone:
 
 - ``loader``: the prepared dataloader's ``__iter__`` wrapper (``data_wait``: two clock reads and the meter a batch);
-- ``backward``: the gradient hooks and end-of-backward callback of ``sync_wait``;
+- ``backward``: the gradient hooks and end-of-backward callbacks of ``sync_wait`` (installed on the model as a rank of
+  a world of several has them; a world of one has none);
 - ``optimizer``: the optimizer step hooks (the step counter; the checkpoint writer's pre-hook);
 - ``log``: ``session.log`` of one row (the event written to the rank's events file);
 - ``all``: every part at once, as a rank under the runner runs.
 
-Prints a table and writes ``bench/results-step-costs.md``; STEP_COST_BLOCKS=<n> (default 40) blocks of 50 steps a
-part and arm.
+The wall clock and the process's CPU time of each block; the median of the block pairs' differences. Prints a table
+and writes ``bench/results-step-costs.md``; STEP_COST_BLOCKS=<n> (default 60) blocks of 100 steps a part and arm.
 """
 
 from __future__ import annotations
@@ -24,63 +25,57 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKS = int(os.environ.get("STEP_COST_BLOCKS", "40"))
-STEPS = 50
+BLOCKS = int(os.environ.get("STEP_COST_BLOCKS", "60"))
+STEPS = 100
 
 
 def main() -> int:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", ACCELERATE_USE_CPU="true")
     import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    from cluster.rank.pace import PaceMeter, _LastGradients
     from cluster.rank.pace import install as install_pace
 
-    pace = install_pace(lambda window: None)  # the loader wrapper, the backward hooks, the step counter
-    accelerator = Accelerator()
+    torch.set_num_threads(1)
+    pace = install_pace(lambda window: None)  # the loader wrapper and the step counter
+    accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
 
     def net() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128))
 
     data = torch.utils.data.TensorDataset(torch.randn(8 * 4096, 128), torch.randn(8 * 4096, 128))
-    hooked = net()
-    plain = torch.nn.parallel.DistributedDataParallel(net())  # the same model, never prepared: no hooks
+    hooked, plain = net(), net()
     hooked_opt = torch.optim.SGD(hooked.parameters(), lr=1e-3)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
-    hooked, hooked_opt, loader = accelerator.prepare(hooked, hooked_opt,
-                                                     torch.utils.data.DataLoader(data, batch_size=8))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=8))
+    _LastGradients(pace.meter if isinstance(pace.meter, PaceMeter) else PaceMeter(), hooked,
+                   [p for p in hooked.parameters()])  # what prepare adds in a world of several
     untimed = type(loader).__iter__.__wrapped__
-    session, events = _session(tempfile.mkdtemp(prefix="step-costs-"))
-
-    state = {"it": None, "unwrapped": None}
+    folder = tempfile.mkdtemp(prefix="step-costs-")
+    session = _session(folder)
+    iterators: dict[bool, object] = {}
 
     def batch(timed: bool):
-        key = "it" if timed else "unwrapped"
         for _ in range(2):
-            if state[key] is None:
-                state[key] = iter(loader) if timed else untimed(loader)
+            if iterators.get(timed) is None:
+                iterators[timed] = iter(loader) if timed else untimed(loader)
             try:
-                return next(state[key])
+                return next(iterators[timed])
             except StopIteration:
-                state[key] = None
+                iterators[timed] = None
         raise RuntimeError("empty loader")
 
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-
-    def step(loader_on: bool, backward_on: bool, optimizer_on: bool, log_on: bool, n: int) -> float:
+    def block(loader_on: bool, backward_on: bool, optimizer_on: bool, log_on: bool) -> tuple[float, float]:
         model, opt = (hooked, hooked_opt) if backward_on else (plain, plain_opt)
         pre, post = dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks)
         if not optimizer_on:
             _global_optimizer_pre_hooks.clear()
             _global_optimizer_post_hooks.clear()
         try:
-            began = time.perf_counter()
-            for i in range(n):
+            began, cpu = time.perf_counter(), time.process_time()
+            for i in range(STEPS):
                 x, y = batch(loader_on)
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
@@ -88,7 +83,7 @@ def main() -> int:
                 opt.zero_grad()
                 if log_on:
                     session.log({"loss": 0.5}, i)
-            return (time.perf_counter() - began) / n
+            return (time.perf_counter() - began) / STEPS, (time.process_time() - cpu) / STEPS
         finally:
             _global_optimizer_pre_hooks.update(pre)
             _global_optimizer_post_hooks.update(post)
@@ -97,32 +92,34 @@ def main() -> int:
              "optimizer": (False, False, True, False), "log": (False, False, False, True),
              "all": (True, True, True, True)}
     base = (False, False, False, False)
-    step(*parts["all"], 200)  # warm: the hooks learn which gradients come last, allocator, caches
-    step(*base, 200)
+    for _ in range(3):  # warm: the hooks learn which gradients come last, the allocator, the caches
+        block(*parts["all"])
+        block(*base)
     rows = []
     for name, on in parts.items():
-        with_, without = [], []
+        pairs = []
         for b in range(BLOCKS):
-            order = (on, base) if b % 2 == 0 else (base, on)
-            for arm in order:
-                (with_ if arm is on else without).append(step(*arm, STEPS))
-        added = [1e6 * (a - b) for a, b in zip(with_, without)]
-        rows.append((name, 1e3 * statistics.median(without), statistics.median(added),
-                     statistics.quantiles(added, n=10)[-1]))
-    pace.report()
-    session.flush_metrics()
-    lines = [f"One process, world size 1 (gloo), a 33k-parameter MLP, batch 8, {BLOCKS} alternating blocks of {STEPS} "
-             f"steps a part and arm, {time.strftime('%Y-%m-%d')}; added = the step with the part on minus without, "
-             "per block pair.", "",
-             "| part | step without it | added a step (median) | added (90th percentile of block pairs) |",
-             "|---|---|---|---|"]
-    for name, base_ms, med, p90 in rows:
-        lines.append(f"| {name} | {base_ms:.3f} ms | {med:+.1f} us | {p90:+.1f} us |")
+            first, second = (on, base) if b % 2 == 0 else (base, on)
+            a, z = block(*first), block(*second)
+            pairs.append((a, z) if first is on else (z, a))
+        wall = [1e6 * (w[0] - o[0]) for w, o in pairs]
+        cpu = [1e6 * (w[1] - o[1]) for w, o in pairs]
+        rows.append((name, 1e3 * statistics.median(o[0] for _, o in pairs), statistics.median(wall),
+                     statistics.quantiles(wall, n=10)[-1], statistics.median(cpu)))
+    lines = [f"One process, no collective, a 33k-parameter MLP, batch 8, {BLOCKS} alternating blocks of {STEPS} steps "
+             f"a part and arm, {time.strftime('%Y-%m-%d')}; added = the block with the part on minus the block without, "
+             "a step, median of the pairs.", "",
+             "| part | step without it | added a step (median) | added (90th percentile of the pairs) "
+             "| CPU added a step (median) |",
+             "|---|---|---|---|---|"]
+    for name, base_ms, med, p90, cpu_med in rows:
+        lines.append(f"| {name} | {base_ms:.3f} ms | {med:+.1f} us | {p90:+.1f} us | {cpu_med:+.1f} us |")
     text = "\n".join(lines) + "\n"
     print(text)
     (ROOT / "bench" / "results-step-costs.md").write_text(text)
-    dist.destroy_process_group()
-    events.unlink(missing_ok=True)
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
@@ -132,19 +129,11 @@ def _session(folder: str):
     from cluster.protocol import WorkerPayload
     from cluster.rank.session import Session
 
-    events = Path(folder) / "events-rank0.jsonl"
-    ctx = WorkerContext(world_rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1, num_nodes=1)
-    payload = WorkerPayload(context=ctx, attempt=1, train_fn="x:y", config={}, events_path=str(events),
+    ctx = WorkerContext(world_rank=0, local_rank=0, node_rank=0, world_size=2, local_world_size=2, num_nodes=1)
+    payload = WorkerPayload(context=ctx, attempt=1, train_fn="x:y", config={},
+                            events_path=str(Path(folder) / "events-rank0.jsonl"),
                             staging_uri=str(Path(folder) / "staging"), restore_uri=None, backend="gloo")
-    return Session(payload), events
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return Session(payload)
 
 
 if __name__ == "__main__":
