@@ -238,7 +238,7 @@ def test_a_backward_that_raised_does_not_stop_the_next_ones_being_measured():
 STEP_CALLS = 13
 
 
-def test_raylaunchs_own_code_on_a_training_step_stays_within_its_bound(ray_cluster, tmp_path):
+def test_raylaunchs_own_code_on_a_training_step_stays_within_its_bound_and_trains_at_full_priority(ray_cluster, tmp_path):
     from jobs.driver.driver import Driver
     from jobs.spec import load_spec_text
 
@@ -247,6 +247,8 @@ def test_raylaunchs_own_code_on_a_training_step_stays_within_its_bound(ray_clust
     result = Driver(spec, can_grow=False).run()
     assert result.status == "succeeded", result.error
     for rank in ("0", "1"):
-        calls = result.rank_results[rank]
+        calls = result.rank_results[rank]["calls"]
         assert calls, "no call of raylaunch's code was seen on a step: the probe saw nothing"
         assert round(sum(calls.values())) <= STEP_CALLS, calls
+        # and the rank trains at a process's own niceness, not Ray's workers' 15, which it was forked with (#58)
+        assert result.rank_results[rank]["nice"] == 0
