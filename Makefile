@@ -35,7 +35,7 @@ test: install
 clean:
 	rm -rf $(VENV) raylaunch-local
 
-# Benchmark against torchrun and Ray Train (quick: about two minutes, then the checkpoint bench, about four more; BENCH_FULL=1: 3 repetitions of 240 steps;
+# Benchmark against torchrun and Ray Train (quick: about two minutes, then the checkpoint bench, about four more; BENCH_FULL=1: 3 repetitions of 240 steps, about seventeen minutes;
 # BENCH_GPU=1: on this machine's GPUs with NCCL).
 bench: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'

@@ -196,6 +196,7 @@ README_TABLE_SOURCES = {  # a row's first cell, as it starts -> where its figure
     "steady step": "bench/results.md",
     "rank killed": "bench/results.md",
     "CPU beside the ranks": "bench/results.md",
+    "time added to a short step": "bench/results.md",
     "node lost": "bench/results-elastic.md",
     "the driver at 1,024 ranks": "bench/results-scale.md",
     "a save of 576 MiB": "docs/benchmarks.md",
