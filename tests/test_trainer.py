@@ -57,7 +57,7 @@ def committed(run_dir: str) -> list[int]:
 def reference(ray_cluster, tmp_path_factory):
     """The script start to end under raylaunch, and beside it under `accelerate launch` (2 processes on CPU)."""
     tmp = tmp_path_factory.mktemp("trainer")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT), "TRAINER_SCRIPT_EXIT_NOW": "1"}
     peer = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                              "--main_process_port", "0", SCRIPT, *TRAIN, "--output_dir", str(tmp / "peer")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
