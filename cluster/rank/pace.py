@@ -123,6 +123,7 @@ class PaceMeter:
         self._first: float | None = None
         self._first_said = False
         self._last_wall = 0.0  # when the latest batch was handed over (Unix time)
+        self.steps = 0  # optimizer steps taken in this process (``stepped``), for good
         self._reset()
 
     def _reset(self) -> None:
@@ -131,8 +132,6 @@ class PaceMeter:
         self.sync_s = 0.0
         self.batches = 0
         self.steps_seen = self.steps  # optimizer steps counted before this window
-
-    steps = 0  # optimizer steps taken in this process (``stepped``), for good
 
     def stepped(self, *_: Any) -> None:
         """An optimizer took a step (torch's global post hook, itself: one call a step): a step of training, whatever

@@ -9,7 +9,6 @@ runner side (``install``, ``emit``, ``handle_sigterm``, ``stopped_for_preemption
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -419,26 +418,13 @@ class Session:
         """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file. ``at``:
         when it happened (now when not given)."""
         rank = self.payload.context.world_rank if self.payload is not None else 0
-        # The event's own fields read as they are (dataclasses.replace and asdict's deep copy were 7.5 of the 16 us a
-        # session.log took: #58); the same line, key for key, as ``event.to_dict()``.
-        row = {"kind": str(event.kind), "time": time.time() if at is None else at, "rank": rank}
-        for name in _event_fields(type(event)):
-            row[name] = getattr(event, name)
+        # Its time and rank set on its line's object, not on a copy of the event (dataclasses.replace: #58)
+        row = event.to_dict()
+        row["time"], row["rank"] = time.time() if at is None else at, rank
         line = json.dumps(row)
         with self._lock:
             self._events.write(line + "\n")
             self._events.flush()
-
-
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _event_fields(cls: type) -> tuple[str, ...]:
-    """A rank event's fields but ``time`` and ``rank`` (which ``emit`` sets), in their order; looked up once a class."""
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("time", "rank"))
-    return names
 
 
 _SESSION: Session | None = None
