@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
-    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "WorkerPayload", "decode_kind", "decode_rank_event",
+    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotHeld", "WorkerPayload", "decode_kind", "decode_rank_event",
 ]
 
 # The end of a rank's line that every rank says once (a metrics key renamed, say): the driver prints it once a run.
@@ -70,6 +70,11 @@ class WorkerPayload:
     # checkpoint.mtbf_s, or the run's own (its books' wall clock per failed attempt) once it has failed.
     checkpoint_every: float | str | None = None
     mtbf_s: float = 86400.0
+    # Snapshots in memory (cluster/checkpoint/memory.py): this node's folder of the run's snapshots (None: none are
+    # taken), the optimizer steps between them (None: auto) and the MiB the node's snapshots may hold (None: auto).
+    snapshot_dir: str | None = None
+    snapshot_every: int | None = None
+    snapshot_memory_mb: float | None = None
     # The rank's whole environment, set when it forks from a warm rank host (``cluster.hosting.rankhost``), whose own
     # environment is not the job's. Not shown: it holds the job's secrets.
     environ: dict[str, str] | None = field(default=None, repr=False)
@@ -92,6 +97,7 @@ class EventKind(StrEnum):
     CHECKPOINT = "checkpoint"  # ``step``, ``uri``, ``files``: its part of a checkpoint is written
     PREEMPT_NOTICE = "preempt_notice"  # it got SIGTERM and will checkpoint at the next step
     PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing
+    SNAPSHOT = "snapshot"  # ``step``: its part of a snapshot in memory is on its node (cluster/checkpoint/memory.py)
 
 
 class NodeState(StrEnum):
@@ -402,9 +408,21 @@ class CheckpointInterval(RankEvent):
     mtbf_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class SnapshotHeld(RankEvent):
+    """The rank's part of the snapshot of ``step`` is in its node's memory (``nbytes``); ``every``: the optimizer
+    steps between its snapshots now; ``held_s``: how long its previous snapshot held training."""
+
+    kind: ClassVar[EventKind] = EventKind.SNAPSHOT
+    step: int = 0
+    nbytes: int = 0
+    every: int = 1
+    held_s: float | None = None
+
+
 _RANK_EVENTS: dict[str, type[RankEvent]] = {
     str(c.kind): c for c in (Arrived, Joined, Metrics, Resources, Pace, CheckpointPart, PreemptNotice, Preempted,
-                             RestoredPart, CheckpointInterval)
+                             RestoredPart, CheckpointInterval, SnapshotHeld)
 }
 
 

@@ -38,6 +38,10 @@ def ray_cluster():
     from cluster.nodes.connect import embedded_node
 
     dummy_aws_credentials()  # before the raylets start: they pass their environment on
+    # Snapshots in memory (#59) in a folder of the session's own, removed at its end with what lost nodes left there
+    snapshots = tempfile.mkdtemp(prefix="raylaunch-test-snapshots-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                 else None)
+    os.environ["RAYLAUNCH_SNAPSHOT_DIR"] = snapshots
     # A runtime environment that cannot be built (env.pip's failing-node test) is tried once, not three times.
     os.environ.setdefault("RUNTIME_ENV_RETRY_TIMES", "1")
     cluster = Cluster(initialize_head=True, head_node_args=embedded_node(num_cpus=2))
@@ -53,6 +57,7 @@ def ray_cluster():
         cluster.shutdown()
         # Its logs and what its jobs installed (env.pip's test builds a 2 GB virtualenv there)
         shutil.rmtree(session_dir, ignore_errors=True)
+        shutil.rmtree(snapshots, ignore_errors=True)
 
 
 def free_ports(n: int, consecutive: bool = False) -> list[int]:

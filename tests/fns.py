@@ -102,7 +102,9 @@ def steady(config: dict) -> dict:
         data = _SlowItems(data, config["slow_data_s"])
     dl = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
     hidden = config.get("hidden")  # a bigger checkpoint: 10 x hidden parameters
-    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 1)) if hidden \
+    # dropout between the layers: a resume that does not put the random states back where they were shows
+    dropout = [torch.nn.Dropout(config["dropout"])] if config.get("dropout") else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), *dropout, torch.nn.Linear(hidden, 1)) if hidden \
         else torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.01))
     model, opt, dl = accelerator.prepare(model, opt, dl)
@@ -137,8 +139,12 @@ def steady(config: dict) -> dict:
             time.sleep(config.get("step_s", 0.05))
             if progress.step >= total:
                 break
+    import hashlib
+
+    weights = hashlib.sha256(b"".join(t.detach().numpy().tobytes()
+                                      for t in accelerator.unwrap_model(model).state_dict().values())).hexdigest()
     return {"restored_step": restored, "steps": progress.step, "save_s": saves, "saved_at": saved_at,
-            "cwd": os.getcwd()}
+            "cwd": os.getcwd(), "weights": weights}
 
 
 def litter_then_fail(config: dict) -> dict:
@@ -664,3 +670,27 @@ def step_calls(config: dict) -> dict:
             break
     return {"calls": {k: v / steps for k, v in sorted(calls.items())},
             "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+
+
+def digits_dies(config: dict) -> dict:
+    """``train_fn.digits``, whose rank ``die_rank`` kills itself (SIGKILL, as the OOM killer would) in attempt 1, in
+    the middle of its optimizer step number ``die_at`` (before that step's end: the last whole step is the one
+    before)."""
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from train_fn.digits import train
+
+    session = get_session()
+    attempt = session.payload.attempt if session.payload else 0
+    if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
+        taken = [0]
+
+        def hook(optimizer, args, kwargs) -> None:
+            taken[0] += 1
+            if taken[0] == config["die_at"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        register_optimizer_step_post_hook(hook)
+    return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank")})

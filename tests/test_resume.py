@@ -16,6 +16,7 @@ name: {name}
 train_fn: train_fn.digits:train
 config: {{epochs: 2, train_samples: 800, batch_size: 16, checkpoint_every: 15, throttle_s: {throttle}, dropout: 0.1}}
 scaling: {{num_nodes: 2, workers_per_node: 1}}
+checkpoint: {{snapshots: {{every: 0}}}}  # from storage (tests/test_snapshots.py resumes from memory)
 failure: {{max_restarts: 1}}
 storage: {storage}
 """

@@ -107,6 +107,7 @@ class _Hold:
     snap: Snapshot | None = None  # its deferred copies, when it left any
     step_from: float | None = None  # when the next optimizer step began to wait for them
     host_mb: float = 0.0
+    snapshot: bool = False  # a snapshot in memory (``cluster.checkpoint.memory``): its hold is not logged
 
     def seconds(self) -> float:
         s = (self.returned or time.perf_counter()) - self.began
@@ -155,8 +156,9 @@ class StagedCheckpoints:
 
     def __init__(self, staging_uri: str, restore_uri: str | None, on_saved: OnSaved, *,
                  context: WorkerContext, node_dir: str, background: bool = True,
-                 log: Callable[[dict, int], None] | None = None) -> None:
+                 log: Callable[[dict, int], None] | None = None, snapshot_dir: str | None = None) -> None:
         self.staging_uri, self.restore_uri = staging_uri, restore_uri
+        self._snapshot_dir = snapshot_dir  # this node's snapshots in memory: a restart may resume from one here
         self._context, self._node_dir = context, node_dir  # the ranks of a node verify a restore once
         self._on_saved = on_saved
         self._background = background  # checkpoint.async
@@ -173,6 +175,7 @@ class StagedCheckpoints:
         self.defer_copies = background
         self._copying: _Hold | None = None  # the last save, until its deferred copies are known to be made
         self.last_hold_s: float | None = None  # how long the last save whose hold is known held training
+        self.last_snapshot_hold_s: float | None = None  # the same, of the last snapshot in memory
         if background:
             _before_every_optimizer_step(self)
 
@@ -245,6 +248,9 @@ class StagedCheckpoints:
         return uri
 
     def _log_hold(self, hold: _Hold) -> None:
+        if hold.snapshot:
+            self.last_snapshot_hold_s = hold.seconds()
+            return
         self.last_hold_s = hold.seconds()
         if self._log is not None:
             self._log({"checkpoint_blocked_s": self.last_hold_s, "checkpoint_host_mb": hold.host_mb}, hold.step)
@@ -314,6 +320,58 @@ class StagedCheckpoints:
                               writer=None if snap.on_gpu else writer, on_changed=self._changed_before_copied)
         return snap.nbytes / 2**20
 
+    def hold_in_memory(self, accelerator: Any, step: int, folder: str,
+                       written: Callable[[int, str, dict[str, dict]], None]) -> bool:
+        """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
+        is, written by the writer process into ``folder`` (on the node's memory) and never committed;
+        ``written(step, folder, files)`` once it is there. False, and nothing taken, while a save or the previous
+        snapshot is still being written (training never waits for a snapshot's write) or where a save cannot be
+        held in memory (DeepSpeed's, Megatron-LM's)."""
+        upload = self._upload
+        if upload is not None:
+            if upload.busy() or (not upload.snapshot and upload.error is not None):
+                return False  # a save's failure is the function's next save's (or its end's) to raise
+            self._upload = None
+            upload.wait(quiet=True)
+        if not _copies_in_memory(accelerator):
+            return False
+        began = time.perf_counter()
+        if self._first_step is not None:
+            self._first_step.remove()
+            self._first_step = None
+        self._settle(at_step=False)
+        hold = _Hold(began, step, snapshot=True)
+        on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"
+        writer = self._writer if on_cpu and self._writer.ensure() else None
+        from accelerate.utils import DistributedType
+
+        sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
+        defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
+        snap = capture(lambda: _save_state(accelerator, folder, step), shared=writer is not None,
+                       pool=self._segments, defer=defer,
+                       distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
+        if not accelerator.is_main_process:
+            snap.writes[:] = [w for w in snap.writes if not _EVERY_RANK_WRITES.fullmatch(os.path.basename(w.path))]
+        hold.snap = snap
+        self._upload = _Write(snap, folder, None, step, mirror=None,
+                              on_done=lambda files: written(step, folder, files or {}),
+                              writer=None if snap.on_gpu else writer, on_changed=self._snapshot_changed,
+                              durable=False, snapshot=True)
+        hold.returned = time.perf_counter()
+        if not snap.copied.is_set():
+            self._copying = hold
+        else:
+            self._log_hold(hold)
+        return True
+
+    def _snapshot_changed(self, step: int, files: list[str]) -> None:
+        """A snapshot's deferred copy found its tensor changed before it was made: that snapshot is not kept, and
+        every later save or snapshot of this rank copies before it returns."""
+        self.defer_copies = False
+        print(f"raylaunch: rank {self._context.world_rank}: the snapshot of step {step} is not kept: "
+              f"{', '.join(os.path.basename(f) for f in files)} changed in place before the next optimizer step; "
+              "from now on this rank's saves copy everything before they return", file=sys.stderr, flush=True)
+
     def _changed_before_copied(self, step: int, files: list[str]) -> None:
         """A save's deferred copy found its tensor changed in place before the copy was made: that checkpoint is not
         written (it could hold part of the change) and every later save of this rank copies before it returns."""
@@ -379,7 +437,7 @@ class StagedCheckpoints:
         self._settle(at_step=False)
         upload, self._upload = self._upload, None
         if upload is not None:
-            upload.wait()
+            upload.wait()  # a snapshot's failure is said, not raised
 
     def _committed(self) -> str | None:
         """The checkpoint to restore, once it is known to be a committed one of this run."""
@@ -388,6 +446,10 @@ class StagedCheckpoints:
             return None
         path = open_uri(uri)[1]
         run = run_of_staging(open_uri(self.staging_uri)[1])
+        snapshots = self._snapshot_dir
+        if snapshots is not None and os.path.dirname(path) == snapshots and \
+                os.path.basename(path).startswith("restore-"):
+            return uri  # a snapshot the node actor put together from this run's (cluster.checkpoint.memory)
         if not path.startswith(f"{run}/{CHECKPOINTS}/"):
             raise CheckpointError(f"{uri} is not a committed checkpoint of this run ({run}); refusing to load it")
         return uri
@@ -551,8 +613,13 @@ class _Write:
 
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
                  on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None,
-                 on_changed: Callable[[int, list[str]], None] | None = None) -> None:
+                 on_changed: Callable[[int, list[str]], None] | None = None, durable: bool | None = None,
+                 snapshot: bool = False) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
+        # Files written into the run's storage are flushed before they are reported (their write-back at the
+        # writer's priority, within the save); files bound for an upload, or a snapshot's in memory, are not.
+        self.durable = upload_uri is None if durable is None else durable
+        self.snapshot = snapshot  # a snapshot in memory: its failure is said, never raised
         self._on_changed = on_changed  # a deferred copy's tensor changed before it was made: nothing is written
         self.writer = writer  # the rank's writer process, for the files holding tensors (None: this thread)
         self._own = [w.path for w in snap.writes] if snap is not None else []  # this rank's files in ``target``
@@ -606,9 +673,7 @@ class _Write:
         on a shared path their sizes and hashes."""
         if self.snap is None:
             return [], {}
-        # Files written into the run's storage are flushed before they are reported (their write-back at the
-        # writer's priority, within the save); files bound for an upload only wait in the node's temporary folder.
-        durable = self.upload_uri is None
+        durable = self.durable
         try:
             try:
                 # Until the writer has started (the rank's first save), this thread writes: the first checkpoint is
@@ -624,9 +689,17 @@ class _Write:
         finally:
             self.snap.release()
 
-    def wait(self) -> None:
+    def busy(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, quiet: bool = False) -> None:
+        """Until it is written and reported; its failure raised (``quiet``, or a snapshot's: said)."""
         self._thread.join()
         if self.error is None:
+            return
+        if quiet or self.snapshot:
+            print(f"raylaunch: the {'snapshot' if self.snapshot else 'checkpoint'} of step {self.step} was not "
+                  f"written to {self.target}: {self.error}", file=sys.stderr, flush=True)
             return
         if _out_of_space(self.error, self.target):
             raise _no_space(self.target, self.step, self.error) from self.error

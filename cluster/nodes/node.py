@@ -25,6 +25,8 @@ from multiprocessing.connection import wait
 
 import ray
 
+from cluster import snapshots as memory
+from cluster.snapshots import snapshot_root
 from cluster.errors import RaylaunchError
 from cluster.hosting.forkserver import FORK_SERVER, pid_namespace, process_folder
 from cluster.hosting.rankhost import PROJECT_VAR, WarmHost, rss_mb
@@ -51,7 +53,7 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 POLL_TICK_S = 0.5
 # What ranks report all along, which a held poll gathers: anything else (joined, a checkpoint part, a stop notice)
 # answers at once.
-ROUTINE_EVENTS = frozenset({EventKind.METRICS, EventKind.RESOURCES, EventKind.PACE})
+ROUTINE_EVENTS = frozenset({EventKind.METRICS, EventKind.RESOURCES, EventKind.PACE, EventKind.SNAPSHOT})
 
 
 def needs_driver(fresh: list[dict]) -> bool:
@@ -99,6 +101,8 @@ class NodeInfo:
     # where the node's ranks fork from (a warm rank host, or the actor's own server, and why), its pid if a host
     rank_host: str = ""
     rank_host_pid: int | None = None
+    # where the node keeps snapshots in memory (``cluster.checkpoint.memory.snapshot_root``) and its free bytes there
+    snapshot_root: str = ""
 
 
 class NodeActor:
@@ -151,6 +155,7 @@ class NodeActor:
             socket_env={k: os.environ[k] for k in SOCKET_IFNAME_VARS if os.environ.get(k)},
             rank_host=self._host_note(),
             rank_host_pid=FORK_SERVER.host_pid,
+            snapshot_root=snapshot_root(),
         )
 
     @staticmethod
@@ -382,6 +387,30 @@ class NodeActor:
 
     def scratch_dir(self) -> str:
         return self._tmp
+
+    # --- snapshots in memory (cluster/checkpoint/memory.py): the driver moves parts from node to node through these
+
+    def snapshot_inventory(self, node_dir: str) -> dict[int, dict[int, str]]:
+        return memory.inventory(node_dir)
+
+    def read_snapshot_part(self, node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
+        return memory.read_part(node_dir, step, rank)
+
+    def keep_peer_part(self, node_dir: str, step: int, rank: int, data: dict[str, bytes] | None,
+                       memory_mb: float | None) -> bool:
+        return data is not None and memory.keep_peer_part(node_dir, step, rank, data,
+                                                           memory.node_budget_bytes(memory_mb, node_dir))
+
+    def assemble_snapshot(self, node_dir: str, step: int, world_size: int, attempt: int, ranks: list[int],
+                          *parts: dict[str, bytes] | None) -> str:
+        """The snapshot of ``step`` whole in this node's ``restore-<step>``; ``parts``: those of ``ranks``, read from
+        the nodes that hold them (resolved by Ray before this runs)."""
+        if any(p is None for p in parts):
+            raise FileNotFoundError(f"a part of the snapshot of step {step} was no longer held by its node")
+        return memory.assemble(node_dir, step, world_size, attempt, dict(zip(ranks, parts)))
+
+    def drop_snapshots(self, run_dir: str) -> None:
+        memory.drop_run(run_dir)
 
 
 def _process_scratch() -> str:

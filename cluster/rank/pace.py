@@ -32,6 +32,7 @@ delayed readings.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import threading
 import time
@@ -248,13 +249,27 @@ def _time_dataloaders(meter: PaceMeter) -> None:
                                      data_loader.SkipDataLoader)])
 
 
+# Snapshots in memory (``cluster.checkpoint.memory``): the optimizer steps of this process at which the next is due
+# (never, until the session starts them), and what takes it (called with the optimizer steps taken).
+SNAPSHOT_AT: list[float] = [math.inf]
+SNAPSHOT: list[Callable[[int], None]] = []
+
+
 def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callable[[Any], Iterator]:
     @functools.wraps(iterate)
     def __iter__(self: Any) -> Iterator:
         batches = iterate(self)
         clock = time.perf_counter
+        # A snapshot is taken where a save at a step's end would be: the next batch asked of a loader that handed one
+        # over before an optimizer step (not at an evaluation loader's first batch, which may come before the rest of
+        # the step's code). Two reads a batch, no call, when none is due.
+        seen = meter.steps
         try:
             while True:
+                if meter.steps != seen:
+                    seen = meter.steps
+                    if seen >= SNAPSHOT_AT[0]:
+                        SNAPSHOT[0](seen)
                 started = clock()
                 try:
                     batch = next(batches)

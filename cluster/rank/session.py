@@ -121,13 +121,16 @@ class Session:
         self._stopped_for_preemption = False  # every rank agreed to stop
         self._checkpoints = (StagedCheckpoints(payload.staging_uri, payload.restore_uri, self._saved,
                                                context=payload.context, node_dir=str(Path(payload.events_path).parent),
-                                               background=payload.checkpoint_async, log=self.log)
+                                               background=payload.checkpoint_async, log=self.log,
+                                               snapshot_dir=payload.snapshot_dir)
                              if payload is not None else None)
         self._said: set[str] = set()  # what _clean has said about the values (once each)
         self._device_rows: _DeviceRows | None = None  # from the first row with a value on a GPU: the thread reading
         self.strategy: Resolved | None = None  # set by the worker (cluster.rank.sharding.install)
         self.resumed_step: int | None = None  # the committed checkpoint's step, once handed to a script or Trainer
         self._waits: list[Any] = []  # more writes to wait for before the rank is done (Trainer's checkpoints)
+        self.snapshots: Any = None  # this rank's snapshots in memory (``start_snapshots``), when taken
+        self._meter: Any = None  # the rank's pace meter: the optimizer steps it took
 
     @property
     def under_runner(self) -> bool:
@@ -197,6 +200,60 @@ class Session:
         """Wait until every row logged so far is written (those with values a thread reads off the device)."""
         if self._device_rows is not None:
             self._device_rows.flush()
+
+    def start_snapshots(self, meter: Any) -> None:
+        """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), for a function (a script's
+        and a Trainer's resume read their own checkpoint folders: not yet), taken from the prepared loaders'
+        iteration (``cluster.rank.pace``); ``meter``: the rank's pace meter, which counts its optimizer steps."""
+        p = self.payload
+        if p is None or p.snapshot_dir is None or p.script is not None or self._checkpoints is None:
+            return
+        from cluster.checkpoint.memory import MemorySnapshots
+        from cluster.snapshots import node_budget_bytes
+        from cluster.protocol import SnapshotHeld
+        from cluster.rank import pace
+        from cluster.rank.prepared import after_prepare
+
+        checkpoints = self._checkpoints
+        snaps = MemorySnapshots(
+            p.snapshot_dir, p.context.world_rank, p.snapshot_every,
+            node_budget_bytes(p.snapshot_memory_mb, p.snapshot_dir), save=checkpoints.hold_in_memory,
+            say=lambda line: print(line, file=sys.stderr, flush=True),
+            report=lambda step, nbytes, every: self.emit(SnapshotHeld(
+                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s)))
+        self.snapshots, self._meter = snaps, meter
+
+        def prepared(accelerator: Any, models: list[Any]) -> None:
+            from cluster.rank.trainer import made_by_trainer
+
+            if made_by_trainer(12) is not None:
+                snaps.stop("a transformers Trainer resumes from its own checkpoint folders, which snapshots do not "
+                           "write yet; its committed checkpoints are restored")
+            elif models:
+                snaps.accelerator = accelerator
+
+        def take(steps: int) -> None:
+            try:
+                snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
+            except Exception as exc:  # noqa: BLE001 - never the function's failure: storage's checkpoints remain
+                snaps.stop(f"{type(exc).__name__}: {exc}")
+            pace.SNAPSHOT_AT[0] = snaps.next_due(steps)
+
+        after_prepare("snapshots", prepared)
+        pace.SNAPSHOT[:] = [take]
+        pace.SNAPSHOT_AT[0] = 1
+
+    def _steps_agree(self, step: int) -> None:
+        """A save's ``step`` against the optimizer steps taken: a function that numbers its saves otherwise (batches,
+        epochs) would be handed a snapshot's step it does not count in, so it gets no snapshots."""
+        snaps = self.snapshots
+        if snaps is None or snaps.off is not None:
+            return
+        taken = snaps.base + self._meter.steps
+        if step != taken:
+            snaps.stop(f"the function saved step {step} after {taken} optimizer steps: snapshots count optimizer "
+                       "steps (what session.restore returns for one), and its steps count something else. Number "
+                       "saves by optimizer steps to have them")
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -316,6 +373,7 @@ class Session:
         ``CheckpointSaveError``; the previous committed checkpoint is kept.
         """
         began = time.monotonic()
+        self._steps_agree(step)
         try:
             return self._save(accelerator, step)
         finally:  # for checkpoint_due: the save's hold, and training starts again now
@@ -398,6 +456,8 @@ class Session:
         step = self._checkpoints.restore(accelerator)
         if step is not None:
             self.restored(step, time.monotonic() - began)
+            if self.snapshots is not None:  # a snapshot's step: the one restored plus the optimizer steps from here
+                self.snapshots.base = step - self._meter.steps
         return step
 
     def restored(self, step: int, seconds: float) -> None:

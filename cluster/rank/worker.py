@@ -49,6 +49,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     _start_heartbeat(heartbeat_file(payload.events_path), session)
     install_signal_dump(stack_dump_file(payload.events_path))  # where this rank is, when asked
     pace = install_pace(lambda window: session.emit(Pace(**window)))  # data_wait, sync_wait
+    session.start_snapshots(pace.meter)  # every few optimizer steps, the state in the node's memory
     session.emit(Arrived(pid=os.getpid()))  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,

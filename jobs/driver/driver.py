@@ -15,8 +15,10 @@ import time
 from typing import Callable, TextIO
 
 import psutil
+import ray
 import yaml
 
+from cluster.snapshots import SnapshotPlan
 from cluster.context import WorkerContext
 from cluster.nodes.connect import holds_embedded_cluster, job_workdir, machine_gpus
 from cluster.nodes.group import NodeGroup, NodeLostError, RendezvousError
@@ -26,6 +28,7 @@ from cluster.protocol import RunStatus, ScriptCall, WorkerPayload
 from cluster.train_function import check_entry
 from jobs.driver.attempt import Attempt
 from jobs.driver.hangs import where_ranks_are
+from jobs.driver.memory import MemoryResume, SnapshotBook, run_key
 from jobs.driver.policy import Action, AttemptOutcome, WorldSize, grow_to, next_step, resize_reason, world_sizes
 from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.driver.record import Recorder, RunResult
@@ -81,6 +84,11 @@ class Driver:
         # The run's error was printed in full when its last attempt ended: the command's last line gives only its
         # first line (the cause), so a traceback is printed once.
         self.error_said = False
+        snaps = spec.checkpoint.snapshots
+        # Snapshots in memory between commits (cluster/checkpoint/memory.py), unless checkpoint.snapshots.every is 0
+        self.snapshots: SnapshotBook | None = None if snaps.every == 0 else SnapshotBook(
+            run_key(spec.name, self.run_dir.uri), None if snaps.memory_mb == "auto" else float(snaps.memory_mb))
+        self._memory: MemoryResume | None = None  # the attempt's resume from a snapshot, once put together
 
     @property
     def secrets(self) -> Secrets:
@@ -203,6 +211,11 @@ class Driver:
             if self._open is not None:
                 self._end_attempt(Outcome.STOPPED if r.status == RunStatus.STOPPED else Outcome.FAILED)
             if self.group is not None:
+                if self.snapshots is not None:  # the run is over: its snapshots leave the nodes' memory
+                    try:
+                        self.snapshots.drop(self.group.infos, self.group.actors)
+                    except Exception as exc:  # noqa: BLE001
+                        self._say(f"raylaunch: the run's snapshots could not be removed from the nodes' memory: {exc}")
                 self.group.shutdown()
                 self.group = None
             if self.node_request is not None:
@@ -244,18 +257,21 @@ class Driver:
             began = time.time()
             # Every rank of the previous attempt is stopped (and no commit comes while nodes are reserved): what it
             # left half-saved goes, and the checkpoint this attempt resumes from is known before it is announced.
-            latest = None
+            latest = plan = None
             try:
                 self.run_dir.clear_staging()
                 latest = self.run_dir.checkpoints.loadable(warn=self._say)
+                plan = self._snapshot_plan(latest.step if latest else 0) if step is not None else None
             except BaseException:  # no checkpoint it may load (latest.json names one that is gone): the attempt
                 r.attempts += 1  # counts, failed before any node was reserved
                 raise
             finally:
                 rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
                                          max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
-                                         resume_step=latest.step if latest else None))
-            if step is not None and (line := step.line(latest.step if latest else None)):
+                                         resume_step=plan.step if plan else latest.step if latest else None,
+                                         resume_from="memory" if plan else "storage" if latest else None))
+            if step is not None and (line := step.line(plan.step if plan else latest.step if latest else None,
+                                                       memory=plan is not None)):
                 self._say(line)  # the restart, once what it resumes from is known
             if action is Action.RESERVE:
                 old = self.size
@@ -275,15 +291,22 @@ class Driver:
                 if old is not None and old != self.size:
                     rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
             r.attempts += 1
+            self._memory = self._put_together(plan, r.attempts) if plan is not None else None
+            resume_step = self._memory.step if self._memory else latest.step if latest else None
             if r.resizes and r.resizes[-1]["attempt"] == r.attempts:
-                r.resizes[-1]["step"] = latest.step if latest else 0
-            if latest is not None:
+                r.resizes[-1]["step"] = resume_step or 0
+            if self._memory is not None:
+                self._say(f"raylaunch: attempt {r.attempts}: resuming from the snapshot of step {self._memory.step} "
+                          f"in {self._memory.source}"
+                          + (f"; the last committed checkpoint is step {latest.step}" if latest else "; nothing "
+                             "was committed"))
+            elif latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})"
                           + (f" on world size {self.size.world_size}" if elastic else ""))
             r.status = RunStatus.RUNNING
             rec.write_result()
-            rec.board.start_attempt(latest.step if latest else None)
-            outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, latest.step if latest else 0)
+            rec.board.start_attempt(resume_step)
+            outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, resume_step or 0)
             # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
             step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
                              self.spec.timeouts.resize_s, r.infra_restarts)
@@ -301,6 +324,36 @@ class Driver:
                     if line := step.line():
                         self._say(line)  # why it is not restarted, and how to ask for it
                 return
+
+    def _snapshot_plan(self, committed_step: int) -> SnapshotPlan | None:
+        """For a restart: the newest snapshot in memory newer than the last committed checkpoint whose every part a
+        node still there holds (the nodes of the last attempt, when it keeps them; else the cluster's live nodes)."""
+        if self.snapshots is None or self.size is None:
+            return None
+        try:
+            if self.group is not None:
+                dead = set(self.group.dead_nodes())
+                alive = {i.node_id for n, i in enumerate(self.group.infos) if n not in dead}
+            else:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            return self.snapshots.choose(alive, self.size.world_size, committed_step)
+        except Exception as exc:  # noqa: BLE001 - storage's checkpoint is still there to resume from
+            self._say(f"raylaunch: the snapshots in memory cannot be read ({type(exc).__name__}: {exc}); resuming "
+                      "from storage")
+            return None
+
+    def _put_together(self, plan: SnapshotPlan, attempt: int) -> MemoryResume | None:
+        """Every node of the attempt puts the snapshot of ``plan`` together in its memory; None (said) when it
+        cannot: the attempt resumes from the last committed checkpoint instead."""
+        group = self.group
+        try:
+            if group is None or self.size is None or self.size.world_size != plan.world_size:
+                raise RuntimeError("the attempt's world size is not the snapshot's")
+            return self.snapshots.assemble(plan, attempt, group.infos, group.actors)
+        except Exception as exc:  # noqa: BLE001
+            self._say(f"raylaunch: attempt {attempt}: the snapshot of step {plan.step} could not be put together "
+                      f"({type(exc).__name__}: {str(exc)[:200]}); resuming from storage instead")
+            return None
 
     def _end_attempt(self, outcome: Outcome) -> None:
         """Say how the open attempt ended (and where its training stood), and write result.json's books."""
@@ -341,6 +394,11 @@ class Driver:
         books = self.recorder.ledger()
         mtbf_s = books.wall_s / books.failures if books.failures else spec.checkpoint.mtbf_s
 
+        snaps = spec.checkpoint.snapshots
+        folders = (self.snapshots.attach(group.infos, group.actors, self.size.world_size if self.size else 0)
+                   if self.snapshots is not None else {})
+        memory = self._memory
+
         def payload(ctx: WorkerContext, events_path: str) -> WorkerPayload:
             return WorkerPayload(
                 context=ctx,
@@ -349,7 +407,7 @@ class Driver:
                 config=dict(spec.config),
                 events_path=events_path,
                 staging_uri=staging,
-                restore_uri=restore_uri,
+                restore_uri=memory.folders[ctx.node_rank] if memory is not None else restore_uri,
                 backend="nccl" if use_gpu else "gloo",
                 collective_timeout_s=spec.timeouts.collective_s,
                 accelerate=self.accelerate.at(accumulation),
@@ -357,6 +415,9 @@ class Driver:
                 checkpoint_async=spec.checkpoint.async_,
                 checkpoint_every=spec.checkpoint.every,
                 mtbf_s=mtbf_s,
+                snapshot_dir=folders.get(ctx.node_rank),
+                snapshot_every=None if snaps.every == "auto" else int(snaps.every),
+                snapshot_memory_mb=None if snaps.memory_mb == "auto" else float(snaps.memory_mb),
             )
 
         try:
@@ -367,7 +428,8 @@ class Driver:
         self.recorder.mark("ranks_started")
         state = AttemptState(attempt, staging, {c.world_rank: c.node_rank for c in contexts}, resume_step=resume_step)
         self._route = AttemptRouter(state, self.recorder, self.run_dir, spec.checkpoint.keep,
-                                    hosts={i: (n.hostname, n.ip) for i, n in enumerate(group.infos)})
+                                    hosts={i: (n.hostname, n.ip) for i, n in enumerate(group.infos)},
+                                    snapshots=self.snapshots)
         return Attempt(group, self._route, recorder=self.recorder, run_dir=self.run_dir,
                        heartbeat_s=spec.timeouts.heartbeat_s, rendezvous_s=spec.timeouts.rendezvous_s,
                        grown=lambda: self._grown(group), mask=self.secrets.mask,

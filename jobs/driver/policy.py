@@ -108,12 +108,15 @@ def blame(failures: Iterable[RankFailure], lost_nodes: bool) -> Fault:
     return Fault.INFRA if infra else Fault.CODE
 
 
-def resumes_from(step: int | None) -> str:
-    """What a restart resumes from, said: the committed checkpoint's step, or that there is none.
+def resumes_from(step: int | None, memory: bool = False) -> str:
+    """What a restart resumes from, said: the committed checkpoint's step, a snapshot's in memory, or that there is
+    none.
 
-    >>> resumes_from(10), resumes_from(None)
-    ('from checkpoint 10', 'from the beginning: nothing was committed')
+    >>> resumes_from(10), resumes_from(48, memory=True), resumes_from(None)
+    ('from checkpoint 10', 'from the snapshot of step 48 in memory', 'from the beginning: nothing was committed')
     """
+    if memory and step is not None:
+        return f"from the snapshot of step {step} in memory"
     return f"from checkpoint {step}" if step is not None else "from the beginning: nothing was committed"
 
 
@@ -126,16 +129,16 @@ class Decision:
     said: str = ""  # RESTART: how the attempt ended ("attempt 3 failed"); GIVE_UP: why it is not restarted
     budget: str = ""  # RESTART: the budget it used ("1 of 2 restarts")
 
-    def line(self, resume_step: int | None = None) -> str:
-        """What the driver says: the restart, from the checkpoint ``resume_step`` (None: nothing committed), or
-        why the run is not restarted.
+    def line(self, resume_step: int | None = None, memory: bool = False) -> str:
+        """What the driver says: the restart, from the checkpoint ``resume_step`` (None: nothing committed; a
+        snapshot's in memory with ``memory``), or why the run is not restarted.
 
         >>> decide(Outcome.FAILED, 1, 0, 0, FailureSpec(max_restarts=1)).line(10)
         'raylaunch: attempt 1 failed; restarting from checkpoint 10 (1 of 1 restarts)'
         """
         if self.action is Action.GIVE_UP:
             return f"raylaunch: {self.said}" if self.said else ""
-        return f"raylaunch: {self.said}; restarting {resumes_from(resume_step)} ({self.budget})"
+        return f"raylaunch: {self.said}; restarting {resumes_from(resume_step, memory)} ({self.budget})"
 
 
 def attempt_ended(failures: Iterable[RankFailure], lost_nodes: bool, preempted: bool = False) -> Outcome:
@@ -241,10 +244,11 @@ class Step:
     infra_restarts: int = 0  # of the restarts, those failure.max_infra_restarts allowed, counting this one
     decision: Decision | None = None  # after a failure or a preemption: restart or give up, and what to say
 
-    def line(self, resume_step: int | None = None) -> str:
-        """What the driver says of this step (``Decision.line``): a restart, from the checkpoint ``resume_step``,
-        or why the run is not restarted; "" for a step that says nothing (finished, grown back)."""
-        return self.decision.line(resume_step) if self.decision is not None else ""
+    def line(self, resume_step: int | None = None, memory: bool = False) -> str:
+        """What the driver says of this step (``Decision.line``): a restart, from the checkpoint ``resume_step`` (a
+        snapshot's in memory with ``memory``), or why the run is not restarted; "" for a step that says nothing
+        (finished, grown back)."""
+        return self.decision.line(resume_step, memory) if self.decision is not None else ""
 
 
 def next_step(outcome: AttemptOutcome, attempt: int, restarts: int, preemptions: int, budgets: FailureSpec,

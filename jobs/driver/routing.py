@@ -15,9 +15,10 @@ from cluster.layout import checkpoint_name
 from cluster.metric_rows import RowBatch, RowBatcher, keep_latest, metrics_row
 from cluster.protocol import (
     Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, NodePoll, Pace, PreemptNotice, Preempted, RankFailure,
-    Resources, RestoredPart, decode_rank_event,
+    Resources, RestoredPart, SnapshotHeld, decode_rank_event,
 )
 from cluster.storage_io import join_uri
+from jobs.driver.memory import SnapshotBook
 from jobs.driver.pace import PACE_KEYS, PaceTracker
 from jobs.driver.record import Recorder
 from jobs.run.events import Committed, FirstStep, RanksPlaced, Restored, Saved, Work
@@ -105,8 +106,9 @@ class AttemptRouter:
     """Routes one attempt's polls: logs and metrics to the recorder, checkpoint parts to a commit."""
 
     def __init__(self, state: AttemptState, recorder: Recorder, run_dir: RunDir, keep: int,
-                 hosts: dict[int, tuple[str, str]] | None = None) -> None:
+                 hosts: dict[int, tuple[str, str]] | None = None, snapshots: SnapshotBook | None = None) -> None:
         self.a = state
+        self.snapshots = snapshots  # the run's snapshots in memory: each part a rank wrote, copied to its node's peer
         self.hosts = hosts or {}  # node rank -> (hostname, ip)
         self.recorder = recorder
         self.run_dir = run_dir
@@ -181,11 +183,16 @@ class AttemptRouter:
                         rec.metrics(records)
                         records = []
                     self.checkpoint(e)
+                case SnapshotHeld():
+                    if self.snapshots is not None:
+                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every)
                 case CheckpointInterval():
                     cost = (f"a save holds training {e.save_s:.2f} s" if e.measured else
                             f"a save assumed to hold training {e.save_s:.2f} s until one is measured")
                     rec.say(f"raylaunch: checkpoint.every auto: a save every {e.seconds:.1f} s ({cost}; a failure "
                             f"every {e.mtbf_s:.0f} s)")
+        if self.snapshots is not None:
+            self.snapshots.poll()  # copies to the peers done, the next ones started
         if a.pending and a.joined_at is not None and time.time() - a.pending[0][1] > PENDING_S:
             records += self._pending(final=True)  # a function that logs no step at all
         rec.metrics(records)

@@ -86,8 +86,8 @@ class SessionEnded(RunEvent):
 
 @dataclass(frozen=True)
 class AttemptStarted(RunEvent):
-    """An attempt began (before its nodes are reserved); ``resume_step``: the committed checkpoint it resumes from
-    (None: from the beginning); ``Restored`` says when the ranks have loaded it."""
+    """An attempt began (before its nodes are reserved); ``resume_step``: the step it resumes from, of a committed
+    checkpoint or a snapshot in memory (None: from the beginning); ``Restored`` says when the ranks have loaded it."""
 
     kind: ClassVar[str] = "attempt"
     attempt: int = 0
@@ -95,6 +95,9 @@ class AttemptStarted(RunEvent):
     max_restarts: int = 0
     world_size: int = 0
     resume_step: int | None = None
+    # where it resumes from: "memory" (a snapshot on the nodes, cluster/checkpoint/memory.py), "storage" (a committed
+    # checkpoint), None (the beginning)
+    resume_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from cluster.strategy import FSDP_DEFAULTS
 
 __all__ = [
     "AccelerateSpec", "CheckpointSpec", "DataLoaderSpec", "EnvSpec", "FailureSpec", "FsdpSpec", "JobSpec",
-    "RUNNER_VARS", "RendezvousSpec", "ScalingSpec", "SpecError", "TimeoutSpec", "field_key", "json_schema",
+    "RUNNER_VARS", "RendezvousSpec", "ScalingSpec", "SnapshotSpec", "SpecError", "TimeoutSpec", "field_key", "json_schema",
     "parse_port_range", "spec_to_dict",
 ]
 
@@ -127,6 +127,19 @@ class AccelerateSpec:
 
 
 @dataclass(frozen=True)
+class SnapshotSpec:
+    """Snapshots in memory between commits (docs/faults.md): every ``every`` optimizer steps each rank's whole state
+    in its node's memory and a copy on one other node, which a restart resumes from when it is newer than the last
+    committed checkpoint."""
+
+    # Optimizer steps between snapshots; "auto": as often as keeps them at most 2% of the step time; 0: none.
+    every: Union[int, Literal["auto"]] = _within(0, 1_000_000_000, "auto", " optimizer steps or 'auto'")
+    # The host memory a node's snapshots (its ranks' and the copies it keeps for its peer) may hold, in MiB; "auto":
+    # a quarter of the node's memory (and never more than its /dev/shm has free).
+    memory_mb: Union[float, Literal["auto"]] = _within(0, 1e9, "auto", " MiB or 'auto'", strict=True)
+
+
+@dataclass(frozen=True)
 class CheckpointSpec:
     """How many committed checkpoints to keep (the newest ``keep``), and whether a save holds training only
     while the state is copied into memory (``async``, the spec's key; ``async_`` here, a Python keyword)."""
@@ -139,6 +152,7 @@ class CheckpointSpec:
     every: Union[float, Literal["auto"], None] = _within(0, _MONTH_S, None, " seconds or 'auto'", strict=True)
     # The mean time between failures "auto" assumes until the run's own history has one (a failed attempt).
     mtbf_s: float = _within(0, 365 * 24 * 3600.0, 86400.0, " seconds", strict=True)
+    snapshots: SnapshotSpec = field(default_factory=SnapshotSpec)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,111 @@
+"""Snapshots in memory between commits: every few optimizer steps each rank's whole state, in its node's memory.
+
+A snapshot is what a committed checkpoint holds (``save_state``'s files, the loaders' positions), taken by the same
+capture as ``session.save`` (``cluster.checkpoint.staged``: training holds while the state is copied into host
+memory, a writer process writes it) but written into the node's memory (``/dev/shm``, a tmpfs: ``cluster.snapshots``
+has its folders) instead of the run's storage, and never committed. It is taken by raylaunch itself, at the point a
+save at the end of a step would be: when the training loop asks its loader for the next batch after an optimizer
+step (``cluster.rank.pace``), so a function, unchanged, resumes from it exactly as from a checkpoint it saved there.
+The driver decides which snapshot a restart resumes from (``jobs.driver.memory``). Imports nothing from Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from cluster.snapshots import KEEP, prune, snap_name, used_bytes, write_part_json
+
+__all__ = ["AUTO_SHARE", "MemorySnapshots", "auto_interval"]
+
+# ``every: auto``: snapshots at most this share of the step time (their hold on training, measured).
+AUTO_SHARE = 0.02
+
+def auto_interval(held_s: float, step_s: float) -> int:
+    """``every: auto``: the optimizer steps between snapshots that keep their hold on training (``held_s`` each) at
+    most ``AUTO_SHARE`` of the step time, rounded up to a power of two.
+
+    >>> auto_interval(0.0005, 0.05), auto_interval(0.003, 0.05), auto_interval(0.5, 0.05)
+    (1, 4, 512)
+    """
+    need = held_s / (AUTO_SHARE * step_s)
+    return 1 if need <= 1 else 1 << math.ceil(math.log2(need))
+
+
+class MemorySnapshots:
+    """One rank's snapshots: when one is due, taking it (``take``, from the prepared loader's iteration, before the
+    batch after an optimizer step is fetched), and what it costs.
+
+    ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their hold on training at most
+    ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two were taken and the second measured). ``save`` is
+    ``StagedCheckpoints.hold_in_memory``; ``emit`` reports a part once written; ``budget``: bytes the node's
+    snapshots may hold."""
+
+    def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
+                 save: Callable[..., bool], say: Callable[[str], None],
+                 report: Callable[[int, int, int], None]) -> None:
+        self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
+        self._save, self._say, self._report = save, say, report
+        self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
+        self.base = 0  # the step training resumed at: a snapshot's step is this plus the optimizer steps taken
+        self.off: str | None = None  # why this rank takes no more snapshots
+        self._said: set[str] = set()
+        self._last: tuple[float, int] | None = None  # (perf_counter, steps) at the last snapshot taken
+        self.interval = every or 1  # optimizer steps from one snapshot to the next
+        self.taken = 0
+        self.last_nbytes = 0  # the size of this rank's latest part
+
+    def say_once(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            self._say(line)
+
+    def stop(self, why: str) -> None:
+        """No more snapshots from this rank (a restart then resumes from storage), said once."""
+        if self.off is None:
+            self.off = why
+            self.say_once(f"raylaunch: rank {self.rank}: no more snapshots in memory: {why}")
+
+    def next_due(self, steps: int) -> float:
+        """The count of optimizer steps taken at which the next snapshot is due (``math.inf``: never): the next step
+        that is a multiple of the interval. Every rank takes its snapshots at the same steps without asking the others
+        (``auto``'s intervals are powers of two: ranks that measured differently still meet at the larger one's)."""
+        if self.off is not None:
+            return math.inf
+        step = self.base + steps
+        return steps + self.interval - step % self.interval
+
+    def take(self, steps: int, hold_s: Callable[[], float | None]) -> None:
+        """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took); ``hold_s`` reads
+        how long the previous one held training, for ``auto``."""
+        if self.off is not None or self.accelerator is None:
+            return
+        now = time.perf_counter()
+        # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
+        if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
+            step_s = (now - self._last[0]) / (steps - self._last[1])
+            held = hold_s()
+            if held is not None and step_s > 0:
+                self.interval = auto_interval(held, step_s)
+        self._last = (now, steps)
+        step = self.base + steps
+        used = used_bytes(self.node_dir)
+        if used + self.last_nbytes > self.budget:
+            self.say_once(f"raylaunch: snapshots in memory: this node's hold {used / 2**20:.3g} MiB, and one more of "
+                          f"{self.last_nbytes / 2**20:.3g} MiB would pass their bound of {self.budget / 2**20:.3g} MiB "
+                          "(checkpoint.snapshots.memory_mb): none is taken while it would; a restart resumes from an "
+                          "older one or from storage. Raise the bound, or take them less often "
+                          "(checkpoint.snapshots.every) (said once)")
+            return
+        folder = self.node_dir / snap_name(step)
+        if self._save(self.accelerator, step, str(folder), self._written):
+            self.taken += 1
+
+    def _written(self, step: int, folder: str, files: dict[str, dict]) -> None:
+        """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go."""
+        write_part_json(folder, self.rank, step, files)
+        prune(self.node_dir, self.rank, KEEP)
+        self.last_nbytes = sum(int(m.get("size", 0)) for m in files.values())
+        self._report(step, self.last_nbytes, self.interval)

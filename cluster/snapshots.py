@@ -1,0 +1,266 @@
+"""The folders of a run's snapshots in memory on a node (``cluster.checkpoint.memory`` takes them): where they live,
+what a node holds, and the parts the driver moves from node to node through the node actors.
+
+On a node, the run's snapshots live under ``<root>/<run key>/<node id>/``:
+
+- ``snap-<step>/``: the files of the node's ranks' parts of the snapshot of ``step``, and ``rank-<r>.json`` per
+  rank (its files, their sizes and sha256): a part is there once its json is.
+- ``peer/snap-<step>/``: the same, for the ranks of the node this one keeps copies for (a node lost loses its own).
+- ``restore-<step>/``: a whole snapshot put together for a restart (links to the parts here, copies of the parts
+  fetched from other nodes) with a ``manifest.json`` as a committed checkpoint has, which the ranks load and verify
+  as one.
+
+Plain functions over files: the node actors (``cluster.nodes.node``) call them for the driver (``jobs.driver.memory``),
+the ranks to write and prune their own parts. Imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.layout import MANIFEST
+
+__all__ = ["KEEP", "SnapshotPlan", "assemble", "drop_run", "inventory", "keep_peer_part", "node_budget_bytes",
+           "prune", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
+
+# A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
+KEEP = 2
+# ``memory_mb: auto``: the share of the node's memory its snapshots (its own and its peer's) may hold.
+AUTO_MEMORY_SHARE = 0.25
+
+_PART = "rank-{rank}.json"
+
+
+def snapshot_root() -> str:
+    """Where this node keeps snapshots: ``RAYLAUNCH_SNAPSHOT_DIR``, else ``/dev/shm`` (memory) where it can be
+    written, else the temporary folder (the page cache: still on the node, but on its disk)."""
+    chosen = os.environ.get("RAYLAUNCH_SNAPSHOT_DIR")
+    if not chosen:
+        chosen = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(chosen, "raylaunch-snapshots")
+
+
+def node_budget_bytes(memory_mb: float | None, root: str) -> int:
+    """The bytes this node's snapshots may hold: ``memory_mb``, or (None: ``auto``) a quarter of the node's memory,
+    and never more than the free space of the file system holding ``root``."""
+    if memory_mb is not None:
+        budget = int(memory_mb * 2**20)
+    else:
+        budget = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * AUTO_MEMORY_SHARE)
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+        budget = min(budget, st.f_bavail * st.f_frsize + used_bytes(root))
+    except OSError:
+        pass
+    return budget
+
+
+def used_bytes(folder: str | Path) -> int:
+    """Bytes held by the files under ``folder`` (hard links counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for base, _, names in os.walk(folder):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def snap_name(step: int) -> str:
+    return f"snap-{step:08d}"
+
+
+def _step_of(name: str, prefix: str) -> int | None:
+    if name.startswith(prefix) and name[len(prefix):].isdigit():
+        return int(name[len(prefix):])
+    return None
+
+
+def _parts(folder: Path) -> dict[int, dict]:
+    """rank -> its part's json, for the parts complete in ``folder`` (a ``snap-<step>``)."""
+    out = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                part = json.loads((folder / name).read_text())
+                out[int(part["rank"])] = part
+            except (OSError, ValueError, KeyError):
+                continue
+    return out
+
+
+def inventory(node_dir: str) -> dict[int, dict[int, str]]:
+    """What a node holds: step -> rank -> ``"own"`` or ``"peer"`` (a whole restore folder counts as its ranks'
+    parts)."""
+    out: dict[int, dict[int, str]] = {}
+    base = Path(node_dir)
+    for where, folder in (("own", base), ("peer", base / "peer")):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            step = _step_of(name, "snap-")
+            if step is not None:
+                for rank in _parts(folder / name):
+                    out.setdefault(step, {}).setdefault(rank, where)
+    return out
+
+
+def read_part(node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
+    """A rank's part of the snapshot of ``step`` held on this node (its own or its peer's copy): {rel: bytes},
+    with its json under ``rank-<r>.json``; None when the node no longer holds it whole."""
+    for folder in (Path(node_dir, snap_name(step)), Path(node_dir, "peer", snap_name(step))):
+        part = _parts(folder).get(rank)
+        if part is None:
+            continue
+        try:
+            data = {rel: (folder / rel).read_bytes() for rel in part["files"]}
+        except OSError:
+            continue  # pruned meanwhile
+        data[_PART.format(rank=rank)] = json.dumps(part).encode()
+        return data
+    return None
+
+
+def _write_part(folder: Path, rank: int, data: dict[str, bytes]) -> None:
+    """Files first, each whole (a temporary name, then renamed); the part's json last: the part is there once it is."""
+    for rel, blob in data.items():
+        if rel == _PART.format(rank=rank):
+            continue
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.partial")
+        tmp.write_bytes(blob)
+        os.replace(tmp, dest)
+    tmp = folder / f".rank-{rank}.json.partial"
+    tmp.write_bytes(data[_PART.format(rank=rank)])
+    os.replace(tmp, folder / _PART.format(rank=rank))
+
+
+def keep_peer_part(node_dir: str, step: int, rank: int, data: dict[str, bytes], budget: int) -> bool:
+    """Keep a copy of another node's rank's part (``read_part``'s bytes) in ``peer/``; older copies of that rank
+    beyond ``KEEP`` go. False (nothing kept) when it would take the node past ``budget`` bytes."""
+    need = sum(len(b) for b in data.values())
+    peer = Path(node_dir, "peer")
+    prune(peer, rank, KEEP - 1)  # room first: the copies this one replaces
+    if used_bytes(Path(node_dir).parent) + need > budget:
+        return False
+    folder = peer / snap_name(step)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_part(folder, rank, data)
+    return True
+
+
+def prune(base: Path, rank: int, keep: int) -> None:
+    """A rank's parts in ``base``'s ``snap-*`` folders but its newest ``keep``; a folder left empty goes."""
+    try:
+        steps = sorted(s for s in (_step_of(n, "snap-") for n in os.listdir(base)) if s is not None)
+    except OSError:
+        return
+    held = [s for s in steps if rank in _parts(base / snap_name(s))]
+    old = held[:max(0, len(held) - keep)]
+    for step in old:
+        folder = base / snap_name(step)
+        part = _parts(folder).get(rank)
+        if part is None:
+            continue
+        (folder / _PART.format(rank=rank)).unlink(missing_ok=True)  # first: the part is gone before its files
+        others = {rel for p in _parts(folder).values() for rel in p["files"]}
+        for rel in part["files"]:
+            if rel not in others:
+                (folder / rel).unlink(missing_ok=True)
+        _remove_empty(folder)
+
+
+def _remove_empty(folder: Path) -> None:
+    for base, dirs, files in os.walk(folder, topdown=False):
+        if not files:
+            try:
+                os.rmdir(base)
+            except OSError:
+                pass
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """A snapshot a restart resumes from: its step and world size, and for each rank the nodes (by Ray node id) that
+    hold its part."""
+
+    step: int
+    world_size: int
+    holders: dict[int, tuple[str, ...]]
+
+
+def assemble(node_dir: str, step: int, world_size: int, attempt: int, fetched: dict[int, dict[str, bytes]]) -> str:
+    """Put the whole snapshot of ``step`` together in ``restore-<step>/`` on this node: the parts it holds (linked),
+    those ``fetched`` from other nodes (written); a ``manifest.json`` as a committed checkpoint's, from the parts'
+    own sizes and hashes. Returns the folder. Raises ``FileNotFoundError`` when a rank's part is held nowhere."""
+    base = Path(node_dir)
+    target = base / f"restore-{step:08d}"
+    partial = base / f".restore-{step:08d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    files: dict[str, dict] = {}
+    for rank in range(world_size):
+        if rank in fetched:
+            folder = partial / ".fetched" / str(rank)
+            folder.mkdir(parents=True)
+            _write_part(folder, rank, fetched[rank])
+            part, source = _parts(folder)[rank], folder
+        else:
+            for source in (base / snap_name(step), base / "peer" / snap_name(step)):
+                part = _parts(source).get(rank)
+                if part is not None:
+                    break
+            else:
+                raise FileNotFoundError(f"rank {rank}'s part of the snapshot of step {step} is not on this node")
+        for rel, meta in part["files"].items():
+            if rel in files:
+                continue  # a file two ranks wrote (the same content: their hashes are compared when it loads)
+            dest = partial / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source / rel, dest)
+            except OSError:
+                shutil.copyfile(source / rel, dest)
+            files[rel] = meta
+    shutil.rmtree(partial / ".fetched", ignore_errors=True)
+    (partial / MANIFEST).write_text(json.dumps({"step": step, "attempt": attempt, "world_size": world_size,
+                                                "created": time.time(), "files": files, "snapshot": True}))
+    for old in base.glob("restore-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    partial.rename(target)
+    return str(target)
+
+
+def drop_run(run_dir: str) -> None:
+    """Every snapshot of a run on this node (its folder, the folders of other nodes of this machine too)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+
+
+def write_part_json(folder: str | Path, rank: int, step: int, files: dict[str, dict]) -> None:
+    """A rank's part of ``step`` is whole in ``folder``: its json, written last."""
+    tmp = Path(folder, f".rank-{rank}.json.partial")
+    tmp.write_text(json.dumps({"step": step, "rank": rank, "files": files}))
+    os.replace(tmp, Path(folder, _PART.format(rank=rank)))

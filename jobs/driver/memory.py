@@ -1,0 +1,172 @@
+"""The driver's side of snapshots in memory (``cluster.checkpoint.memory``): which node holds which rank's part of
+which snapshot, the copy of each part on one other node, and a restart's choice of what to resume from.
+
+A rank reports each part it wrote (``SnapshotHeld``); the book has the part's node send a copy to its peer (the next
+node, by node rank), one copy in flight from a node at a time (the newest part waiting meanwhile, older ones skipped).
+When an attempt fails, ``choose`` takes the newest snapshot, newer than the last committed checkpoint and of the same
+world size, whose every part is held by a node that is still there (its own node, or its peer); ``assemble`` has
+each node of the next attempt put it together in its memory, reading the parts it lacks from the nodes that hold
+them; the ranks then load it as a committed checkpoint. Nothing in flight ever blocks the driver's loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.snapshots import SnapshotPlan
+
+__all__ = ["MemoryResume", "SnapshotBook", "run_key"]
+
+# How long a restart waits for the nodes to put a snapshot together before it resumes from storage instead.
+ASSEMBLE_S = 120.0
+
+
+def run_key(name: str, uri: str) -> str:
+    """The folder of a run's snapshots on every node: its name and a digest of its run directory.
+
+    >>> run_key("my run/1", "/runs/my run")
+    'my-run-1-11c69e6cc1'
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")[:40] or "run"
+    return f"{safe}-{hashlib.sha1(uri.encode()).hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class MemoryResume:
+    """A restart resuming from a snapshot: its step, each node's folder it was put together in (by node rank), and
+    where its parts came from, in words."""
+
+    step: int
+    folders: dict[int, str]
+    source: str
+
+
+@dataclass
+class _Node:
+    node_id: str
+    folder: str  # the run's snapshots on it: <root>/<run key>/<node id>
+    actor: Any
+
+
+@dataclass
+class SnapshotBook:
+    """Every snapshot part of the run the driver knows of, across attempts."""
+
+    key: str
+    memory_mb: float | None  # checkpoint.snapshots.memory_mb (None: auto)
+    held: dict[int, dict[int, set[str]]] = field(default_factory=dict)  # step -> rank -> node ids holding it
+    world: dict[int, int] = field(default_factory=dict)  # step -> its world size
+    nodes: list[_Node] = field(default_factory=list)  # the attempt's nodes, by node rank
+    roots: dict[str, str] = field(default_factory=dict)  # node id -> the run's folder on it, for every node seen
+    _copies: dict[Any, tuple[int, int, str, int]] = field(default_factory=dict)  # ref -> (step, rank, peer, source)
+    _waiting: dict[int, tuple[int, int]] = field(default_factory=dict)  # source node rank -> newest (step, rank)
+    copied: int = 0  # parts copied to a peer
+    nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its latest part
+    every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
+
+    def attach(self, infos: list[Any], actors: list[Any], world_size: int) -> dict[int, str]:
+        """An attempt's nodes (their ``NodeInfo`` and actors, by node rank); returns each one's folder."""
+        self.nodes = [_Node(i.node_id, f"{i.snapshot_root}/{self.key}/{i.node_id}", a) for i, a in zip(infos, actors)]
+        for n in self.nodes:
+            self.roots[n.node_id] = n.folder
+        self._copies, self._waiting, self._world = {}, {}, world_size
+        return {rank: n.folder for rank, n in enumerate(self.nodes)}
+
+    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int) -> None:
+        """A rank's part of ``step`` is on node ``node_rank``: noted, and copied to its peer."""
+        self.held.setdefault(step, {}).setdefault(rank, set()).add(self.nodes[node_rank].node_id)
+        self.world[step] = self._world
+        self.nbytes[rank], self.every[rank] = nbytes, every
+        if len(self.nodes) > 1:
+            self._waiting[node_rank] = max(self._waiting.get(node_rank, (step, rank)), (step, rank))
+        self._forget_old()
+        self.poll()
+
+    def poll(self) -> None:
+        """Note the copies done; start the waiting ones whose node has none in flight."""
+        if self._copies:
+            done, _ = ray.wait(list(self._copies), num_returns=len(self._copies), timeout=0)
+            for ref in done:
+                step, rank, peer, _ = self._copies.pop(ref)
+                try:
+                    kept = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a node gone meanwhile: that copy is simply not there
+                    kept = False
+                if kept and step in self.held:
+                    self.held[step].setdefault(rank, set()).add(peer)
+                    self.copied += 1
+        busy = {source for *_, source in self._copies.values()}
+        for source in [s for s in self._waiting if s not in busy]:
+            step, rank = self._waiting.pop(source)
+            self._copy(step, rank, source)
+
+    def _copy(self, step: int, rank: int, source: int) -> None:
+        peer = (source + 1) % len(self.nodes)
+        src, dst = self.nodes[source], self.nodes[peer]
+        data = src.actor.read_snapshot_part.remote(src.folder, step, rank)
+        ref = dst.actor.keep_peer_part.remote(dst.folder, step, rank, data, self.memory_mb)
+        self._copies[ref] = (step, rank, dst.node_id, source)
+
+    def _forget_old(self) -> None:
+        """Steps older than the two newest whole ones are pruned on the nodes: forgotten here too."""
+        whole = [s for s in sorted(self.held) if len(self.held[s]) >= self.world.get(s, 0) > 0]
+        if len(whole) > 2:
+            for step in [s for s in self.held if s < whole[-2]]:
+                del self.held[step]
+                self.world.pop(step, None)
+
+    def choose(self, alive: set[str], world_size: int, after_step: int) -> SnapshotPlan | None:
+        """The newest snapshot after ``after_step`` (the last committed checkpoint's) of ``world_size`` whose every
+        rank's part is held on a node in ``alive`` (node ids)."""
+        self.poll()
+        for step in sorted(self.held, reverse=True):
+            if step <= after_step:
+                return None
+            if self.world.get(step) != world_size:
+                continue
+            holders = {r: tuple(sorted(n for n in self.held[step].get(r, ()) if n in alive))
+                       for r in range(world_size)}
+            if all(holders.values()):
+                return SnapshotPlan(step, world_size, holders)
+        return None
+
+    def assemble(self, plan: SnapshotPlan, attempt: int, infos: list[Any], actors: list[Any]) -> MemoryResume:
+        """Each node of the attempt (``infos``/``actors``, by node rank) puts the snapshot of ``plan`` together in its
+        memory; raises when one cannot (a part pruned or its node gone meanwhile: the caller resumes from storage)."""
+        self.attach(infos, actors, plan.world_size)
+        by_id = {n.node_id: n for n in self.nodes}
+        calls, fetched_from = [], set()
+        for node_rank, n in enumerate(self.nodes):
+            missing = [r for r in range(plan.world_size) if n.node_id not in plan.holders[r]]
+            parts = []
+            for r in missing:
+                holder = next((by_id[h] for h in plan.holders[r] if h in by_id), None)
+                if holder is None:
+                    raise FileNotFoundError(f"rank {r}'s part of the snapshot of step {plan.step} is on no node of "
+                                            "this attempt")
+                fetched_from.add(holder.node_id)
+                parts.append(holder.actor.read_snapshot_part.remote(holder.folder, plan.step, r))
+            calls.append(n.actor.assemble_snapshot.remote(n.folder, plan.step, plan.world_size, attempt, missing,
+                                                          *parts))
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=ASSEMBLE_S)
+        if len(ready) < len(calls):
+            raise TimeoutError(f"the nodes did not put the snapshot of step {plan.step} together within {ASSEMBLE_S:g} s")
+        paths = ray.get(calls)
+        for node_rank, n in enumerate(self.nodes):  # every node now holds every part of it
+            for r in range(plan.world_size):
+                self.held[plan.step].setdefault(r, set()).add(n.node_id)
+        own = all(n.node_id in plan.holders[r] for n in self.nodes for r in range(plan.world_size))
+        source = ("memory on each node" if own else
+                  "memory (" + ", ".join(sorted({f"node {i}" for i, n in enumerate(self.nodes)
+                                                   if n.node_id in fetched_from})) + " sent the parts others lacked)")
+        return MemoryResume(plan.step, dict(enumerate(paths)), source)
+
+    def drop(self, infos: list[Any], actors: list[Any]) -> None:
+        """Every snapshot of the run on the nodes still there (at the run's end)."""
+        refs = [a.drop_snapshots.remote(f"{i.snapshot_root}/{self.key}") for i, a in zip(infos, actors)]
+        ray.wait(refs, num_returns=len(refs), timeout=30)

@@ -1,0 +1,118 @@
+"""Snapshots in memory between commits (#59): a restart resumes from the newest step every rank holds in its node's
+memory or its peer's, bitwise equal to the uninterrupted run, on the shared multi-node Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from jobs.driver.driver import Driver
+from jobs.spec import load_spec_text
+
+pytestmark = pytest.mark.xdist_group("snapshots")  # one worker: the uninterrupted run once
+
+# The digits model (dropout 0.1) for 3 epochs of 25 optimizer steps a rank, committing every 20 steps.
+SPEC = """
+name: {name}
+train_fn: fns:digits_dies
+config: {{epochs: 3, train_samples: 800, batch_size: 16, checkpoint_every: 20, dropout: 0.1, die_rank: 1,
+          die_at: {die_at}}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+timeouts: {{heartbeat_s: 10, placement_s: 60}}
+storage: {storage}
+"""
+
+
+def spec(tmp_path: Path, name: str, die_at: int = 0, overrides: list[str] | None = None):
+    return load_spec_text(SPEC.format(name=name, die_at=die_at, storage=tmp_path / "runs"), overrides)
+
+
+def events(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory):
+    """The weights of the steady job run without a failure (and without snapshots)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    result = Driver(spec(tmp, "whole", overrides=["checkpoint.snapshots.every=0"])).run()
+    assert result.status == "succeeded", result.error
+    return result.rank_results["0"]["weights"]
+
+
+def test_a_rank_that_dies_resumes_from_its_nodes_memory(ray_cluster, tmp_path, uninterrupted, capsys):
+    """Rank 1 is killed in step 50 of a function that commits every 20 steps: the restart resumes at step 48 or later
+    (from memory, not from the commit of step 40), and the run ends bitwise equal to the uninterrupted one."""
+    result = Driver(spec(tmp_path, "dies", die_at=50)).run()
+    assert result.status == "succeeded", result.error
+    restored = result.rank_results["0"]["restored_step"]
+    assert 48 <= restored < 50, restored
+    assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
+    starts = [e for e in events(tmp_path, "dies") if e["kind"] == "attempt"]
+    assert [(e["resume_step"], e["resume_from"]) for e in starts] == [(None, None), (restored, "memory")]
+    out = capsys.readouterr().out
+    assert f"restarting from the snapshot of step {restored} in memory (1 of 3 infrastructure restarts: failure.max_infra_restarts)" in out, out
+    assert f"raylaunch: attempt 2: resuming from the snapshot of step {restored} in memory on each node; the last " \
+           "committed checkpoint is step 40" in out, out
+
+
+def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, uninterrupted, capsys):
+    """The node of rank 1 is removed from the cluster once its peer holds a copy of rank 1's part of a snapshot
+    newer than the last commit: the next attempt, on the node left and a spare, resumes from that snapshot (the spare
+    fetches every part from the node that kept them), bitwise equal to the uninterrupted run."""
+    spare = ray_cluster.add_node(num_cpus=2)  # losing one node leaves two
+    ray_cluster.wait_for_nodes()
+    try:
+        driver = Driver(spec(tmp_path, "lost"), can_grow=True)
+        box = {}
+        thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+        thread.start()
+        wait_for(lambda: driver.group is not None and len(driver.group.infos) == 2, 60, "the run's two nodes")
+        infos = driver.group.infos
+        # lose a node that is not the head (the head runs this test's driver); with two nodes each keeps the
+        # other's copies, and one worker a node makes its node rank its rank
+        lost = next(r for r, i in enumerate(infos) if i.node_id != ray_cluster.head_node.node_id)
+        victim = next(n for n in ray_cluster.worker_nodes if n.node_id == infos[lost].node_id)
+        keeper = infos[1 - lost]
+        peer = Path(keeper.snapshot_root) / driver.snapshots.key / keeper.node_id / "peer"
+
+        def copied_past_commit():
+            latest = tmp_path / "runs" / "lost" / "checkpoints" / "latest.json"
+            committed = json.loads(latest.read_text())["step"] if latest.exists() else 0
+            steps = [int(p.parent.name.split("-")[1]) for p in peer.glob(f"snap-*/rank-{lost}.json")]
+            return max(steps) if steps and max(steps) > committed and max(steps) >= 10 else None
+
+        kept = wait_for(copied_past_commit, 120, "a copy of rank 1's part newer than the last commit on its peer")
+        ray_cluster.remove_node(victim)
+        thread.join(240)
+        result = box["result"]
+        assert result.status == "succeeded", result.error
+        restored = result.rank_results["0"]["restored_step"]
+        assert restored >= kept, (restored, kept)
+        assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
+        assert victim.node_id not in {n["node_id"] for n in result.nodes}
+        starts = [e for e in events(tmp_path, "lost") if e["kind"] == "attempt"]
+        assert starts[-1]["resume_from"] == "memory" and starts[-1]["resume_step"] == restored
+        assert "sent the parts others lacked" in capsys.readouterr().out
+    finally:
+        if spare in ray_cluster.worker_nodes:
+            ray_cluster.remove_node(spare)
+
+
+def test_snapshots_beyond_their_memory_bound_are_said_and_storage_is_used(ray_cluster, tmp_path, capsys):
+    """checkpoint.snapshots.memory_mb below one snapshot: no more are kept, that is said, and the restart resumes
+    from the last committed checkpoint."""
+    result = Driver(spec(tmp_path, "bound", die_at=30, overrides=["checkpoint.snapshots.memory_mb=0.01"])).run()
+    assert result.status == "succeeded", result.error
+    assert result.rank_results["0"]["restored_step"] == 20
+    starts = [e for e in events(tmp_path, "bound") if e["kind"] == "attempt"]
+    assert [(e["resume_step"], e["resume_from"]) for e in starts] == [(None, None), (20, "storage")]
+    said = capsys.readouterr()
+    assert "would pass their bound of 0.01 MiB (checkpoint.snapshots.memory_mb)" in said.out + said.err, said
+    assert not list(Path(os.environ["RAYLAUNCH_SNAPSHOT_DIR"]).glob(f"raylaunch-snapshots/bound-*")), \
+        "the run's snapshots are left in memory after its end"
