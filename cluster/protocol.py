@@ -418,6 +418,7 @@ class SnapshotHeld(RankEvent):
     nbytes: int = 0
     every: int = 1
     held_s: float | None = None
+    taken: float | None = None  # when its state was captured (Unix time)
 
 
 _RANK_EVENTS: dict[str, type[RankEvent]] = {

@@ -18,7 +18,7 @@ from cluster.errors import RaylaunchError
 from cluster.layout import LOGS, METRICS, TENSORBOARD
 from cluster.protocol import RunStatus
 from jobs.driver.pace import judge, pace_of_records
-from jobs.run.events import RanksPlaced, SessionStarted, decode
+from jobs.run.events import AttemptStarted, RanksPlaced, SessionStarted, decode
 from jobs.run.ledger import CATEGORIES, Category, Ledger, ledger, suggestion
 from jobs.run.storage import RunDir, numeric_metrics
 from jobs.spec import run_name_problem
@@ -207,6 +207,7 @@ def format_show(storage: str, name: str, per_rank: bool = False) -> str:
         lines.append(f"  world       {result.get('num_nodes')} nodes, world size {result.get('world_size')}")
         lines.append(f"  attempts    {result.get('attempts')} (restarts {result.get('restarts')}, "
                      f"preemptions {result.get('preemptions', 0)})")
+        lines.extend(_format_resumes(run))
         for z in result.get("resizes") or []:
             lines.append(f"  resized     attempt {z.get('attempt')} from step {z.get('step')}: world size "
                          f"{z.get('old_world_size')} -> {z.get('new_world_size')} ({z.get('reason')})"
@@ -257,6 +258,19 @@ def _format_ranks(run: RunDir, status: str) -> list[str]:
     last = placed[-1]
     now = "running" if status == RunStatus.RUNNING else f"ended: the run {status}"
     return [f"  ranks       attempt {last.attempt} ({now}):"] + [f"    {line}" for line in last.lines()]
+
+
+def _format_resumes(run: RunDir) -> list[str]:
+    """Where each attempt after the first resumed from: a snapshot in memory, a committed checkpoint, or the
+    beginning (``events.jsonl``'s ``attempt`` events)."""
+    out = []
+    for e in map(decode, run.read_events()):
+        if isinstance(e, AttemptStarted) and e.attempt > 1:
+            where = ("the beginning" if e.resume_step is None else
+                     f"the snapshot of step {e.resume_step} in memory" if e.resume_from == "memory" else
+                     f"checkpoint {e.resume_step} (storage)")
+            out.append(f"  resumed     attempt {e.attempt} from {where}")
+    return out
 
 
 def _format_books(run: RunDir) -> list[str]:

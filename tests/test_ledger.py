@@ -74,6 +74,25 @@ def test_a_failure_after_a_commit_is_recompute_then_failure_then_restore():
     }
 
 
+def test_a_resume_from_a_snapshot_in_memory_keeps_the_work_up_to_it():
+    """The same failure, resumed from a snapshot taken at 41 (#59): only the second after it is recompute."""
+    events = [
+        SessionStarted(time=0), AttemptStarted(time=1, attempt=1), FirstStep(time=5, attempt=1),
+        Saved(time=30, attempt=1, step=25, held_s=0.5), Committed(time=31, attempt=1, step=25, state_time=30),
+        Work(time=45, attempt=1, last=42, data_wait_s=0.0, step=35),
+        AttemptEnded(time=50, attempt=1, outcome=Outcome.FAILED, restarts=1),
+        AttemptStarted(time=51, attempt=2, restarts=1, resume_step=34, resume_from="memory", resume_state_time=41),
+        Restored(time=56, attempt=2, step=34, seconds=2.0),
+        FirstStep(time=57, attempt=2), Work(time=90, attempt=2, last=90, step=60),
+        AttemptEnded(time=91, attempt=2, outcome=Outcome.SUCCEEDED), SessionEnded(time=92, status="succeeded"),
+    ]
+    seconds, _ = books(events)
+    assert seconds["recompute"] == 42 - 41
+    assert seconds["training"] == (41 - 5 - 0.5) + (90 - 57)
+    # the same events read back from events.jsonl's lines
+    assert books([decode(json.loads(json.dumps(e.to_dict()))) for e in events])[0] == seconds
+
+
 def test_a_failed_attempt_without_a_commit_loses_all_its_steps():
     events = [
         SessionStarted(time=0), AttemptStarted(time=0, attempt=1), FirstStep(time=4, attempt=1),

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import wait_for
 from jobs.driver.driver import Driver
+from jobs.runs import format_show
 from jobs.spec import load_spec_text
 
 pytestmark = pytest.mark.xdist_group("snapshots")  # one worker: the uninterrupted run once
@@ -59,6 +60,11 @@ def test_a_rank_that_dies_resumes_from_its_nodes_memory(ray_cluster, tmp_path, u
     assert f"restarting from the snapshot of step {restored} in memory (1 of 3 infrastructure restarts: failure.max_infra_restarts)" in out, out
     assert f"raylaunch: attempt 2: resuming from the snapshot of step {restored} in memory on each node; the last " \
            "committed checkpoint is step 40" in out, out
+    assert f"  resumed     attempt 2 from the snapshot of step {restored} in memory" in \
+        format_show(str(tmp_path / "runs"), "dies").splitlines()
+    # the goodput books keep the first attempt's work up to the snapshot: recompute is the steps after it only
+    books = json.loads((tmp_path / "runs" / "dies" / "result.json").read_text())["goodput"]["seconds"]
+    assert books["recompute"] < 0.25 * books["training"], books
 
 
 def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, uninterrupted, capsys):

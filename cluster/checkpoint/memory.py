@@ -45,7 +45,7 @@ class MemorySnapshots:
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
-                 report: Callable[[int, int, int], None]) -> None:
+                 report: Callable[[int, int, int, float | None], None]) -> None:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
         self._save, self._say, self._report = save, say, report
         self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
@@ -56,6 +56,7 @@ class MemorySnapshots:
         self.interval = every or 1  # optimizer steps from one snapshot to the next
         self.taken = 0
         self.last_nbytes = 0  # the size of this rank's latest part
+        self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -100,12 +101,15 @@ class MemorySnapshots:
                           "(checkpoint.snapshots.every) (said once)")
             return
         folder = self.node_dir / snap_name(step)
+        self._taken_at[step] = time.time()
         if self._save(self.accelerator, step, str(folder), self._written):
             self.taken += 1
+        else:
+            self._taken_at.pop(step, None)
 
     def _written(self, step: int, folder: str, files: dict[str, dict]) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go."""
         write_part_json(folder, self.rank, step, files)
         prune(self.node_dir, self.rank, KEEP)
         self.last_nbytes = sum(int(m.get("size", 0)) for m in files.values())
-        self._report(step, self.last_nbytes, self.interval)
+        self._report(step, self.last_nbytes, self.interval, self._taken_at.pop(step, None))

@@ -219,8 +219,8 @@ class Session:
             p.snapshot_dir, p.context.world_rank, p.snapshot_every,
             node_budget_bytes(p.snapshot_memory_mb, p.snapshot_dir), save=checkpoints.hold_in_memory,
             say=lambda line: print(line, file=sys.stderr, flush=True),
-            report=lambda step, nbytes, every: self.emit(SnapshotHeld(
-                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s)))
+            report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
+                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)))
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:

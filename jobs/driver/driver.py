@@ -269,7 +269,8 @@ class Driver:
                 rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
                                          max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
                                          resume_step=plan.step if plan else latest.step if latest else None,
-                                         resume_from="memory" if plan else "storage" if latest else None))
+                                         resume_from="memory" if plan else "storage" if latest else None,
+                                         resume_state_time=self.snapshots.taken.get(plan.step) if plan else None))
             if step is not None and (line := step.line(plan.step if plan else latest.step if latest else None,
                                                        memory=plan is not None)):
                 self._say(line)  # the restart, once what it resumes from is known

@@ -68,6 +68,7 @@ class SnapshotBook:
     copied: int = 0  # parts copied to a peer
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its latest part
     every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
+    taken: dict[int, float] = field(default_factory=dict)  # step -> when its last rank captured it (Unix time)
 
     def attach(self, infos: list[Any], actors: list[Any], world_size: int) -> dict[int, str]:
         """An attempt's nodes (their ``NodeInfo`` and actors, by node rank); returns each one's folder."""
@@ -77,9 +78,11 @@ class SnapshotBook:
         self._copies, self._waiting, self._world = {}, {}, world_size
         return {rank: n.folder for rank, n in enumerate(self.nodes)}
 
-    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int) -> None:
-        """A rank's part of ``step`` is on node ``node_rank``: noted, and copied to its peer."""
+    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float) -> None:
+        """A rank's part of ``step`` (captured at ``taken``) is on node ``node_rank``: noted, and copied to its
+        peer."""
         self.held.setdefault(step, {}).setdefault(rank, set()).add(self.nodes[node_rank].node_id)
+        self.taken[step] = max(self.taken.get(step, taken), taken)
         self.world[step] = self._world
         self.nbytes[rank], self.every[rank] = nbytes, every
         if len(self.nodes) > 1:
@@ -119,6 +122,7 @@ class SnapshotBook:
             for step in [s for s in self.held if s < whole[-2]]:
                 del self.held[step]
                 self.world.pop(step, None)
+                self.taken.pop(step, None)
 
     def choose(self, alive: set[str], world_size: int, after_step: int) -> SnapshotPlan | None:
         """The newest snapshot after ``after_step`` (the last committed checkpoint's) of ``world_size`` whose every

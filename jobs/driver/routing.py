@@ -185,7 +185,7 @@ class AttemptRouter:
                     self.checkpoint(e)
                 case SnapshotHeld():
                     if self.snapshots is not None:
-                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every)
+                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time)
                 case CheckpointInterval():
                     cost = (f"a save holds training {e.save_s:.2f} s" if e.measured else
                             f"a save assumed to hold training {e.save_s:.2f} s until one is measured")

@@ -98,6 +98,8 @@ class AttemptStarted(RunEvent):
     # where it resumes from: "memory" (a snapshot on the nodes, cluster/checkpoint/memory.py), "storage" (a committed
     # checkpoint), None (the beginning)
     resume_from: str | None = None
+    # a snapshot's: when its state was captured, the end of the work the previous attempt kept (the goodput ledger)
+    resume_state_time: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ end, attributed to exactly one category, computed from the run's events (``jobs.
 Categories, and what each is measured from:
 
 - ``training``: steps whose work the final model kept: from an attempt's first step to its end (a succeeded
-  attempt) or to the moment its last committed checkpoint's state was taken (any other), less the time saves
-  held training and the ranks' waits for input.
-- ``recompute``: work past the last committed checkpoint of an attempt that did not finish: the next attempt
-  does it again.
+  attempt) or to the moment its last committed checkpoint's state was taken, or the snapshot in memory the next
+  attempt resumed from (any other), less the time saves held training and the ranks' waits for input.
+- ``recompute``: work past the last committed checkpoint (or snapshot resumed from) of an attempt that did not
+  finish: the next attempt does it again.
 - ``startup``: from the command's start to its first attempt, and from each attempt's start to its first step
   (placement, node actors, the environment, processes, imports, rendezvous), less the waits for nodes and the
   restore; an attempt that did not succeed and showed no step at all is start-up until its failure.
@@ -125,6 +125,9 @@ def _sessions(events: list[RunEvent]) -> list[tuple[float, float, list[_Attempt]
         if isinstance(e, SessionEnded):
             continue
         if isinstance(e, AttemptStarted):
+            if e.resume_from == "memory" and e.resume_state_time is not None and e.attempt - 1 in by_number:
+                # resumed from a snapshot in memory: the work of the attempt before, up to it, was kept
+                by_number[e.attempt - 1].commits.append(e.resume_state_time)
             a = _Attempt(e.attempt, e.time)
             attempts.append(a)
             by_number[e.attempt] = a
