@@ -162,6 +162,10 @@ PATCHES: tuple[Patch, ...] = (
           "do not), for use_gpu/workers_per_node auto on a cluster that autoscales",
           "none public: ray.autoscaler.sdk only requests resources; the v2 sdk's get_cluster_status names node "
           "types once launched, never what they hold"),
+    Patch("ray._private.state.state.get_draining_nodes", _R, Kind.READ, "jobs.driver.attempt, jobs.driver.driver",
+          "the nodes Ray is draining (the autoscaler's or a cloud's preemption) and their deadlines, as Ray Train's "
+          "get_preemption_info reads them: their ranks get a stop notice and the restart avoids them",
+          "none public: ray.train.get_preemption_info reads this inside Ray Train's workers only"),
     Patch("ray._private.services.start_monitor", _R, Kind.READ, "cluster.nodes.autoscaler",
           "the config file the head's autoscaler process was started with (the --autoscaling-config of the command "
           "start_monitor writes), read from /proc on the head: the node types it may start, as it sees them",

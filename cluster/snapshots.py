@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cluster.layout import MANIFEST
 
-__all__ = ["KEEP", "SnapshotPlan", "assemble", "drop_run", "inventory", "keep_peer_part", "node_budget_bytes",
+__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "inventory", "keep_peer_part", "node_budget_bytes",
            "prune", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
@@ -35,6 +35,9 @@ KEEP = 2
 AUTO_MEMORY_SHARE = 0.25
 
 _PART = "rank-{rank}.json"
+# A rank's own parts stay at least this long (within the node's bound): its peer's copies of the same step arrive
+# within it, and a snapshot is whole on the peer only with both.
+COPY_WINDOW_S = 5.0
 
 
 def snapshot_root() -> str:
@@ -170,14 +173,31 @@ def keep_peer_part(node_dir: str, step: int, rank: int, data: dict[str, bytes], 
     return True
 
 
-def prune(base: Path, rank: int, keep: int) -> None:
-    """A rank's parts in ``base``'s ``snap-*`` folders but its newest ``keep``; a folder left empty goes."""
+def prune(base: Path, rank: int, keep: int, window_s: float = 0.0) -> None:
+    """A rank's parts in ``base``'s ``snap-*`` folders but its newest ``keep``, those written in the last
+    ``window_s`` seconds, and those of a step this node keeps a peer's copy of (``peer/snap-<step>``: with it, the
+    snapshot whole when the peer is lost); a folder left empty goes. A copy to the peer starts once the driver hears
+    of a part (a held poll, up to a second), so a node's own parts stay as long as its copies may take to arrive."""
     try:
         steps = sorted(s for s in (_step_of(n, "snap-") for n in os.listdir(base)) if s is not None)
     except OSError:
         return
     held = [s for s in steps if rank in _parts(base / snap_name(s))]
-    old = held[:max(0, len(held) - keep)]
+    try:
+        pinned = {s for s in (_step_of(n, "snap-") for n in os.listdir(base / "peer")) if s is not None}
+    except OSError:
+        pinned = set()
+    now = time.time()
+    old = []
+    for step in held[:max(0, len(held) - keep)]:
+        if step in pinned:
+            continue
+        try:
+            if window_s and now - os.stat(base / snap_name(step) / _PART.format(rank=rank)).st_mtime < window_s:
+                continue
+        except OSError:
+            pass
+        old.append(step)
     for step in old:
         folder = base / snap_name(step)
         part = _parts(folder).get(rank)

@@ -683,6 +683,8 @@ def digits_dies(config: dict) -> dict:
     from train_fn.digits import train
 
     session = get_session()
+    if config.get("uncooperative"):  # a function that never asks session.preempted: a stop notice is raylaunch's
+        session.preempted = lambda accelerator: False
     attempt = session.payload.attempt if session.payload else 0
     if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
         taken = [0]
@@ -693,4 +695,4 @@ def digits_dies(config: dict) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         register_optimizer_step_post_hook(hook)
-    return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank")})
+    return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank", "uncooperative")})

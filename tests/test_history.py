@@ -28,6 +28,7 @@ train_fn: fns:steady
 config: {{steps: 40, every: 10, step_s: 0.1, fail_at: 25, pid_dir: {pids}}}
 scaling: {{num_nodes: 2, workers_per_node: 1}}
 failure: {{max_restarts: 1}}
+checkpoint: {{snapshots: {{every: 0}}}}  # the restart from the commit of step 20 (test_snapshots: from memory)
 storage: {storage}
 """
 
@@ -121,6 +122,7 @@ def test_show_tells_restarts_checkpoints_logs_and_errors(runs):
     out = proc.stdout
     assert "run steady: succeeded" in out
     assert "attempts    2 (restarts 1, preemptions 0)" in out
+    assert "  resumed     attempt 2 from checkpoint 20 (storage)" in out
     # the restart says what it resumes from, and that there is nothing when nothing was committed (#56)
     assert "raylaunch: attempt 1 failed; restarting from checkpoint 20 (1 of 1 restarts)" in runs["said"]["steady"]
     assert ("raylaunch: attempt 1 failed; restarting from the beginning: nothing was committed (1 of 1 restarts)"

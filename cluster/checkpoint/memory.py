@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.snapshots import KEEP, prune, snap_name, used_bytes, write_part_json
+from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, snap_name, used_bytes, write_part_json
 
 __all__ = ["AUTO_SHARE", "MemorySnapshots", "auto_interval"]
 
@@ -56,6 +56,7 @@ class MemorySnapshots:
         self.interval = every or 1  # optimizer steps from one snapshot to the next
         self.taken = 0
         self.last_nbytes = 0  # the size of this rank's latest part
+        self.used = 0  # bytes the node's snapshots held after this rank's latest write
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
 
     def say_once(self, line: str) -> None:
@@ -92,7 +93,10 @@ class MemorySnapshots:
                 self.interval = auto_interval(held, step_s)
         self._last = (now, steps)
         step = self.base + steps
-        used = used_bytes(self.node_dir)
+        used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
+        if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
+            prune(self.node_dir, self.rank, KEEP)
+            used = self.used = used_bytes(self.node_dir)
         if used + self.last_nbytes > self.budget:
             self.say_once(f"raylaunch: snapshots in memory: this node's hold {used / 2**20:.3g} MiB, and one more of "
                           f"{self.last_nbytes / 2**20:.3g} MiB would pass their bound of {self.budget / 2**20:.3g} MiB "
@@ -110,6 +114,7 @@ class MemorySnapshots:
     def _written(self, step: int, folder: str, files: dict[str, dict]) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go."""
         write_part_json(folder, self.rank, step, files)
-        prune(self.node_dir, self.rank, KEEP)
+        prune(self.node_dir, self.rank, KEEP, COPY_WINDOW_S)
+        self.used = used_bytes(self.node_dir)
         self.last_nbytes = sum(int(m.get("size", 0)) for m in files.values())
         self._report(step, self.last_nbytes, self.interval, self._taken_at.pop(step, None))

@@ -355,6 +355,17 @@ class NodeActor:
                 else:
                     out.logs.append((rank, stream, line))
 
+    def stop_notice(self) -> None:
+        """SIGTERM to every local rank, as a spot node's preemption gives it: a function with snapshots (or one that
+        asks ``session.preempted``) stops at a step every rank agrees on, with what it needs to resume from there."""
+        import signal
+
+        for pid in (self._pctx.pids() if self._pctx is not None else {}).values():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> NodePoll:
         """Stop every local rank (SIGKILL: a rank blocked in a collective would not
         answer SIGTERM, and SIGTERM means "preempted" to a cooperative function)."""

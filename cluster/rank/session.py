@@ -29,7 +29,8 @@ from cluster.protocol import (
 from cluster.rank.metric_caps import capped
 from cluster.strategy import Resolved
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "WorkerPayload", "get_session"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "StoppedAtSnapshot", "WorkerPayload",
+           "get_session"]
 
 
 # Outside the runner, the same defaults as the spec's, so a function gives the
@@ -95,6 +96,56 @@ class _DeviceRows:
                 self._rows.task_done()
 
 
+class StoppedAtSnapshot(BaseException):
+    """Raised out of a function's loop (its loader, asked for the next batch) once every rank agreed on a stop notice
+    and the snapshot of that step is written: the rest is the restart's, from there; the worker reports the rank as
+    preempted. A BaseException, as SystemExit is: the training code's ``except Exception`` does not take it."""
+
+
+class _StopAgreement:
+    """When the ranks agree on a stop notice (SIGTERM, a node drained), for a function with snapshots: at steps every
+    rank checks (multiples of ``every`` of the optimizer steps taken in this attempt), one all-reduce of two numbers
+    on a gloo group of its own. Every step for the first ``LEARN`` checks; then every ``every`` steps, so checks are
+    at least ``EVERY_S`` apart at the slowest rank's pace (a preemption's notice is 30 s or more)."""
+
+    LEARN = 8
+    EVERY_S = 0.5
+
+    def __init__(self) -> None:
+        self.every, self.checks = 1, 0
+        self._began: float | None = None
+        self._group: Any = None
+
+    def next_check(self, steps: int) -> int:
+        return steps + self.every - steps % self.every
+
+    def agreed(self, asked: bool) -> bool:
+        """Whether any rank was told to stop (every rank calls it at the same step)."""
+        import math
+
+        import torch
+        import torch.distributed as dist
+
+        if self._began is None:
+            self._began = time.monotonic()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                self._group = dist.new_group(backend="gloo")  # a collective: every rank's first check
+        self.checks += 1
+        learn = self.checks == self.LEARN
+        facts = torch.tensor([1.0 if asked else 0.0,
+                              (time.monotonic() - self._began) / self.checks if learn else 0.0], dtype=torch.float64)
+        if self._group is not None:
+            dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=self._group)
+        if learn:
+            self.every = max(1, min(1000, math.ceil(self.EVERY_S / max(float(facts[1]), 1e-6))))
+        return float(facts[0]) > 0
+
+
+# A rank told to stop whose loop never asks for another batch (it was in its evaluation, or past its last step) ends
+# as SIGTERM ends a process after this many seconds.
+STOP_GRACE_S = 10.0
+
+
 class Session:
     """This process's link to the runner (or to a local folder outside it)."""
 
@@ -130,6 +181,7 @@ class Session:
         self.resumed_step: int | None = None  # the committed checkpoint's step, once handed to a script or Trainer
         self._waits: list[Any] = []  # more writes to wait for before the rank is done (Trainer's checkpoints)
         self.snapshots: Any = None  # this rank's snapshots in memory (``start_snapshots``), when taken
+        self._agreement: _StopAgreement | None = None  # with snapshots: where the ranks agree on a stop notice
         self._meter: Any = None  # the rank's pace meter: the optimizer steps it took
 
     @property
@@ -229,19 +281,55 @@ class Session:
             if made_by_trainer(12) is not None:
                 snaps.stop("a transformers Trainer resumes from its own checkpoint folders, which snapshots do not "
                            "write yet; its committed checkpoints are restored")
+                self._agree_no_more()  # (every rank: the same Trainer) its own callback agrees on a stop notice
             elif models:
                 snaps.accelerator = accelerator
 
         def take(steps: int) -> None:
+            agreement = self._agreement
+            if agreement is not None and steps >= agreement.next_check(steps - 1) and \
+                    agreement.agreed(self._stop_requested):
+                self._stop_at_snapshot(steps)
             try:
-                snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
+                if steps >= snaps.next_due(steps - 1):
+                    snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
             except Exception as exc:  # noqa: BLE001 - never the function's failure: storage's checkpoints remain
                 snaps.stop(f"{type(exc).__name__}: {exc}")
-            pace.SNAPSHOT_AT[0] = snaps.next_due(steps)
+            due = snaps.next_due(steps)
+            if self._agreement is not None:
+                due = min(due, self._agreement.next_check(steps))
+            pace.SNAPSHOT_AT[0] = due
 
         after_prepare("snapshots", prepared)
         pace.SNAPSHOT[:] = [take]
         pace.SNAPSHOT_AT[0] = 1
+        # A stop notice (SIGTERM: a spot node's, or the driver's for a node Ray drains) is agreed by every rank at a
+        # step, whose snapshot every rank writes before it stops: the restart resumes there.
+        self._agreement = _StopAgreement()
+
+    def _agree_no_more(self) -> None:
+        """No more agreement on stop notices here (every rank decides this at the same step): SIGTERM ends the rank
+        again, and one that came meanwhile ends it now (unless the function agrees itself: ``preempted``)."""
+        self._agreement = None
+        if self._stop_requested and not self._cooperative and not self._stopped_for_preemption:
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _stop_at_snapshot(self, steps: int) -> None:
+        """Every rank agreed to stop at this step: its snapshot, taken and written now, then the function ends
+        (``StoppedAtSnapshot``) and the rank is reported preempted."""
+        snaps, checkpoints = self.snapshots, self._checkpoints
+        try:
+            checkpoints.wait_for_upload()  # a write in flight first: this snapshot is not skipped for it
+            snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
+            checkpoints.wait_for_upload()  # written, and reported, before the rank ends
+        except Exception as exc:  # noqa: BLE001 - stopping all the same: the restart resumes from what is there
+            print(f"raylaunch: rank {self.payload.context.world_rank}: the snapshot of the stop notice's step was "
+                  f"not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        self._stopped_for_preemption = True
+        raise StoppedAtSnapshot()
 
     def _steps_agree(self, step: int) -> None:
         """A save's ``step`` against the optimizer steps taken: a function that numbers its saves otherwise (batches,
@@ -254,6 +342,7 @@ class Session:
             snaps.stop(f"the function saved step {step} after {taken} optimizer steps: snapshots count optimizer "
                        "steps (what session.restore returns for one), and its steps count something else. Number "
                        "saves by optimizer steps to have them")
+            self._agree_no_more()  # every rank saves the same steps: they all stop agreeing here
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -342,12 +431,27 @@ class Session:
         one that never does ends as SIGTERM ends a process."""
         import signal
 
-        if not self._cooperative:
+        if not self._cooperative and self._agreement is None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if not self._stop_requested and not self._cooperative:  # agreed at the next check; if none comes, ended
+            timer = threading.Timer(STOP_GRACE_S, self._end_unless_stopped)
+            timer.daemon = True
+            timer.start()
         self._stop_requested = True
         self.emit(PreemptNotice())
+
+    def _end_unless_stopped(self) -> None:
+        """A stop notice no step agreed on within ``STOP_GRACE_S`` (the loop asked for no batch since): the rank ends
+        as SIGTERM ends a process."""
+        if not self._stopped_for_preemption:
+            import signal
+
+            print(f"raylaunch: rank {self.payload.context.world_rank}: no step agreed on the stop notice within "
+                  f"{STOP_GRACE_S:g} s; ending as SIGTERM ends a process", file=sys.stderr, flush=True)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def tracker(self) -> RunnerTracker:
         """Pass to ``Accelerator(log_with=[...])``; ``accelerator.log`` then reaches the driver."""

@@ -74,8 +74,8 @@ def run_worker(payload: WorkerPayload) -> Any:
         rank = payload.context.world_rank
         try:
             result = fn(dict(payload.config)) if script is None else _run_script(session, script, rank)
-        except TrainerStopped:  # every rank agreed to stop and Trainer saved: reported as preempted below
-            if not session.stopped_for_preemption:
+        except (TrainerStopped, runtime.StoppedAtSnapshot):  # every rank agreed to stop and saved (Trainer) or
+            if not session.stopped_for_preemption:  # wrote its snapshot: reported as preempted below
                 raise
             result = None
     session.flush_metrics()  # rows whose values a thread reads off the GPU

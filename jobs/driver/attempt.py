@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, Callable
 
+import ray
+
 from cluster.nodes.group import NodeGroup
 from cluster.nodes.node import NodeInfo
 from cluster.protocol import NodePoll, NodeState, RankFailure
@@ -52,6 +54,8 @@ BOARD_FLUSH_S = 2.0
 WORK_EVERY_S = 5.0
 # How often an elastic run below num_nodes looks for nodes to grow back onto.
 GROW_CHECK_S = 2.0
+# How often the driver asks Ray which nodes it drains (a preemption with a deadline, the autoscaler's scale-down).
+DRAIN_CHECK_S = 1.0
 
 
 class Attempt:
@@ -79,6 +83,8 @@ class Attempt:
         self.grow: WorldSize | None = None  # the larger size seen, grown to at the next committed checkpoint
         self._grow_seen = 0.0  # when nodes to grow onto were first seen
         self.started = self._last_board = self._last_grow_check = self._last_work = time.monotonic()
+        self._last_drain_check = self.started
+        self.drained: dict[int, float] = {}  # node rank -> its drain's deadline (Unix time; 0: none)
         self._max_age_s = ROW_AGE_S if len(group.actors) > FRESH_ROWS_NODES else POLL_HOLD_S
 
     @property
@@ -164,6 +170,9 @@ class Attempt:
                 self.grow, self._grow_seen = seen, time.time()
                 rec.say(f"raylaunch: elastic: nodes came back; growing to {seen.describe()} at the next committed "
                         "checkpoint")
+        if now - self._last_drain_check > DRAIN_CHECK_S:
+            self._last_drain_check = now
+            self._drains()
         if self.grow is not None and a.last_commit is not None and a.last_commit[1] > self._grow_seen:
             self._stop()
             return AttemptOutcome(Outcome.GROW, f"stopped at the checkpoint of step {a.last_commit[0]} to grow to "
@@ -176,6 +185,25 @@ class Attempt:
                 rec.event(w)
             self._last_work = now
         return None
+
+    def _drains(self) -> None:
+        """Nodes of the attempt that Ray began to drain (a preemption with a deadline, what Ray Train's
+        get_preemption_info reads): their ranks get a stop notice (SIGTERM), which every rank agrees on at a step
+        whose snapshot it writes (or a cooperative function's save), and the next attempt goes to other nodes."""
+        try:
+            draining = ray._private.state.state.get_draining_nodes() or {}
+        except Exception:  # noqa: BLE001 - Ray that cannot say: nothing is drained as far as the run knows
+            return
+        for node_rank, info in enumerate(self.group.infos):
+            if info.node_id not in draining or node_rank in self.drained:
+                continue
+            deadline = draining[info.node_id] / 1000.0
+            self.drained[node_rank] = deadline
+            left = f", its deadline in {deadline - time.time():.0f} s" if deadline else ""
+            self.recorder.say(f"raylaunch: node {node_rank} ({info.hostname}, {info.ip}) is being drained by Ray"
+                              f"{left}: its ranks get a stop notice; the run stops at a step every rank agrees on "
+                              "and resumes there on other nodes")
+            self.group.actors[node_rank].stop_notice.remote()
 
     def _stop(self) -> set[int]:
         """Stop every rank on every node, routing what they left to read; the nodes that could not be reached to
@@ -191,8 +219,9 @@ class Attempt:
         a, r = self.state, self.recorder.result
         ended = attempt_ended([], lost_nodes=False, preempted=bool(a.preempted))
         if ended is Outcome.PREEMPTED:
-            return AttemptOutcome(ended, f"preempted: ranks {sorted(a.preempted)} checkpointed within the grace "
-                                         f"period at step {r.last_step} and stopped")
+            return AttemptOutcome(ended, f"preempted: ranks {sorted(a.preempted)} stopped at step {r.last_step} on a "
+                                         "stop notice, with that step saved or snapshotted within the grace period",
+                                  drained=tuple(self.drained))
         # Rank return values are JSON data already (``cluster.rank.worker`` made them so).
         r.return_value = self.returns.get(0)
         r.rank_results = {str(k): v for k, v in sorted(self.returns.items())}
@@ -231,4 +260,4 @@ class Attempt:
         print(f"raylaunch: attempt {self.number} failed:\n{error}", file=sys.stderr, flush=True)
         lost = bool(self.lost)
         return AttemptOutcome(attempt_ended(failures, lost_nodes=lost), error, tuple(self.lost),
-                              fault=blame(failures, lost_nodes=lost), said=True)
+                              fault=blame(failures, lost_nodes=lost), said=True, drained=tuple(self.drained))

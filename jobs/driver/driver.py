@@ -29,6 +29,9 @@ from cluster.train_function import check_entry
 from jobs.driver.attempt import Attempt
 from jobs.driver.hangs import where_ranks_are
 from jobs.driver.memory import MemoryResume, SnapshotBook, run_key
+
+# How long a restart waits for the copies of the last snapshots to their peers still in flight.
+SETTLE_S = 30.0
 from jobs.driver.policy import Action, AttemptOutcome, WorldSize, grow_to, next_step, resize_reason, world_sizes
 from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.driver.record import Recorder, RunResult
@@ -308,6 +311,10 @@ class Driver:
             rec.write_result()
             rec.board.start_attempt(resume_step)
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, resume_step or 0)
+            if self.snapshots is not None and not outcome.ok:
+                # the copies of the last snapshots to their peers, before the nodes are let go (a drained node's
+                # snapshot leaves it here, before its deadline)
+                self.snapshots.settle(SETTLE_S)
             # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
             step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
                              self.spec.timeouts.resize_s, r.infra_restarts)
@@ -332,11 +339,13 @@ class Driver:
         if self.snapshots is None or self.size is None:
             return None
         try:
+            self.snapshots.settle(SETTLE_S)  # the copies of the last snapshots to their peers, in flight
             if self.group is not None:
                 dead = set(self.group.dead_nodes())
                 alive = {i.node_id for n, i in enumerate(self.group.infos) if n not in dead}
             else:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive -= set(ray._private.state.state.get_draining_nodes() or {})  # their memory goes with them
             return self.snapshots.choose(alive, self.size.world_size, committed_step)
         except Exception as exc:  # noqa: BLE001 - storage's checkpoint is still there to resume from
             self._say(f"raylaunch: the snapshots in memory cannot be read ({type(exc).__name__}: {exc}); resuming "

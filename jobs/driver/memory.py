@@ -24,6 +24,8 @@ __all__ = ["MemoryResume", "SnapshotBook", "run_key"]
 
 # How long a restart waits for the nodes to put a snapshot together before it resumes from storage instead.
 ASSEMBLE_S = 120.0
+# The steps of the newest snapshots the book remembers.
+REMEMBER = 256
 
 
 def run_key(name: str, uri: str) -> str:
@@ -108,6 +110,17 @@ class SnapshotBook:
             step, rank = self._waiting.pop(source)
             self._copy(step, rank, source)
 
+    def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the copies to the peers in flight and waiting (after a stop notice: the
+        snapshot of the step the ranks stopped at leaves a drained node before it goes)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        self.poll()
+        while (self._copies or self._waiting) and time.monotonic() < deadline:
+            ray.wait(list(self._copies), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            self.poll()
+
     def _copy(self, step: int, rank: int, source: int) -> None:
         peer = (source + 1) % len(self.nodes)
         src, dst = self.nodes[source], self.nodes[peer]
@@ -116,10 +129,11 @@ class SnapshotBook:
         self._copies[ref] = (step, rank, dst.node_id, source)
 
     def _forget_old(self) -> None:
-        """Steps older than the two newest whole ones are pruned on the nodes: forgotten here too."""
-        whole = [s for s in sorted(self.held) if len(self.held[s]) >= self.world.get(s, 0) > 0]
-        if len(whole) > 2:
-            for step in [s for s in self.held if s < whole[-2]]:
+        """Only the newest ``REMEMBER`` steps are kept in the book (the nodes prune their parts sooner; a part the
+        book names that a node no longer holds fails the assembly, and the restart resumes from storage). The
+        steps whose parts the peers hold lag the nodes' own newest: they must not be forgotten for them."""
+        if len(self.held) > REMEMBER:
+            for step in sorted(self.held)[:len(self.held) - REMEMBER]:
                 del self.held[step]
                 self.world.pop(step, None)
                 self.taken.pop(step, None)

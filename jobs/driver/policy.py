@@ -225,6 +225,7 @@ class AttemptOutcome:
     grow: "WorldSize | None" = None  # GROW: stopped at a committed checkpoint to grow back to this size
     fault: Fault = Fault.CODE
     said: bool = False  # the error was printed in full when the attempt ended
+    drained: tuple[int, ...] = ()  # node ranks Ray is draining: the next attempt needs other nodes
 
     @property
     def ok(self) -> bool:
@@ -267,13 +268,16 @@ def next_step(outcome: AttemptOutcome, attempt: int, restarts: int, preemptions:
         return Step(Action.RESERVE, restarts, preemptions, wait_full_s=max(resize_s, GROW_SETTLE_S),
                     resize_why=GREW, grew=True, infra_restarts=infra_restarts)
     lost = outcome.lost_nodes
-    why = (f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost") if lost else "a failure"
+    why = (f"node{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost") if lost else \
+        (f"node{'s' if len(outcome.drained) > 1 else ''} {', '.join(map(str, outcome.drained))} drained"
+         if outcome.drained else "a failure")
     fault = Fault.INFRA if lost else outcome.fault
     d = decide(outcome.ended, attempt, restarts, preemptions, budgets, fault, infra_restarts)
     if d.action is Action.GIVE_UP:
         return Step(Action.GIVE_UP, d.restarts, d.preemptions, infra_restarts=d.infra_restarts, decision=d)
-    # A lost node's bundle is gone with it: reserve anew, on the nodes that are left or that the cluster adds.
-    return Step(Action.RESERVE if lost else Action.RESTART, d.restarts, d.preemptions, wait_full_s=resize_s,
+    # A lost node's bundle is gone with it (a drained one's soon will be): reserve anew, on the nodes that are left
+    # or that the cluster adds.
+    return Step(Action.RESERVE if lost or outcome.drained else Action.RESTART, d.restarts, d.preemptions, wait_full_s=resize_s,
                 resize_why=why, infra_restarts=d.infra_restarts, decision=d)
 
 
