@@ -142,9 +142,12 @@ def _in_own_pid_namespace() -> list[str]:
     return []
 
 
-def test_a_use_gpu_auto_job_from_zero_gpu_workers_gets_gpu_nodes_from_the_autoscaler():
+def test_a_use_gpu_auto_job_from_zero_gpu_workers_gets_gpu_nodes_from_the_autoscaler(tmp_path):
+    # A home of its own: a ~/.ray/auth_token on this machine (the README's `ray get-auth-token --generate`) turned
+    # token authentication on for the fake head, which its own client, without the mode, was then refused by.
     proc = subprocess.run([*_in_own_pid_namespace(), sys.executable, str(TESTS / "autoscaling_head.py")],
-                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=420)
+                          cwd=ROOT, env={**cli_env(), "HOME": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # the script removed its folder, but a node's last log line can bring it back before the namespace ends
