@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ class MemorySnapshots:
         self.taken = 0
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write
+        self._recent: deque[tuple[float, float]] = deque(maxlen=5)  # (hold, step time) of the latest snapshots
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
 
     def say_once(self, line: str) -> None:
@@ -87,10 +89,12 @@ class MemorySnapshots:
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
-            step_s = (now - self._last[0]) / (steps - self._last[1])
             held = hold_s()
-            if held is not None and step_s > 0:
-                self.interval = auto_interval(held, step_s)
+            if held is not None:  # the medians of the last few: one slow moment of a busy node moves nothing
+                self._recent.append((held, (now - self._last[0]) / (steps - self._last[1])))
+                holds, steps_s = sorted(h for h, _ in self._recent), sorted(s for _, s in self._recent)
+                if steps_s[len(steps_s) // 2] > 0:
+                    self.interval = auto_interval(holds[len(holds) // 2], steps_s[len(steps_s) // 2])
         self._last = (now, steps)
         step = self.base + steps
         used = self.used  # (read by the write's thread: no walk of the folder on the training thread)

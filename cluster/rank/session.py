@@ -27,6 +27,7 @@ from cluster.protocol import (
     SAID_ONCE, CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
 )
 from cluster.rank.metric_caps import capped
+from cluster.rank.stops import StopCheck
 from cluster.strategy import Resolved
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "RunnerTracker", "Session", "StoppedAtSnapshot", "WorkerPayload",
@@ -102,45 +103,6 @@ class StoppedAtSnapshot(BaseException):
     preempted. A BaseException, as SystemExit is: the training code's ``except Exception`` does not take it."""
 
 
-class _StopAgreement:
-    """When the ranks agree on a stop notice (SIGTERM, a node drained), for a function with snapshots: at steps every
-    rank checks (multiples of ``every`` of the optimizer steps taken in this attempt), one all-reduce of two numbers
-    on a gloo group of its own. Every step for the first ``LEARN`` checks; then every ``every`` steps, so checks are
-    at least ``EVERY_S`` apart at the slowest rank's pace (a preemption's notice is 30 s or more)."""
-
-    LEARN = 8
-    EVERY_S = 0.5
-
-    def __init__(self) -> None:
-        self.every, self.checks = 1, 0
-        self._began: float | None = None
-        self._group: Any = None
-
-    def next_check(self, steps: int) -> int:
-        return steps + self.every - steps % self.every
-
-    def agreed(self, asked: bool) -> bool:
-        """Whether any rank was told to stop (every rank calls it at the same step)."""
-        import math
-
-        import torch
-        import torch.distributed as dist
-
-        if self._began is None:
-            self._began = time.monotonic()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                self._group = dist.new_group(backend="gloo")  # a collective: every rank's first check
-        self.checks += 1
-        learn = self.checks == self.LEARN
-        facts = torch.tensor([1.0 if asked else 0.0,
-                              (time.monotonic() - self._began) / self.checks if learn else 0.0], dtype=torch.float64)
-        if self._group is not None:
-            dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=self._group)
-        if learn:
-            self.every = max(1, min(1000, math.ceil(self.EVERY_S / max(float(facts[1]), 1e-6))))
-        return float(facts[0]) > 0
-
-
 # A rank told to stop whose loop never asks for another batch (it was in its evaluation, or past its last step) ends
 # as SIGTERM ends a process after this many seconds.
 STOP_GRACE_S = 10.0
@@ -181,7 +143,7 @@ class Session:
         self.resumed_step: int | None = None  # the committed checkpoint's step, once handed to a script or Trainer
         self._waits: list[Any] = []  # more writes to wait for before the rank is done (Trainer's checkpoints)
         self.snapshots: Any = None  # this rank's snapshots in memory (``start_snapshots``), when taken
-        self._agreement: _StopAgreement | None = None  # with snapshots: where the ranks agree on a stop notice
+        self._agreement: StopCheck | None = None  # with snapshots: where the ranks agree on a stop notice
         self._meter: Any = None  # the rank's pace meter: the optimizer steps it took
 
     @property
@@ -305,7 +267,7 @@ class Session:
         pace.SNAPSHOT_AT[0] = 1
         # A stop notice (SIGTERM: a spot node's, or the driver's for a node Ray drains) is agreed by every rank at a
         # step, whose snapshot every rank writes before it stops: the restart resumes there.
-        self._agreement = _StopAgreement()
+        self._agreement = StopCheck()
 
     def _agree_no_more(self) -> None:
         """No more agreement on stop notices here (every rank decides this at the same step): SIGTERM ends the rank

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -42,13 +41,14 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from cluster.layout import SCRIPT_FOLDER, checkpoint_name
+from cluster.rank.stops import StopCheck
 from cluster.storage_io import is_local, join_uri, open_uri
 
 if TYPE_CHECKING:
     from cluster.protocol import ScriptCall
     from cluster.rank.session import Session
 
-__all__ = ["RunnerCallback", "StopCheck", "TrainerStopped", "install", "made_by_trainer", "owner", "trainer_accumulation"]
+__all__ = ["RunnerCallback", "TrainerStopped", "install", "made_by_trainer", "owner", "trainer_accumulation"]
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -133,45 +133,6 @@ def _callback_class() -> type:
     _Runner.__name__ = _Runner.__qualname__ = "RunnerCallback"
     _CLASS.append(_Runner)
     return _Runner
-
-
-class StopCheck:
-    """When the ranks agree on a stop notice: at steps every rank checks (the same count of steps since training
-    began), one all-reduce of one number each. Every step at first; after ``LEARN`` steps, every ``n`` steps so the
-    checks are at least ``EVERY_S`` apart at the slowest rank's pace (a preemption's notice is 30 s or more)."""
-
-    LEARN = 8
-    EVERY_S = 0.5
-
-    def __init__(self) -> None:
-        self.steps, self.every = 0, 1
-        self._began: float | None = None
-        self._group: Any = None
-
-    def begin(self) -> None:
-        import torch.distributed as dist
-
-        self.steps, self.every, self._began = 0, 1, time.monotonic()
-        if dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # a collective: every rank begins training together
-
-    def due(self) -> bool:
-        self.steps += 1
-        return self.steps % self.every == 0
-
-    def agreed(self, asked: bool) -> bool:
-        """Whether any rank was asked to stop (every rank calls it at the same step)."""
-        import torch
-        import torch.distributed as dist
-
-        learn = self.steps == self.LEARN and self._began is not None
-        facts = torch.tensor([1.0 if asked else 0.0,
-                              (time.monotonic() - self._began) / self.steps if learn else 0.0], dtype=torch.float64)
-        if self._group is not None:
-            dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=self._group)
-        if learn:
-            self.every = max(1, min(1000, math.ceil(self.EVERY_S / max(float(facts[1]), 1e-6))))
-        return float(facts[0]) > 0
 
 
 # This rank's links to the files of a checkpoint it stages, in Trainer's output folder (hidden from Trainer's
