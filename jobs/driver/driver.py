@@ -213,12 +213,12 @@ class Driver:
             r.live = {}
             if self._open is not None:
                 self._end_attempt(Outcome.STOPPED if r.status == RunStatus.STOPPED else Outcome.FAILED)
+            if self.snapshots is not None:  # the run is over: its snapshots leave the nodes' memory
+                try:
+                    self.snapshots.drop(self.group)
+                except Exception as exc:  # noqa: BLE001
+                    self._say(f"raylaunch: the run's snapshots could not be removed from the nodes' memory: {exc}")
             if self.group is not None:
-                if self.snapshots is not None:  # the run is over: its snapshots leave the nodes' memory
-                    try:
-                        self.snapshots.drop(self.group.infos, self.group.actors)
-                    except Exception as exc:  # noqa: BLE001
-                        self._say(f"raylaunch: the run's snapshots could not be removed from the nodes' memory: {exc}")
                 self.group.shutdown()
                 self.group = None
             if self.node_request is not None:

@@ -184,7 +184,29 @@ class SnapshotBook:
                                                    if n.node_id in fetched_from})) + " sent the parts others lacked)")
         return MemoryResume(plan.step, dict(enumerate(paths)), source)
 
-    def drop(self, infos: list[Any], actors: list[Any]) -> None:
-        """Every snapshot of the run on the nodes still there (at the run's end)."""
-        refs = [a.drop_snapshots.remote(f"{i.snapshot_root}/{self.key}") for i, a in zip(infos, actors)]
-        ray.wait(refs, num_returns=len(refs), timeout=30)
+    def drop(self, group: Any) -> None:
+        """Every snapshot of the run on the nodes still there (at the run's end): through the node actors of
+        ``group`` (None: none holds nodes now, after a node lost and no new reservation), and a task pinned to each
+        other node the run used that is still alive."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs, done = [], set()
+        if group is not None:
+            for i, a in zip(group.infos, group.actors):
+                refs.append(a.drop_snapshots.remote(f"{i.snapshot_root}/{self.key}"))
+                done.add(i.node_id)
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for node_id, folder in self.roots.items():
+            if node_id in alive and node_id not in done:
+                refs.append(_drop_run.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+                            .remote(folder.rsplit("/", 1)[0]))
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+
+
+@ray.remote(num_cpus=0)
+def _drop_run(folder: str) -> None:
+    """A run's snapshots on the node this runs on (``cluster.snapshots.drop_run``)."""
+    from cluster.snapshots import drop_run
+
+    drop_run(folder)
