@@ -27,7 +27,7 @@ from pathlib import Path
 from cluster.layout import MANIFEST
 
 __all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "inventory", "keep_peer_part", "node_budget_bytes",
-           "prune", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
+           "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
 KEEP = 2
@@ -49,19 +49,35 @@ def snapshot_root() -> str:
     return os.path.join(chosen, "raylaunch-snapshots")
 
 
+def memory_bytes() -> int:
+    """The memory this node's processes may use: the machine's, or its container's limit (cgroup v2, then v1)
+    when lower (a tmpfs's pages count against it)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+        break
+    return total
+
+
 def node_budget_bytes(memory_mb: float | None, root: str) -> int:
-    """The bytes this node's snapshots may hold: ``memory_mb``, or (None: ``auto``) a quarter of the node's memory,
-    and never more than the free space of the file system holding ``root``."""
+    """The bytes this node's snapshots may hold: ``memory_mb``, or (None: ``auto``) a quarter of the node's (or its
+    container's) memory; and never more than half the room of the file system holding ``root`` (``/dev/shm`` is also
+    what DataLoader workers and NCCL's shared memory use)."""
     if memory_mb is not None:
         budget = int(memory_mb * 2**20)
     else:
-        budget = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * AUTO_MEMORY_SHARE)
+        budget = int(memory_bytes() * AUTO_MEMORY_SHARE)
     probe = Path(root)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
         st = os.statvfs(probe)
-        budget = min(budget, st.f_bavail * st.f_frsize + used_bytes(root))
+        budget = min(budget, (st.f_bavail * st.f_frsize + used_bytes(root)) // 2)
     except OSError:
         pass
     return budget
@@ -204,6 +220,28 @@ def prune(base: Path, rank: int, keep: int, window_s: float = 0.0) -> None:
         if part is None:
             continue
         (folder / _PART.format(rank=rank)).unlink(missing_ok=True)  # first: the part is gone before its files
+        others = {rel for p in _parts(folder).values() for rel in p["files"]}
+        for rel in part["files"]:
+            if rel not in others:
+                (folder / rel).unlink(missing_ok=True)
+        _remove_empty(folder)
+
+
+def prune_from(base: Path, rank: int, step: int) -> None:
+    """A rank's parts of ``step`` and later in ``base``: an earlier attempt's, beyond where this one resumed."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        s = _step_of(name, "snap-")
+        if s is None or s < step:
+            continue
+        folder = base / name
+        part = _parts(folder).get(rank)
+        if part is None:
+            continue
+        (folder / _PART.format(rank=rank)).unlink(missing_ok=True)
         others = {rel for p in _parts(folder).values() for rel in p["files"]}
         for rel in part["files"]:
             if rel not in others:

@@ -111,7 +111,12 @@ def test_a_killed_rank_restarts_the_world_from_the_last_checkpoint(ray_cluster, 
     result = box["result"]
     assert_resumed(tmp_path, "kill", result, step, infra=1)
     restored = result.rank_results["0"]["restored_step"]
-    assert (f"raylaunch: attempt 1 failed outside the training code; restarting from checkpoint {restored} (1 of 3 "
+    # from the checkpoint committed, or from a snapshot in memory taken past it (#59)
+    began = [json.loads(line) for line in (tmp_path / "runs" / "kill" / "events.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "attempt"][-1]
+    where = (f"the snapshot of step {restored} in memory" if began["resume_from"] == "memory" else
+             f"checkpoint {restored}")
+    assert (f"raylaunch: attempt 1 failed outside the training code; restarting from {where} (1 of 3 "
             "infrastructure restarts: failure.max_infra_restarts)") in said.out
     assert not psutil.pid_exists(survivor) and not psutil.pid_exists(victim)
     assert not psutil.pid_exists(rank_pid(tmp_path, 0, attempt=2))

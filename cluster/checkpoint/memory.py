@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, snap_name, used_bytes, write_part_json
+from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, prune_from, snap_name, used_bytes, write_part_json
 
 __all__ = ["AUTO_SHARE", "MemorySnapshots", "auto_interval"]
 
@@ -52,6 +52,9 @@ class MemorySnapshots:
         self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
         self.base = 0  # the step training resumed at: a snapshot's step is this plus the optimizer steps taken
         self.off: str | None = None  # why this rank takes no more snapshots
+        # A save of this attempt numbered as the optimizer steps count (``Session._steps_agree``): until then no
+        # snapshot is taken (one labelled with another count would be resumed at the wrong step)
+        self.confirmed = False
         self._said: set[str] = set()
         self._last: tuple[float, int] | None = None  # (perf_counter, steps) at the last snapshot taken
         self.interval = every or 1  # optimizer steps from one snapshot to the next
@@ -84,8 +87,10 @@ class MemorySnapshots:
     def take(self, steps: int, hold_s: Callable[[], float | None]) -> None:
         """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took); ``hold_s`` reads
         how long the previous one held training, for ``auto``."""
-        if self.off is not None or self.accelerator is None:
+        if self.off is not None or self.accelerator is None or not self.confirmed:
             return
+        if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
+            prune_from(self.node_dir, self.rank, self.base + steps)
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:

@@ -16,7 +16,7 @@ from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose
 from cluster.hosting.rankhost import WarmHost
 from cluster.layout import events_file, flight_recorder_prefix
 from cluster.nodes.connect import node_environment
-from cluster.nodes.node import NodeActor, NodeInfo, RendezvousError
+from cluster.nodes.node import SNAPSHOT_GROUP, NodeActor, NodeInfo, RendezvousError
 from cluster.nodes.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement
 from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
@@ -185,7 +185,9 @@ class NodeGroup:
     ) -> "NodeGroup":
         """Reserve the nodes (``cluster.nodes.placement.reserve``) and start the actors, or raise ``PlacementError``."""
         pg = reserve(placement, timeout_s=timeout_s, can_grow=can_grow, on_wait=on_wait, timeout_name=timeout_name)
-        remote_cls = ray.remote(NodeActor)
+        # Snapshots' parts move on a thread of their own (reading and writing hundreds of MiB takes seconds): a poll,
+        # and the news of a rank's death it carries, never waits behind them.
+        remote_cls = ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1})(NodeActor)
         # Named, so `raylaunch stacks` can reach them from another process on the cluster.
         token = secrets.token_hex(4)
         names = [f"raylaunch-{token}-node{i}" for i in range(placement.num_nodes)]

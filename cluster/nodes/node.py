@@ -37,13 +37,14 @@ from cluster.metric_rows import RowBatcher
 from cluster.protocol import EventKind, NodePoll, NodeState, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 
-__all__ = ["NodeActor", "NodeInfo", "RendezvousError"]
+__all__ = ["SNAPSHOT_GROUP", "NodeActor", "NodeInfo", "RendezvousError"]
 
 # The variables that name the collective backends' socket interface on a node.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-# The actor has no concurrency groups: every call runs on its main thread, one at a time. Ray's task loop wakes
+# The actor's calls run one at a time (but those that move snapshots' parts: a concurrency group of their own,
+# SNAPSHOT_GROUP, so that a poll never waits seconds behind a copy of hundreds of MiB). Ray's task loop wakes
 # that thread every 10 ms to check for signals (its own GIL and timer round trip: 0.0087 cores, measured) except
 # while a call runs there, so a poll held on it keeps the node actor at about 0.006 cores in steady training
 # instead of 0.014 (bench/results.md, the CPU beside the ranks). A call that only looks (``pids``, ``stacks``)
@@ -51,6 +52,8 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # How often a held poll reads the ranks' files (a rank that ends wakes it at once). A poll held for 1 s reads them
 # three times and answers after the full second (it answered after 0.75 s with four reads at 0.25 s).
 POLL_TICK_S = 0.5
+# The concurrency group of the calls that move snapshots' parts (``cluster.snapshots``): a thread of their own.
+SNAPSHOT_GROUP = "snapshots"
 # What ranks report all along, which a held poll gathers: anything else (joined, a checkpoint part, a stop notice)
 # answers at once.
 ROUTINE_EVENTS = frozenset({EventKind.METRICS, EventKind.RESOURCES, EventKind.PACE, EventKind.SNAPSHOT})
@@ -401,17 +404,21 @@ class NodeActor:
 
     # --- snapshots in memory (cluster/checkpoint/memory.py): the driver moves parts from node to node through these
 
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def snapshot_inventory(self, node_dir: str) -> dict[int, dict[int, str]]:
         return memory.inventory(node_dir)
 
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def read_snapshot_part(self, node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
         return memory.read_part(node_dir, step, rank)
 
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def keep_peer_part(self, node_dir: str, step: int, rank: int, data: dict[str, bytes] | None,
                        memory_mb: float | None) -> bool:
         return data is not None and memory.keep_peer_part(node_dir, step, rank, data,
                                                            memory.node_budget_bytes(memory_mb, node_dir))
 
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def assemble_snapshot(self, node_dir: str, step: int, world_size: int, attempt: int, ranks: list[int],
                           *parts: dict[str, bytes] | None) -> str:
         """The snapshot of ``step`` whole in this node's ``restore-<step>``; ``parts``: those of ``ranks``, read from
@@ -420,6 +427,7 @@ class NodeActor:
             raise FileNotFoundError(f"a part of the snapshot of step {step} was no longer held by its node")
         return memory.assemble(node_dir, step, world_size, attempt, dict(zip(ranks, parts)))
 
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def drop_snapshots(self, run_dir: str) -> None:
         memory.drop_run(run_dir)
 

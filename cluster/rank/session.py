@@ -144,6 +144,7 @@ class Session:
         self._waits: list[Any] = []  # more writes to wait for before the rank is done (Trainer's checkpoints)
         self.snapshots: Any = None  # this rank's snapshots in memory (``start_snapshots``), when taken
         self._agreement: StopCheck | None = None  # with snapshots: where the ranks agree on a stop notice
+        self._stopping = False  # every rank agreed to stop: this one is writing its snapshot
         self._meter: Any = None  # the rank's pace meter: the optimizer steps it took
 
     @property
@@ -240,18 +241,34 @@ class Session:
         def prepared(accelerator: Any, models: list[Any]) -> None:
             from cluster.rank.trainer import made_by_trainer
 
+            why = None
             if made_by_trainer(12) is not None:
-                snaps.stop("a transformers Trainer resumes from its own checkpoint folders, which snapshots do not "
-                           "write yet; its committed checkpoints are restored")
-                self._agree_no_more()  # (every rank: the same Trainer) its own callback agrees on a stop notice
+                why = ("a transformers Trainer resumes from its own checkpoint folders, which snapshots do not write "
+                       "yet; its committed checkpoints are restored")
+            elif str(getattr(accelerator, "distributed_type", "")).endswith(("FSDP", "DEEPSPEED", "MEGATRON_LM")):
+                # FSDP's save is a collective (DCP), which ranks deciding on their own could leave one rank in
+                why = "FSDP's, DeepSpeed's and Megatron-LM's states are not snapshotted yet; commits are restored"
+            elif str(getattr(accelerator, "mixed_precision", "no")) == "fp16":
+                # fp16's loss scaler skips the optimizer's step on an overflow: the steps would not be the function's
+                why = "with fp16 the loss scaler skips steps, which snapshots would not count; commits are restored"
+            if why is not None:
+                snaps.stop(why)
+                self._agree_no_more()  # (every rank alike) a stop notice ends the rank, or the code agrees itself
             elif models:
                 snaps.accelerator = accelerator
 
         def take(steps: int) -> None:
             agreement = self._agreement
-            if agreement is not None and steps >= agreement.next_check(steps - 1) and \
-                    agreement.agreed(self._stop_requested):
-                self._stop_at_snapshot(steps)
+            if agreement is not None and steps >= agreement.next_check(steps - 1):
+                try:
+                    stop = agreement.agreed(self._stop_requested)
+                except Exception as exc:  # noqa: BLE001 - its group could not form: a notice ends the rank, as before
+                    print(f"raylaunch: rank {p.context.world_rank}: stop notices are not agreed on ({type(exc).__name__}:"
+                          f" {exc}); a SIGTERM ends the rank", file=sys.stderr, flush=True)
+                    self._agree_no_more()
+                    stop = False
+                if stop:
+                    self._stop_at_snapshot(steps)
             try:
                 if steps >= snaps.next_due(steps - 1):
                     snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
@@ -283,6 +300,7 @@ class Session:
         """Every rank agreed to stop at this step: its snapshot, taken and written now, then the function ends
         (``StoppedAtSnapshot``) and the rank is reported preempted."""
         snaps, checkpoints = self.snapshots, self._checkpoints
+        self._stopping = True  # (the grace timer leaves a rank that is writing its stop's snapshot alone)
         try:
             checkpoints.wait_for_upload()  # a write in flight first: this snapshot is not skipped for it
             snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
@@ -297,14 +315,16 @@ class Session:
         """A save's ``step`` against the optimizer steps taken: a function that numbers its saves otherwise (batches,
         epochs) would be handed a snapshot's step it does not count in, so it gets no snapshots."""
         snaps = self.snapshots
-        if snaps is None or snaps.off is not None:
+        if snaps is None:
             return
         taken = snaps.base + self._meter.steps
-        if step != taken:
-            snaps.stop(f"the function saved step {step} after {taken} optimizer steps: snapshots count optimizer "
-                       "steps (what session.restore returns for one), and its steps count something else. Number "
-                       "saves by optimizer steps to have them")
-            self._agree_no_more()  # every rank saves the same steps: they all stop agreeing here
+        if step == taken:
+            snaps.confirmed = True  # from here this attempt's snapshots may be resumed from
+            return
+        snaps.stop(f"the function saved step {step} after {taken} optimizer steps: snapshots count optimizer steps "
+                   "(what session.restore returns for one), and its steps count something else. Number saves by "
+                   "optimizer steps to have them")
+        self._agree_no_more()  # every rank saves the same steps: they all stop agreeing here
 
     def preempted(self, accelerator: Any) -> bool:
         """True on every rank once any rank was told to stop (SIGTERM: a spot node's notice).
@@ -407,7 +427,7 @@ class Session:
     def _end_unless_stopped(self) -> None:
         """A stop notice no step agreed on within ``STOP_GRACE_S`` (the loop asked for no batch since): the rank ends
         as SIGTERM ends a process."""
-        if not self._stopped_for_preemption:
+        if not self._stopped_for_preemption and not self._stopping:
             import signal
 
             print(f"raylaunch: rank {self.payload.context.world_rank}: no step agreed on the stop notice within "

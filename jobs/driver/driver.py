@@ -311,7 +311,7 @@ class Driver:
             rec.write_result()
             rec.board.start_attempt(resume_step)
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, resume_step or 0)
-            if self.snapshots is not None and not outcome.ok:
+            if self.snapshots is not None and (outcome.lost_nodes or outcome.drained):
                 # the copies of the last snapshots to their peers, before the nodes are let go (a drained node's
                 # snapshot leaves it here, before its deadline)
                 self.snapshots.settle(SETTLE_S)
@@ -339,7 +339,6 @@ class Driver:
         if self.snapshots is None or self.size is None:
             return None
         try:
-            self.snapshots.settle(SETTLE_S)  # the copies of the last snapshots to their peers, in flight
             if self.group is not None:
                 dead = set(self.group.dead_nodes())
                 alive = {i.node_id for n, i in enumerate(self.group.infos) if n not in dead}
@@ -405,7 +404,8 @@ class Driver:
         mtbf_s = books.wall_s / books.failures if books.failures else spec.checkpoint.mtbf_s
 
         snaps = spec.checkpoint.snapshots
-        folders = (self.snapshots.attach(group.infos, group.actors, self.size.world_size if self.size else 0)
+        folders = (self.snapshots.attach(group.infos, group.actors, self.size.world_size if self.size else 0,
+                                         resumed=resume_step)
                    if self.snapshots is not None else {})
         memory = self._memory
 

@@ -66,14 +66,20 @@ class SnapshotBook:
     nodes: list[_Node] = field(default_factory=list)  # the attempt's nodes, by node rank
     roots: dict[str, str] = field(default_factory=dict)  # node id -> the run's folder on it, for every node seen
     _copies: dict[Any, tuple[int, int, str, int]] = field(default_factory=dict)  # ref -> (step, rank, peer, source)
-    _waiting: dict[int, tuple[int, int]] = field(default_factory=dict)  # source node rank -> newest (step, rank)
+    _waiting: dict[int, int] = field(default_factory=dict)  # rank -> the newest step of its part to copy
+    _node_of: dict[int, int] = field(default_factory=dict)  # rank -> its node rank, this attempt
     copied: int = 0  # parts copied to a peer
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its latest part
     every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
     taken: dict[int, float] = field(default_factory=dict)  # step -> when its last rank captured it (Unix time)
 
-    def attach(self, infos: list[Any], actors: list[Any], world_size: int) -> dict[int, str]:
-        """An attempt's nodes (their ``NodeInfo`` and actors, by node rank); returns each one's folder."""
+    def attach(self, infos: list[Any], actors: list[Any], world_size: int, resumed: int | None = None) -> dict[int, str]:
+        """An attempt's nodes (their ``NodeInfo`` and actors, by node rank), of ``world_size`` ranks, resumed at step
+        ``resumed``; returns each one's folder. Parts of another world size, and parts past where it resumed (an
+        earlier attempt's, which its ranks remove), are forgotten."""
+        if resumed is not None:
+            for step in [s for s in self.held if s > resumed or self.world.get(s) != world_size]:
+                self._forget(step)
         self.nodes = [_Node(i.node_id, f"{i.snapshot_root}/{self.key}/{i.node_id}", a) for i, a in zip(infos, actors)]
         for n in self.nodes:
             self.roots[n.node_id] = n.folder
@@ -87,8 +93,9 @@ class SnapshotBook:
         self.taken[step] = max(self.taken.get(step, taken), taken)
         self.world[step] = self._world
         self.nbytes[rank], self.every[rank] = nbytes, every
-        if len(self.nodes) > 1:
-            self._waiting[node_rank] = max(self._waiting.get(node_rank, (step, rank)), (step, rank))
+        if len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones waiting are skipped)
+            self._waiting[rank] = max(self._waiting.get(rank, step), step)
+            self._node_of[rank] = node_rank
         self._forget_old()
         self.poll()
 
@@ -105,10 +112,9 @@ class SnapshotBook:
                 if kept and step in self.held:
                     self.held[step].setdefault(rank, set()).add(peer)
                     self.copied += 1
-        busy = {source for *_, source in self._copies.values()}
-        for source in [s for s in self._waiting if s not in busy]:
-            step, rank = self._waiting.pop(source)
-            self._copy(step, rank, source)
+        busy = {rank for _, rank, _, _ in self._copies.values()}  # one copy in flight a rank
+        for rank in [r for r in self._waiting if r not in busy]:
+            self._copy(self._waiting.pop(rank), rank, self._node_of[rank])
 
     def settle(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the copies to the peers in flight and waiting (after a stop notice: the
@@ -134,9 +140,12 @@ class SnapshotBook:
         steps whose parts the peers hold lag the nodes' own newest: they must not be forgotten for them."""
         if len(self.held) > REMEMBER:
             for step in sorted(self.held)[:len(self.held) - REMEMBER]:
-                del self.held[step]
-                self.world.pop(step, None)
-                self.taken.pop(step, None)
+                self._forget(step)
+
+    def _forget(self, step: int) -> None:
+        self.held.pop(step, None)
+        self.world.pop(step, None)
+        self.taken.pop(step, None)
 
     def choose(self, alive: set[str], world_size: int, after_step: int) -> SnapshotPlan | None:
         """The newest snapshot after ``after_step`` (the last committed checkpoint's) of ``world_size`` whose every
@@ -175,9 +184,6 @@ class SnapshotBook:
         if len(ready) < len(calls):
             raise TimeoutError(f"the nodes did not put the snapshot of step {plan.step} together within {ASSEMBLE_S:g} s")
         paths = ray.get(calls)
-        for node_rank, n in enumerate(self.nodes):  # every node now holds every part of it
-            for r in range(plan.world_size):
-                self.held[plan.step].setdefault(r, set()).add(n.node_id)
         own = all(n.node_id in plan.holders[r] for n in self.nodes for r in range(plan.world_size))
         source = ("memory on each node" if own else
                   "memory (" + ", ".join(sorted({f"node {i}" for i, n in enumerate(self.nodes)
