@@ -92,6 +92,7 @@ class Driver:
         self.snapshots: SnapshotBook | None = None if snaps.every == 0 else SnapshotBook(
             run_key(spec.name, self.run_dir.uri), None if snaps.memory_mb == "auto" else float(snaps.memory_mb))
         self._memory: MemoryResume | None = None  # the attempt's resume from a snapshot, once put together
+        self._lost_ids: set[str] = set()  # the nodes the last attempt lost (their snapshots with them)
 
     @property
     def secrets(self) -> Secrets:
@@ -311,10 +312,12 @@ class Driver:
             rec.write_result()
             rec.board.start_attempt(resume_step)
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, resume_step or 0)
-            if self.snapshots is not None and (outcome.lost_nodes or outcome.drained):
+            if self.snapshots is not None and outcome.drained:
                 # the copies of the last snapshots to their peers, before the nodes are let go (a drained node's
-                # snapshot leaves it here, before its deadline)
+                # snapshot leaves it here, before its deadline; a lost node's never will)
                 self.snapshots.settle(SETTLE_S)
+            # a lost node may still be listed alive (a cut link, until Ray's health checks give up on it): no holder
+            self._lost_ids = {self.group.infos[i].node_id for i in outcome.lost_nodes if i < len(self.group.infos)}
             # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
             step = next_step(outcome, r.attempts, r.restarts, r.preemptions, self.spec.failure,
                              self.spec.timeouts.resize_s, r.infra_restarts)
@@ -345,6 +348,7 @@ class Driver:
             else:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             alive -= set(ray._private.state.state.get_draining_nodes() or {})  # their memory goes with them
+            alive -= self._lost_ids
             return self.snapshots.choose(alive, self.size.world_size, committed_step)
         except Exception as exc:  # noqa: BLE001 - storage's checkpoint is still there to resume from
             self._say(f"raylaunch: the snapshots in memory cannot be read ({type(exc).__name__}: {exc}); resuming "

@@ -23,7 +23,7 @@ from cluster.snapshots import SnapshotPlan
 __all__ = ["MemoryResume", "SnapshotBook", "run_key"]
 
 # How long a restart waits for the nodes to put a snapshot together before it resumes from storage instead.
-ASSEMBLE_S = 120.0
+ASSEMBLE_S = 60.0
 # The steps of the newest snapshots the book remembers.
 REMEMBER = 256
 
