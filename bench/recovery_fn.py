@@ -1,0 +1,130 @@
+"""The recovery bench's training function (bench/recovery.py): an MLP whose state is ``state_mb`` MiB a rank.
+
+``state_mb`` sets the width of a stack of square bias-free layers trained with AdamW (parameters and two moments,
+fp32: 12 bytes a parameter): 576 MiB is 6 layers of 2,896 (50M parameters, as bench/checkpoint_fn.py), the
+issue's size; 0.3 is the bar's tiny case. It trains until ``config["stop_file"]`` exists (rank 0 looks and
+broadcasts, so every rank stops after the same step) or ``max_steps`` are done, and writes what the bench
+measures, the same under every launcher:
+
+- ``<pid_dir>/rank-<R>.pid``: the rank's pid, rewritten by every attempt (the bench kills ranks by it);
+- ``steps_file``, rank 0 only, one JSON line each: ``{"restored": step, "pid", "at"}`` when an attempt has
+  restored (0: from the beginning), ``{"step", "began", "ended", "pid"}`` for each optimizer step,
+  ``{"saved": step, "held_s", "at", "pid"}`` for each save.
+
+The launcher-specific parts come in as ``Hooks``: ``train`` takes raylaunch's session (a save is due when
+``session.checkpoint_due`` says so, i.e. the spec's ``checkpoint.every``, or every ``every`` steps);
+bench/recovery.py passes Ray Train's ``report`` and ``get_checkpoint`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast
+
+from bench.elastic_fn import _append
+from cluster.runtime import get_session
+from train_fn.digits import Progress
+
+__all__ = ["Hooks", "recovery_train", "shape", "train"]
+
+LAYERS = 6
+
+
+def shape(state_mb: float) -> tuple[int, int]:
+    """(width, layers) of a bias-free square MLP whose parameters and AdamW moments take about ``state_mb`` MiB.
+
+    >>> shape(576)
+    (2896, 6)
+    >>> shape(0.3)
+    (66, 6)
+    """
+    width = max(4, round(math.sqrt(state_mb * 2**20 / 12 / LAYERS)))
+    return width, LAYERS
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a launcher gives the function.
+
+    ``due(accelerator, step)`` (every rank, after an optimizer step, the same answer on every rank): save now?
+    ``save(accelerator, model, optimizer, step)`` on every rank; ``restore(accelerator, model, optimizer)``
+    loads the latest checkpoint, if any, and returns its step; ``log(step, loss)`` the launcher's metrics.
+    """
+
+    accelerator_kwargs: dict
+    due: Callable[[Accelerator, int], bool]
+    save: Callable[[Accelerator, Any, Any, int], Any]
+    restore: Callable[[Accelerator, Any, Any], int | None]
+    log: Callable[[int, float], None] = lambda step, loss: None
+
+
+def recovery_train(config: dict, hooks: Hooks) -> dict:
+    accelerator = Accelerator(**hooks.accelerator_kwargs)
+    rank = accelerator.process_index
+    pid_file = Path(config["pid_dir"]) / f"rank-{rank}.pid"
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid_file.with_suffix(".tmp").replace(pid_file)  # whole or absent: the bench reads it at any moment
+    torch.manual_seed(0)
+    width, layers = shape(float(config["state_mb"]))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    progress = Progress()  # the optimizer step, saved with the checkpoint
+    accelerator.register_for_checkpointing(progress)
+    progress.step = hooks.restore(accelerator, model, optimizer) or 0
+    if rank == 0:
+        _append(config["steps_file"], {"restored": progress.step, "pid": os.getpid(), "at": time.time()})
+    step_s, max_steps, batch = float(config.get("step_s", 0.0)), int(config["max_steps"]), int(config.get("batch", 8))
+    while progress.step < max_steps:
+        began = time.time()
+        data = torch.Generator().manual_seed(1000 * progress.step + rank)  # the same batch after any resume
+        loss = model(torch.randn(batch, width, generator=data)).square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step_s:
+            time.sleep(step_s)  # a floor under the tiny model's step, so steps lost count in seconds too
+        progress.step += 1
+        if rank == 0:
+            _append(config["steps_file"], {"step": progress.step, "began": began, "ended": time.time(),
+                                           "pid": os.getpid()})
+        hooks.log(progress.step, loss.item())
+        if hooks.due(accelerator, progress.step):
+            saving = time.perf_counter()
+            hooks.save(accelerator, model, optimizer, progress.step)
+            if rank == 0:
+                _append(config["steps_file"], {"saved": progress.step, "held_s": time.perf_counter() - saving,
+                                               "at": time.time(), "pid": os.getpid()})
+        stop = torch.tensor([float(rank == 0 and os.path.exists(config["stop_file"]))])
+        if accelerator.num_processes > 1:
+            stop = broadcast(stop, from_process=0)
+        if stop.item():
+            break
+    accelerator.end_training()
+    return {"steps": progress.step}
+
+
+def train(config: dict) -> dict:
+    """raylaunch's entry point: a save when the spec's ``checkpoint.every`` says one is due, or every
+    ``config["every"]`` steps; the session keeps the checkpoints (and, with ``checkpoint.snapshots``, the
+    snapshots in memory)."""
+    session = get_session()
+    every = int(config.get("every") or 0)
+
+    def due(accelerator: Accelerator, step: int) -> bool:
+        return session.checkpoint_due(accelerator) or bool(every and step % every == 0)
+
+    return recovery_train(config, Hooks(
+        session.accelerator_kwargs(), due=due,
+        save=lambda accelerator, _model, _optimizer, step: session.save(accelerator, step),
+        restore=lambda accelerator, _model, _optimizer: session.restore(accelerator),
+        log=lambda step, loss: session.log({"loss": loss}, step=step)))
