@@ -68,13 +68,14 @@ bench-elastic: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -m bench.elastic
 
-# Lost work under a schedule of failures (a rank SIGKILLed every T, a node removed every 2T; issue #59): raylaunch
-# with snapshots in memory (skipped, and said, until the spec has checkpoint.snapshots), raylaunch with storage
-# commits only and Ray Train checkpointing to the same storage, interleaved on 2 simulated nodes: steps lost and
-# seconds back to training per failure, goodput, host memory, step time with snapshots on against off; then the
-# bar's case (a few hundred KB of state). About 10 minutes (RECOVERY_STATE_MB=<MiB>, default 144; 576 is the issue's
-# size; RECOVERY_T=<s>, default 30; RECOVERY_FAILURES=<n>, default 3; RECOVERY_REPS; RECOVERY_NODES=4).
-# Writes bench/results-recovery.md.
+# Lost work under a schedule of failures (a rank SIGKILLed every T, a node removed every 2T, then a node drained with
+# a 30-second deadline; issue #59): raylaunch with snapshots in memory (skipped, and said, until the spec has
+# checkpoint.snapshots), raylaunch with storage commits only and Ray Train checkpointing to the same storage,
+# interleaved on 2 simulated nodes: steps lost and seconds back to training per failure, goodput, host memory, step
+# time with snapshots on against off; then the bar's case (a few hundred KB of state). 576 MiB of state a rank; about
+# 10 minutes, 13 with the snapshots arm (RECOVERY_STATE_MB=<MiB>; RECOVERY_T=<s>, default 30; RECOVERY_FAILURES=<n>,
+# default 3; RECOVERY_REPS; RECOVERY_NODES=4; RECOVERY_DRAIN=0 skips the drain; RECOVERY_COMMIT=auto: raylaunch's
+# checkpoint.every: auto). Writes bench/results-recovery.md.
 bench-recovery: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -m bench.recovery

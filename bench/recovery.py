@@ -19,9 +19,16 @@ Arms, interleaved (snapshots, commits, Ray Train; then again with RECOVERY_REPS 
 - **raytrain**: Ray Train V2's ``TorchTrainer``, rank 0 saving the model, the optimizer and the step with
   ``torch.save`` and reporting them (``CheckpointUploadMode.ASYNC``: the upload beside training, its best).
 
-Every arm saves at its best interval for this schedule: Young and Daly's ``sqrt(2 x hold x MTBF)`` with the hold it
-measures (raylaunch's ``checkpoint.every: auto`` with ``checkpoint.mtbf_s``; for Ray Train the same rule in the
-function, rank 0 deciding), the MTBF being the schedule's 2T/3.
+Every arm commits at its best interval for this schedule, by the same rule in the function: Young and Daly's
+``sqrt(2 x C x MTBF)``, C the mean hold of the arm's saves so far, the MTBF the schedule's 2T/3, rank 0 deciding.
+RECOVERY_COMMIT=auto gives raylaunch's arms the spec's ``checkpoint.every: auto`` (with ``checkpoint.mtbf_s``)
+instead: it sizes the interval from the latest save's hold alone, which with asynchronous saves of hundreds of MiB
+on 2 cores swings between a save every second (a hold of milliseconds) and one that waits seconds for the previous
+write.
+
+Then a node drained (RECOVERY_DRAIN=0 leaves it out): ``ray drain-node`` with reason preemption and a 30-second deadline
+(what ``ray.train.get_preemption_info`` reads), a replacement node added at the notice, the drained node removed at
+the deadline; its failure is when training stopped (the node's end, or the run's own restart before it).
 
 Then the bar's case (RECOVERY_TINY=0 skips it): a few hundred KB of state (RECOVERY_TINY_MB, 0.3), a function that
 commits every 20 steps, 0.05 s a step, RECOVERY_TINY_KILLS ranks killed (no node lost), snapshots against commits.
@@ -34,8 +41,9 @@ beside it), host memory (peak RSS of the ranks and of their children, the node a
 if present) and the step time (end to end of consecutive steps, saves included) with snapshots against without,
 paired by repetition. Median and worst case; the ratio to Ray Train's wasted seconds per failure.
 
-Defaults (about 10 minutes on a 2-core machine): RECOVERY_STATE_MB=144, RECOVERY_T=30, RECOVERY_FAILURES=3,
-RECOVERY_REPS=1. The issue's size is RECOVERY_STATE_MB=576 (about 15 minutes with the rest left as they are).
+Defaults: RECOVERY_STATE_MB=576 (the issue's size), RECOVERY_T=30, RECOVERY_FAILURES=3, RECOVERY_REPS=1, the drain;
+about 10 minutes on a 2-core machine with the snapshots arm skipped, about 3 more with it (RECOVERY_STATE_MB=144 and
+RECOVERY_DRAIN=0 for a quicker run).
 Everything (Ray's temporary folders, the runs' storage) lives in one ``tempfile.mkdtemp()`` folder under /tmp,
 removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records and the drivers' output). Writes
 bench/results-recovery.md.
@@ -43,14 +51,13 @@ bench/results-recovery.md.
 
 from __future__ import annotations
 
-import io
 import json
-import math
 import os
 import platform
 import re
 import shutil
 import signal
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -64,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 from bench import elastic  # noqa: E402
 from bench.elastic import _records, _wait_for  # noqa: E402
 
-STATE_MB = float(os.environ.get("RECOVERY_STATE_MB", "144"))
+STATE_MB = float(os.environ.get("RECOVERY_STATE_MB", "576"))
 T = float(os.environ.get("RECOVERY_T", "30"))
 FAILURES = int(os.environ.get("RECOVERY_FAILURES", "3"))
 NODES = int(os.environ.get("RECOVERY_NODES", "2"))
@@ -73,6 +80,9 @@ TINY = os.environ.get("RECOVERY_TINY", "1") != "0"
 TINY_MB = float(os.environ.get("RECOVERY_TINY_MB", "0.3"))
 TINY_KILLS = int(os.environ.get("RECOVERY_TINY_KILLS", "3"))
 TINY_EVERY, TINY_STEP_S, TINY_GAP_S = 20, 0.05, 8.0
+DRAIN = os.environ.get("RECOVERY_DRAIN", "1") != "0"  # a node drained with a deadline after the schedule's failures
+DRAIN_S = 30
+COMMIT = os.environ.get("RECOVERY_COMMIT", "young-daly")  # "auto": raylaunch's checkpoint.every: auto instead
 ARMS = ("snapshots", "commits", "raytrain")
 SETTLE_STEPS = 3  # steps of the next attempt before the next failure may come
 MAX_STEPS = 10**6  # a bound; each job is stopped through its stop file long before
@@ -183,7 +193,7 @@ class Job(elastic.Job):
         self.pid_dir = self.dir / "pids"
         self.config = {**config, "steps_file": str(self.steps_file), "stop_file": str(self.stop_file),
                        "pid_dir": str(self.pid_dir), "max_steps": MAX_STEPS, "scratch": str(self.dir / "scratch")}
-        self.out = io.StringIO()  # raylaunch's driver output
+        self.out = elastic._Stamped()  # raylaunch's driver output, each line with its time
         self.driver = None  # raylaunch's Driver: which node holds which rank
 
     def records(self) -> list[dict]:
@@ -246,27 +256,17 @@ def _raylaunch(job: Job, work: Path, checkpoint: str, overrides: list[str]) -> N
 
 
 def _raytrain_loop(config: dict) -> None:
-    """Each Ray Train worker: the same function, with Ray Train's checkpoints at Young and Daly's interval: rank 0
-    saves the model, the optimizer and the step with ``torch.save`` into a folder of its own and every rank reports
-    (the upload to the run's storage in the background, ``CheckpointUploadMode.ASYNC``); rank 0 decides when the
-    next save is due, from the hold it measured and ``config["mtbf_s"]``; a restart loads the latest with
+    """Each Ray Train worker: the same function, with Ray Train's checkpoints: rank 0 saves the model, the optimizer
+    and the step with ``torch.save`` into a folder of its own and every rank reports (the upload to the run's storage
+    in the background, ``CheckpointUploadMode.ASYNC``); a restart loads the latest with
     ``torch.load(weights_only=True)``."""
     import ray.train
     import torch
-    from accelerate.utils import broadcast
     from ray.train import Checkpoint, CheckpointUploadMode
 
     from bench.recovery_fn import Hooks, recovery_train
 
-    clock = {"last": time.time(), "hold": 1.0}  # a save assumed to hold 1 s until one is measured, as raylaunch's
-
-    def due(accelerator, step: int) -> bool:
-        interval = math.sqrt(2 * clock["hold"] * float(config["mtbf_s"]))
-        now = torch.tensor([float(time.time() - clock["last"] >= interval)])
-        return bool(broadcast(now, from_process=0).item()) if accelerator.num_processes > 1 else bool(now.item())
-
     def save(accelerator, model, optimizer, step: int) -> None:
-        began = time.time()
         checkpoint = None
         if accelerator.is_main_process:
             os.makedirs(config["scratch"], exist_ok=True)
@@ -276,11 +276,9 @@ def _raytrain_loop(config: dict) -> None:
             checkpoint = Checkpoint.from_directory(folder)
         ray.train.report({"step": step}, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                          delete_local_checkpoint_after_upload=True)
-        clock["last"], clock["hold"] = time.time(), time.time() - began
 
     def restore(accelerator, model, optimizer) -> int | None:
         checkpoint = ray.train.get_checkpoint()
-        clock["last"] = time.time()
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as folder:
@@ -289,7 +287,7 @@ def _raytrain_loop(config: dict) -> None:
         optimizer.load_state_dict(state["optimizer"])
         return int(state["step"])
 
-    recovery_train(config, Hooks({}, due=due, save=save, restore=restore))
+    recovery_train(config, Hooks({}, due=lambda _accelerator, _step: False, save=save, restore=restore))
 
 
 def _raytrain(job: Job, work: Path) -> None:
@@ -311,37 +309,55 @@ def _raytrain(job: Job, work: Path) -> None:
     job.start(run)
 
 
-def _inject(job: Job, cluster, kind: str, rank: int, node_args: dict) -> float:
-    """The failure; returns when it was made."""
+def _inject(job: Job, cluster, kind: str, rank: int, node_args: dict) -> tuple[float, float | None]:
+    """The failure: (when it was made, when its notice came: a drain's only)."""
     from cluster.nodes.connect import embedded_node
 
     pid = _wait_for(lambda: job.pid(rank), 60, f"rank {rank}'s pid")
     if kind == "rank":
         at = time.time()
         os.kill(pid, signal.SIGKILL)
-        return at
+        return at, None
     victim = _node_of(cluster, job, rank, pid)
+    notice = None
+    if kind == "drain":  # a cloud preemption through Ray's autoscaler: a drain with a deadline, then the end
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                        "--node-id", victim.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                        "the recovery bench: a preemption", "--deadline-remaining-seconds", str(DRAIN_S)],
+                       check=True, capture_output=True)
+        notice = time.time()
+        cluster.add_node(**embedded_node(**node_args))  # the replacement, which an autoscaler starts on the notice
+        time.sleep(max(0.0, notice + DRAIN_S - time.time()))
     at = time.time()
     cluster.remove_node(victim)
-    cluster.add_node(**embedded_node(**node_args))  # the run goes on at its size
-    return at
+    if kind == "node":
+        cluster.add_node(**embedded_node(**node_args))  # the run goes on at its size
+    return at, notice
 
 
-def _failure(job: Job, kind: str, rank: int, at: float) -> dict:
-    """What one failure cost, from the steps file, once the next attempt trains again."""
-    again = _wait_for(lambda: job.training_again(at), 600, f"{job.arm}: training again after a {kind} failure",
-                      job.ended)
+def _failure(job: Job, kind: str, rank: int, at: float, notice: float | None = None) -> dict:
+    """What one failure cost, from the steps file, once the next attempt trains again. A drain's failure is when
+    training stopped: the node's end, or the end of the last step before the run restarted on its own."""
+    again = _wait_for(lambda: job.training_again(notice or at), 600,
+                      f"{job.arm}: training again after a {kind} failure", job.ended)
     records = job.records()
-    before = [r for r in records if "step" in r and r["ended"] <= at]
-    last = max(before, key=lambda r: r["ended"])["step"] if before else 0
+    cut = min(at, again["restored"]["at"])
+    before = [r for r in records if "step" in r and r["ended"] <= cut]
+    last = max(before, key=lambda r: r["ended"]) if before else None
+    if kind == "drain" and last is not None:
+        at = last["ended"]
     resumed = again["restored"]["restored"]
     # the work since the state it resumed from was taken: the end of that step, the last time it was done
     made = [r["ended"] for r in before if r["step"] == resumed]
     first_began = min((r["began"] for r in records if "step" in r), default=at)
     lost_s = at - (max(made) if made else first_began)
-    return {"kind": kind, "rank": rank, "at": at, "last_step": last, "resumed": resumed, "steps_lost": last - resumed,
-            "lost_s": lost_s, "to_training_s": again["first"]["began"] - at,
-            "to_step_s": again["first"]["ended"] - at, "wasted_s": lost_s + again["first"]["began"] - at}
+    out = {"kind": kind, "rank": rank, "at": at, "last_step": last["step"] if last else 0, "resumed": resumed,
+           "steps_lost": (last["step"] if last else 0) - resumed, "lost_s": lost_s,
+           "to_training_s": again["first"]["began"] - at, "to_step_s": again["first"]["ended"] - at,
+           "wasted_s": lost_s + again["first"]["began"] - at}
+    if notice is not None:
+        out["stopped_after_notice_s"] = at - notice
+    return out
 
 
 def _cycles(records: list[dict]) -> list[float]:
@@ -373,8 +389,8 @@ def run_arm(case: str, arm: str, rep: int, cluster, work: Path, node_args: dict,
         row["start_s"] = since - began
         for kind, rank in failures:
             _wait_for(lambda: time.time() >= since + gap_s, gap_s + 5, "the next failure's time", job.ended)
-            at = _inject(job, cluster, kind, rank, node_args)
-            f = _failure(job, kind, rank, at)
+            at, notice = _inject(job, cluster, kind, rank, node_args)
+            f = _failure(job, kind, rank, at, notice)
             row["failures"].append(f)
             print(json.dumps({"arm": arm, "case": case, **{k: v for k, v in f.items() if k != "at"}}), flush=True)
             since = f["at"] + f["to_training_s"]
@@ -444,9 +460,13 @@ def report(rows: list[dict], meta: dict) -> str:
              f"{NODES} simulated nodes (`ray.cluster_utils.Cluster`, 1 CPU each), one rank a node, CPU, gloo; "
              f"{meta['state_mb']:.0f} MiB of state a rank ({meta['width']} x {meta['width']} x 6 layers, AdamW, fp32). "
              f"A failure every {2 * T / 3:.0f} s of training (T = {T:g} s: a rank SIGKILLed every T, a node removed "
-             f"every 2T, on average), {FAILURES} an arm, in the order rank, rank, node; {REPS} repetition(s), the arms "
-             f"interleaved. Every arm saves at Young and Daly's interval for a failure every {2 * T / 3:.0f} s "
-             "with the hold it measures. Median (worst):", ""]
+             f"every 2T, on average), {FAILURES} an arm, in the order rank, rank, node"
+             + (f", then a node drained with a {DRAIN_S} s deadline (a replacement added at the notice)" if DRAIN else "")
+             + f"; {REPS} repetition(s), the arms "
+             f"interleaved. Every arm commits at Young and Daly's interval for a failure every {2 * T / 3:.0f} s "
+             + ("from the mean hold of its saves (the function's rule, the same for every arm)" if COMMIT != "auto"
+                else "(raylaunch's arms: `checkpoint.every: auto`; Ray Train: the function's rule, from the mean hold "
+                     "of its saves)") + ". Median (worst):", ""]
     for note in meta["skipped"]:
         lines += [f"- {note}"]
     if meta["skipped"]:
@@ -459,9 +479,15 @@ def report(rows: list[dict], meta: dict) -> str:
     row("steps lost per failure", lambda a: _fmt(_of(rows, "big", a, "steps_lost"), 0))
     row("... a rank killed", lambda a: _fmt(_of(rows, "big", a, "steps_lost", "rank"), 0))
     row("... a node lost", lambda a: _fmt(_of(rows, "big", a, "steps_lost", "node"), 0))
+    if DRAIN:
+        row(f"... a node drained ({DRAIN_S} s deadline)", lambda a: _fmt(_of(rows, "big", a, "steps_lost", "drain"), 0))
+        row("... ... training stopped, seconds after the notice", lambda a: _fmt(
+            _of(rows, "big", a, "stopped_after_notice_s", "drain")))
     row("failure -> training again (s)", lambda a: _fmt(_of(rows, "big", a, "to_training_s")))
     row("... a rank killed", lambda a: _fmt(_of(rows, "big", a, "to_training_s", "rank")))
     row("... a node lost", lambda a: _fmt(_of(rows, "big", a, "to_training_s", "node")))
+    if DRAIN:
+        row("... a node drained", lambda a: _fmt(_of(rows, "big", a, "to_training_s", "drain")))
     row("work lost per failure (s)", lambda a: _fmt(_of(rows, "big", a, "lost_s")))
     row("wasted per failure: lost work + back to training (s)", lambda a: _fmt(_of(rows, "big", a, "wasted_s")))
 
@@ -632,11 +658,13 @@ def main() -> int:
     skipped = []
     if unknown:
         skipped.append(f"**snapshots: skipped**: the spec does not know `{SNAPSHOTS_KEY}` yet ({unknown}); the "
-                       "commits arm runs as the function committing at `checkpoint.every: auto`.")
+                       "commits arm is the function committing on its own, with no snapshot key.")
     arms = [a for a in ARMS if not (a == "snapshots" and unknown)]
     mtbf_s = 2 * T / 3
-    big = {"state_mb": STATE_MB, "mtbf_s": mtbf_s}
-    every = f"{{keep: 2, every: auto, mtbf_s: {mtbf_s:g}}}"
+    if COMMIT == "auto":  # raylaunch's own interval for its arms (Ray Train keeps the function's)
+        big, every = {"state_mb": STATE_MB}, f"{{keep: 2, every: auto, mtbf_s: {mtbf_s:g}}}"
+    else:
+        big, every = {"state_mb": STATE_MB, "mtbf_s": mtbf_s}, "{keep: 2}"
     no_snapshots = [] if unknown else [f"{SNAPSHOTS_KEY}=0"]
     node_args = {"num_cpus": 1, "temp_dir": str(work / "ray")}
     cluster, rows = None, []
@@ -649,7 +677,9 @@ def main() -> int:
         for rep in range(REPS):
             for arm in arms:
                 overrides = [f"{SNAPSHOTS_KEY}=auto"] if arm == "snapshots" else no_snapshots
-                rows.append(run_arm("big", arm, rep, cluster, work, node_args, schedule(FAILURES), mtbf_s, big, every,
+                failures = schedule(FAILURES) + ([("drain", 1)] if DRAIN else [])
+                config = {**big, "mtbf_s": mtbf_s} if arm == "raytrain" else big
+                rows.append(run_arm("big", arm, rep, cluster, work, node_args, failures, mtbf_s, config, every,
                                     overrides))
                 _check_nodes(ray)
         if TINY:

@@ -11,9 +11,14 @@ measures, the same under every launcher:
   restored (0: from the beginning), ``{"step", "began", "ended", "pid"}`` for each optimizer step,
   ``{"saved": step, "held_s", "at", "pid"}`` for each save.
 
-The launcher-specific parts come in as ``Hooks``: ``train`` takes raylaunch's session (a save is due when
-``session.checkpoint_due`` says so, i.e. the spec's ``checkpoint.every``, or every ``every`` steps);
-bench/recovery.py passes Ray Train's ``report`` and ``get_checkpoint`` instead.
+When to save is the function's, the same rule under every launcher: every ``every`` steps when the config says so;
+with ``mtbf_s``, Young and Daly's interval ``sqrt(2 x C x mtbf_s)`` seconds, C the mean of the holds measured so far
+(a save assumed to hold 1 s until one is measured; a save that waits for the previous one's background write holds
+that wait too), rank 0 deciding; and whenever the launcher's own ``due`` says so (raylaunch:
+``session.checkpoint_due``, i.e. the spec's ``checkpoint.every``).
+
+The launcher-specific parts come in as ``Hooks``: ``train`` takes raylaunch's session; bench/recovery.py passes Ray
+Train's ``report`` and ``get_checkpoint`` instead.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def shape(state_mb: float) -> tuple[int, int]:
 class Hooks:
     """What a launcher gives the function.
 
-    ``due(accelerator, step)`` (every rank, after an optimizer step, the same answer on every rank): save now?
+    ``due(accelerator, step)`` (every rank, after an optimizer step, the same answer on every rank): the launcher's
+    own rule says save now?
     ``save(accelerator, model, optimizer, step)`` on every rank; ``restore(accelerator, model, optimizer)``
     loads the latest checkpoint, if any, and returns its step; ``log(step, loss)`` the launcher's metrics.
     """
@@ -84,6 +90,16 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
     if rank == 0:
         _append(config["steps_file"], {"restored": progress.step, "pid": os.getpid(), "at": time.time()})
     step_s, max_steps, batch = float(config.get("step_s", 0.0)), int(config["max_steps"]), int(config.get("batch", 8))
+    every, mtbf_s, holds, last_save = int(config.get("every") or 0), config.get("mtbf_s"), [], time.time()
+
+    def due(step: int) -> bool:
+        mine = bool(every and step % every == 0)
+        if mtbf_s:
+            interval = math.sqrt(2 * (sum(holds) / len(holds) if holds else 1.0) * float(mtbf_s))
+            now = torch.tensor([float(mine or time.time() - last_save >= interval)])
+            mine = bool((broadcast(now, from_process=0) if accelerator.num_processes > 1 else now).item())
+        return hooks.due(accelerator, step) or mine
+
     while progress.step < max_steps:
         began = time.time()
         data = torch.Generator().manual_seed(1000 * progress.step + rank)  # the same batch after any resume
@@ -98,12 +114,14 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
             _append(config["steps_file"], {"step": progress.step, "began": began, "ended": time.time(),
                                            "pid": os.getpid()})
         hooks.log(progress.step, loss.item())
-        if hooks.due(accelerator, progress.step):
+        if due(progress.step):
             saving = time.perf_counter()
             hooks.save(accelerator, model, optimizer, progress.step)
+            holds.append(time.perf_counter() - saving)
+            last_save = time.time()
             if rank == 0:
-                _append(config["steps_file"], {"saved": progress.step, "held_s": time.perf_counter() - saving,
-                                               "at": time.time(), "pid": os.getpid()})
+                _append(config["steps_file"], {"saved": progress.step, "held_s": holds[-1], "at": last_save,
+                                               "pid": os.getpid()})
         stop = torch.tensor([float(rank == 0 and os.path.exists(config["stop_file"]))])
         if accelerator.num_processes > 1:
             stop = broadcast(stop, from_process=0)
@@ -114,17 +132,11 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
 
 
 def train(config: dict) -> dict:
-    """raylaunch's entry point: a save when the spec's ``checkpoint.every`` says one is due, or every
-    ``config["every"]`` steps; the session keeps the checkpoints (and, with ``checkpoint.snapshots``, the
-    snapshots in memory)."""
+    """raylaunch's entry point: the session keeps the checkpoints (and, with ``checkpoint.snapshots``, the snapshots
+    in memory); a save is also due when the spec's ``checkpoint.every`` says so."""
     session = get_session()
-    every = int(config.get("every") or 0)
-
-    def due(accelerator: Accelerator, step: int) -> bool:
-        return session.checkpoint_due(accelerator) or bool(every and step % every == 0)
-
     return recovery_train(config, Hooks(
-        session.accelerator_kwargs(), due=due,
+        session.accelerator_kwargs(), due=lambda accelerator, _step: session.checkpoint_due(accelerator),
         save=lambda accelerator, _model, _optimizer, step: session.save(accelerator, step),
         restore=lambda accelerator, _model, _optimizer: session.restore(accelerator),
         log=lambda step, loss: session.log({"loss": loss}, step=step)))
