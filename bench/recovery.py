@@ -13,9 +13,10 @@ the node that runs rank 1 (then rank 0), and a node is added back at once so the
 
 Arms, interleaved (snapshots, commits, Ray Train; then again with RECOVERY_REPS > 1):
 
-- **snapshots**: raylaunch with ``checkpoint.snapshots.every=auto`` (issue #59). Until the spec knows that key
-  (``load_spec_text`` rejects it), the arm is skipped and the results say so.
-- **commits**: raylaunch with storage commits only (``checkpoint.snapshots.every=0`` once the key exists).
+- **snapshots**: raylaunch with ``checkpoint.snapshots.every=auto`` (issue #59: each rank's state in its node's
+  memory every k optimizer steps, copied to a peer node). Where the spec does not know that key (``load_spec_text``
+  rejects it), the arm is skipped and the results say so.
+- **commits**: raylaunch with storage commits only (``checkpoint.snapshots.every=0``).
 - **raytrain**: Ray Train V2's ``TorchTrainer``, rank 0 saving the model, the optimizer and the step with
   ``torch.save`` and reporting them (``CheckpointUploadMode.ASYNC``: the upload beside training, its best).
 
@@ -54,7 +55,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -87,7 +87,6 @@ ARMS = ("snapshots", "commits", "raytrain")
 SETTLE_STEPS = 3  # steps of the next attempt before the next failure may come
 MAX_STEPS = 10**6  # a bound; each job is stopped through its stop file long before
 SNAPSHOTS_KEY = "checkpoint.snapshots.every"
-SHM = Path("/dev/shm/raylaunch-snapshots")
 SPEC = """
 name: {name}
 train_fn: bench.recovery_fn:train
@@ -120,12 +119,15 @@ def schedule(count: int) -> list[tuple[str, int]]:
 class Memory:
     """Peak resident memory, sampled every second while a job runs: the ranks (by their pid files), their children
     (a checkpoint writer), raylaunch's warm rank hosts (the ranks' parents), the node actors of this cluster, and
-    what /dev/shm/raylaunch-snapshots grew by since the job started
-    (machine-wide: another run on the machine counts in it)."""
+    the run's snapshots in memory (its folder under /dev/shm/raylaunch-snapshots), in all and on the fullest node."""
 
-    def __init__(self, pid_dir: Path, cluster) -> None:
+    def __init__(self, pid_dir: Path, cluster, run: str) -> None:
+        from cluster.snapshots import snapshot_root
+
         self.pid_dir, self.cluster = pid_dir, cluster
-        self.shm_before_mb = self._shm_mb()
+        self.run = run
+        self.root = Path(snapshot_root())
+        self.shm_node_mb = 0.0
         self.rank_mb = self.children_mb = self.ranks_total_mb = self.hosts_mb = self.actors_mb = self.shm_mb = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -158,12 +160,14 @@ class Memory:
             except (psutil.Error, KeyError, IndexError):
                 continue
         self.actors_mb = max(self.actors_mb, actors)
-        self.shm_mb = max(self.shm_mb, self._shm_mb() - self.shm_before_mb)
+        # the run's snapshots: <root>/<run name>-<digest>/<node id>/ (cluster/snapshots.py), each node's and in all
+        nodes = [self._mb(node) for run in self.root.glob(f"{self.run}-*") for node in run.iterdir() if node.is_dir()]
+        self.shm_mb, self.shm_node_mb = max(self.shm_mb, sum(nodes)), max([self.shm_node_mb, *nodes])
 
     @staticmethod
-    def _shm_mb() -> float:
+    def _mb(root: Path) -> float:
         size = 0
-        for folder, _, files in os.walk(SHM):
+        for folder, _, files in os.walk(root):
             for name in files:
                 try:
                     size += os.stat(os.path.join(folder, name)).st_blocks * 512
@@ -180,7 +184,8 @@ class Memory:
         self._thread.join()
         return {"rank_peak_mb": self.rank_mb, "children_peak_mb": self.children_mb,
                 "ranks_total_peak_mb": self.ranks_total_mb, "hosts_peak_mb": self.hosts_mb,
-                "actors_peak_mb": self.actors_mb, "shm_peak_mb": self.shm_mb}
+                "actors_peak_mb": self.actors_mb, "shm_peak_mb": self.shm_mb,
+                "shm_node_peak_mb": self.shm_node_mb}
 
 
 class Job(elastic.Job):
@@ -378,7 +383,7 @@ def run_arm(case: str, arm: str, rep: int, cluster, work: Path, node_args: dict,
     """One arm under the schedule: start, a failure every ``gap_s`` of training, stop; its row."""
     job = Job(case, arm, rep, work, config)
     row: dict = {"case": case, "arm": arm, "rep": rep, "failures": []}
-    memory = Memory(job.pid_dir, cluster)
+    memory = Memory(job.pid_dir, cluster, job.name)
     began = time.time()
     try:
         if arm == "raytrain":
@@ -420,13 +425,11 @@ def run_arm(case: str, arm: str, rep: int, cluster, work: Path, node_args: dict,
         events = _records(work / "runs" / job.name / "events.jsonl")
         row["restored_events"] = [e.get("step") for e in events if e.get("kind") == "restored"]
         row["resume_steps"] = [e.get("resume_step") for e in events if e.get("kind") == "attempt"]
-        said = [v for m in _records(work / "runs" / job.name / "metrics.jsonl") for k, v in m.items()
-                if "snapshot" in k and k.endswith("_mb") and isinstance(v, (int, float))]
-        row["snapshot_mb"] = max(said) if said else None
+        row["resume_from"] = [e.get("resume_from") for e in events if e.get("kind") == "attempt"]
+        book = getattr(job.driver, "snapshots", None)  # the driver's book of snapshots: each rank's interval and size
+        row["k"] = max(book.every.values()) if book is not None and book.every else None
+        row["snapshot_mb"] = max(book.nbytes.values()) / 2**20 if book is not None and book.nbytes else None
         (job.dir / "driver.log").write_text(job.out.getvalue())
-        # the snapshot interval `auto` chose, if the driver says it (a line such as "... a snapshot every 4 steps")
-        said_k = re.findall(r"snapshots?\b[^\n]*? every (\d+) (?:optimizer )?steps?", job.out.getvalue())
-        row["k"] = max(int(x) for x in said_k) if said_k else None
     return row
 
 
@@ -461,7 +464,8 @@ def report(rows: list[dict], meta: dict) -> str:
              f"{meta['state_mb']:.0f} MiB of state a rank ({meta['width']} x {meta['width']} x 6 layers, AdamW, fp32). "
              f"A failure every {2 * T / 3:.0f} s of training (T = {T:g} s: a rank SIGKILLed every T, a node removed "
              f"every 2T, on average), {FAILURES} an arm, in the order rank, rank, node"
-             + (f", then a node drained with a {DRAIN_S} s deadline (a replacement added at the notice)" if DRAIN else "")
+             + (f", then a node drained with a {DRAIN_S} s deadline (a replacement added at the notice)" if DRAIN
+                else "")
              + f"; {REPS} repetition(s), the arms "
              f"interleaved. Every arm commits at Young and Daly's interval for a failure every {2 * T / 3:.0f} s "
              + ("from the mean hold of its saves (the function's rule, the same for every arm)" if COMMIT != "auto"
@@ -521,9 +525,12 @@ def report(rows: list[dict], meta: dict) -> str:
     row("... raylaunch's warm rank hosts together (the ranks' parents, MiB)",
         lambda a: _fmt([r["memory"]["hosts_peak_mb"] for r in big(a)], 0))
     row("... the node actors together (MiB)", lambda a: _fmt([r["memory"]["actors_peak_mb"] for r in big(a)], 0))
-    row(f"... {SHM}, grown by (MiB)", lambda a: _fmt([r["memory"]["shm_peak_mb"] for r in big(a)], 0))
-    row("... the largest `*snapshot*_mb` a metrics row said (MiB)", lambda a: ", ".join(
-        f"{r['snapshot_mb']:.0f}" for r in big(a) if r.get("snapshot_mb") is not None) or "-")
+    row("... the run's snapshots in memory, every node's together (MiB)",
+        lambda a: _fmt([r["memory"]["shm_peak_mb"] for r in big(a)], 0))
+    row("... ... on the fullest node: its ranks' and its peer's copies (MiB)",
+        lambda a: _fmt([r["memory"]["shm_node_peak_mb"] for r in big(a)], 0))
+    row("snapshots: every k optimizer steps (k at the end, per rank); a rank's part (MiB)", lambda a: "; ".join(
+        f"{r['k']}; {r['snapshot_mb']:.0f}" for r in big(a) if r.get("k")) or "-")
     row("job start -> first step (s)", lambda a: _fmt([r["start_s"] for r in big(a) if "start_s" in r]))
     errors = [r for r in rows if r.get("error")]
     lines.append("")
@@ -612,7 +619,8 @@ def report(rows: list[dict], meta: dict) -> str:
                            f"{f['lost_s']:.1f} + {f['to_training_s']:.1f} = {f['wasted_s']:.1f}" for f in r["failures"])
         extra = ""
         if r.get("restored_events") is not None:
-            extra = f" (events.jsonl: restored {r['restored_events']}, attempts resumed from {r['resume_steps']})"
+            extra = (f" (events.jsonl: restored {r['restored_events']}, attempts resumed from {r['resume_steps']}, "
+                     f"from {r.get('resume_from')})")
         lines.append(f"- {r['case']} {r['arm']} rep {r['rep']}: {detail or 'none'}{extra}"
                      + (f". ERROR: {r['error']}" if r.get("error") else ""))
     lines += ["", *NOTES, ""]

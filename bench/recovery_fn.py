@@ -83,13 +83,18 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
     width, layers = shape(float(config["state_mb"]))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    step_s, max_steps, batch = float(config.get("step_s", 0.0)), int(config["max_steps"]), int(config.get("batch", 8))
+    # Batches through a prepared loader, as a real function reads them: raylaunch puts its position back on a resume
+    # and takes its snapshots where the next batch is asked for after an optimizer step (cluster/rank/pace.py).
+    inputs = torch.randn(64 * batch * accelerator.num_processes, width, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), batch_size=batch, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     progress = Progress()  # the optimizer step, saved with the checkpoint
     accelerator.register_for_checkpointing(progress)
     progress.step = hooks.restore(accelerator, model, optimizer) or 0
     if rank == 0:
         _append(config["steps_file"], {"restored": progress.step, "pid": os.getpid(), "at": time.time()})
-    step_s, max_steps, batch = float(config.get("step_s", 0.0)), int(config["max_steps"]), int(config.get("batch", 8))
     every, mtbf_s, holds, last_save = int(config.get("every") or 0), config.get("mtbf_s"), [], time.time()
 
     def due(step: int) -> bool:
@@ -100,33 +105,35 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
             mine = bool((broadcast(now, from_process=0) if accelerator.num_processes > 1 else now).item())
         return hooks.due(accelerator, step) or mine
 
-    while progress.step < max_steps:
-        began = time.time()
-        data = torch.Generator().manual_seed(1000 * progress.step + rank)  # the same batch after any resume
-        loss = model(torch.randn(batch, width, generator=data)).square().mean()
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        if step_s:
-            time.sleep(step_s)  # a floor under the tiny model's step, so steps lost count in seconds too
-        progress.step += 1
-        if rank == 0:
-            _append(config["steps_file"], {"step": progress.step, "began": began, "ended": time.time(),
-                                           "pid": os.getpid()})
-        hooks.log(progress.step, loss.item())
-        if due(progress.step):
-            saving = time.perf_counter()
-            hooks.save(accelerator, model, optimizer, progress.step)
-            holds.append(time.perf_counter() - saving)
-            last_save = time.time()
+    stop = False
+    while progress.step < max_steps and not stop:
+        for (x,) in loader:
+            began = time.time()
+            loss = model(x).square().mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step_s:
+                time.sleep(step_s)  # a floor under the tiny model's step, so steps lost count in seconds too
+            progress.step += 1
             if rank == 0:
-                _append(config["steps_file"], {"saved": progress.step, "held_s": holds[-1], "at": last_save,
+                _append(config["steps_file"], {"step": progress.step, "began": began, "ended": time.time(),
                                                "pid": os.getpid()})
-        stop = torch.tensor([float(rank == 0 and os.path.exists(config["stop_file"]))])
-        if accelerator.num_processes > 1:
-            stop = broadcast(stop, from_process=0)
-        if stop.item():
-            break
+            hooks.log(progress.step, loss.item())
+            if due(progress.step):
+                saving = time.perf_counter()
+                hooks.save(accelerator, model, optimizer, progress.step)
+                holds.append(time.perf_counter() - saving)
+                last_save = time.time()
+                if rank == 0:
+                    _append(config["steps_file"], {"saved": progress.step, "held_s": holds[-1], "at": last_save,
+                                                   "pid": os.getpid()})
+            flag = torch.tensor([float(rank == 0 and os.path.exists(config["stop_file"]))])
+            if accelerator.num_processes > 1:
+                flag = broadcast(flag, from_process=0)
+            stop = bool(flag.item())
+            if stop or progress.step >= max_steps:
+                break
     accelerator.end_training()
     return {"steps": progress.step}
 
