@@ -69,7 +69,7 @@ bench-elastic: install
 	$(BIN)/python -m bench.elastic
 
 # Lost work under a schedule of failures (a rank SIGKILLed every T, a node removed every 2T, then a node drained with
-# a 30-second deadline; issue #59): raylaunch with snapshots in memory (skipped, and said, until the spec has
+# a 30-second deadline; issue #59): raylaunch with snapshots in memory (skipped, and said, where the spec lacks
 # checkpoint.snapshots), raylaunch with storage commits only and Ray Train checkpointing to the same storage,
 # interleaved on 2 simulated nodes: steps lost and seconds back to training per failure, goodput, host memory, step
 # time with snapshots on against off; then the bar's case (a few hundred KB of state). 576 MiB of state a rank; about
