@@ -73,7 +73,7 @@ bench-elastic: install
 # checkpoint.snapshots), raylaunch with storage commits only and Ray Train checkpointing to the same storage,
 # interleaved on 2 simulated nodes: steps lost and seconds back to training per failure, goodput, host memory, step
 # time with snapshots on against off; then the bar's case (a few hundred KB of state). 576 MiB of state a rank; about
-# 10 minutes, 13 with the snapshots arm (RECOVERY_STATE_MB=<MiB>; RECOVERY_T=<s>, default 30; RECOVERY_FAILURES=<n>,
+# 12 minutes on a loaded 2-core machine (RECOVERY_STATE_MB=<MiB>; RECOVERY_T=<s>, default 30; RECOVERY_FAILURES=<n>,
 # default 3; RECOVERY_REPS; RECOVERY_NODES=4; RECOVERY_DRAIN=0 skips the drain; RECOVERY_COMMIT=auto: raylaunch's
 # checkpoint.every: auto). Writes bench/results-recovery.md.
 bench-recovery: install

@@ -43,8 +43,7 @@ if present) and the step time (end to end of consecutive steps, saves included) 
 paired by repetition. Median and worst case; the ratio to Ray Train's wasted seconds per failure.
 
 Defaults: RECOVERY_STATE_MB=576 (the issue's size), RECOVERY_T=30, RECOVERY_FAILURES=3, RECOVERY_REPS=1, the drain;
-about 10 minutes on a 2-core machine with the snapshots arm skipped, about 3 more with it (RECOVERY_STATE_MB=144 and
-RECOVERY_DRAIN=0 for a quicker run).
+about 12 minutes on a loaded 2-core machine (RECOVERY_STATE_MB=144 and RECOVERY_DRAIN=0 for a quicker run).
 Everything (Ray's temporary folders, the runs' storage) lives in one ``tempfile.mkdtemp()`` folder under /tmp,
 removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records and the drivers' output). Writes
 bench/results-recovery.md.
