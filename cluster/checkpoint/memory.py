@@ -126,4 +126,12 @@ class MemorySnapshots:
         prune(self.node_dir, self.rank, KEEP, COPY_WINDOW_S)
         self.used = used_bytes(self.node_dir)
         self.last_nbytes = sum(int(m.get("size", 0)) for m in files.values())
+        if self.used > self.budget:  # (the first part's size was not known before it was written) not kept
+            prune_from(self.node_dir, self.rank, step)
+            self.used = used_bytes(self.node_dir)
+            self.say_once(f"raylaunch: snapshots in memory: a part of {self.last_nbytes / 2**20:.3g} MiB would pass "
+                          f"their bound of {self.budget / 2**20:.3g} MiB (checkpoint.snapshots.memory_mb) on this "
+                          "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
+                          "or take them less often (checkpoint.snapshots.every) (said once)")
+            return
         self._report(step, self.last_nbytes, self.interval, self._taken_at.pop(step, None))

@@ -72,6 +72,7 @@ class SnapshotBook:
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its latest part
     every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
     taken: dict[int, float] = field(default_factory=dict)  # step -> when its last rank captured it (Unix time)
+    said: bool = False  # what snapshots hold was said (``news``)
 
     def attach(self, infos: list[Any], actors: list[Any], world_size: int, resumed: int | None = None) -> dict[int, str]:
         """An attempt's nodes (their ``NodeInfo`` and actors, by node rank), of ``world_size`` ranks, resumed at step
@@ -93,11 +94,25 @@ class SnapshotBook:
         self.taken[step] = max(self.taken.get(step, taken), taken)
         self.world[step] = self._world
         self.nbytes[rank], self.every[rank] = nbytes, every
+        self._node_of[rank] = node_rank
         if len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones waiting are skipped)
             self._waiting[rank] = max(self._waiting.get(rank, step), step)
-            self._node_of[rank] = node_rank
         self._forget_old()
         self.poll()
+
+    def news(self) -> str | None:
+        """Once a run, when every rank has written a part: how often snapshots are taken, and the host memory one
+        takes on each node (kept twice on it, and once more on its peer)."""
+        if self.said or not self.nodes or len(self.nbytes) < self._world:
+            return None
+        self.said = True
+        per_node: dict[int, int] = {}
+        for rank, node in self._node_of.items():
+            per_node[node] = per_node.get(node, 0) + self.nbytes.get(rank, 0)
+        copies = "and once on its peer node" if len(self.nodes) > 1 else "(one node: no peer keeps a copy)"
+        return (f"raylaunch: snapshots in memory every {max(self.every.values())} optimizer steps (now): "
+                + ", ".join(f"node {n} {b / 2**20:.1f} MiB" for n, b in sorted(per_node.items()))
+                + f" a snapshot, its newest two kept on the node {copies} (checkpoint.snapshots)")
 
     def poll(self) -> None:
         """Note the copies done; start the waiting ones whose node has none in flight."""

@@ -186,6 +186,8 @@ class AttemptRouter:
                 case SnapshotHeld():
                     if self.snapshots is not None:
                         self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time)
+                        if line := self.snapshots.news():
+                            rec.say(line)
                 case CheckpointInterval():
                     cost = (f"a save holds training {e.save_s:.2f} s" if e.measured else
                             f"a save assumed to hold training {e.save_s:.2f} s until one is measured")
