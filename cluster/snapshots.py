@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cluster.layout import MANIFEST
 
-__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "inventory", "keep_peer_part", "node_budget_bytes",
+__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "keep_peer_part", "node_budget_bytes",
            "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
@@ -126,24 +126,6 @@ def _parts(folder: Path) -> dict[int, dict]:
     return out
 
 
-def inventory(node_dir: str) -> dict[int, dict[int, str]]:
-    """What a node holds: step -> rank -> ``"own"`` or ``"peer"`` (a whole restore folder counts as its ranks'
-    parts)."""
-    out: dict[int, dict[int, str]] = {}
-    base = Path(node_dir)
-    for where, folder in (("own", base), ("peer", base / "peer")):
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        for name in names:
-            step = _step_of(name, "snap-")
-            if step is not None:
-                for rank in _parts(folder / name):
-                    out.setdefault(step, {}).setdefault(rank, where)
-    return out
-
-
 def read_part(node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
     """A rank's part of the snapshot of ``step`` held on this node (its own or its peer's copy): {rel: bytes},
     with its json under ``rank-<r>.json``; None when the node no longer holds it whole."""
@@ -189,22 +171,36 @@ def keep_peer_part(node_dir: str, step: int, rank: int, data: dict[str, bytes], 
     return True
 
 
+def _steps(base: Path) -> list[int]:
+    """The steps of the ``snap-*`` folders in ``base``, oldest first (none when it is not there)."""
+    try:
+        return sorted(s for s in (_step_of(n, "snap-") for n in os.listdir(base)) if s is not None)
+    except OSError:
+        return []
+
+
+def _drop_part(folder: Path, rank: int) -> None:
+    """A rank's part in ``folder``: its json first (the part is gone before its files), then the files no other
+    rank's part of the folder names; a folder left empty goes."""
+    part = _parts(folder).get(rank)
+    if part is None:
+        return
+    (folder / _PART.format(rank=rank)).unlink(missing_ok=True)
+    others = {rel for p in _parts(folder).values() for rel in p["files"]}
+    for rel in part["files"]:
+        if rel not in others:
+            (folder / rel).unlink(missing_ok=True)
+    _remove_empty(folder)
+
+
 def prune(base: Path, rank: int, keep: int, window_s: float = 0.0) -> None:
     """A rank's parts in ``base``'s ``snap-*`` folders but its newest ``keep``, those written in the last
     ``window_s`` seconds, and those of a step this node keeps a peer's copy of (``peer/snap-<step>``: with it, the
     snapshot whole when the peer is lost); a folder left empty goes. A copy to the peer starts once the driver hears
     of a part (a held poll, up to a second), so a node's own parts stay as long as its copies may take to arrive."""
-    try:
-        steps = sorted(s for s in (_step_of(n, "snap-") for n in os.listdir(base)) if s is not None)
-    except OSError:
-        return
-    held = [s for s in steps if rank in _parts(base / snap_name(s))]
-    try:
-        pinned = {s for s in (_step_of(n, "snap-") for n in os.listdir(base / "peer")) if s is not None}
-    except OSError:
-        pinned = set()
+    held = [s for s in _steps(base) if rank in _parts(base / snap_name(s))]
+    pinned = set(_steps(base / "peer"))
     now = time.time()
-    old = []
     for step in held[:max(0, len(held) - keep)]:
         if step in pinned:
             continue
@@ -213,40 +209,14 @@ def prune(base: Path, rank: int, keep: int, window_s: float = 0.0) -> None:
                 continue
         except OSError:
             pass
-        old.append(step)
-    for step in old:
-        folder = base / snap_name(step)
-        part = _parts(folder).get(rank)
-        if part is None:
-            continue
-        (folder / _PART.format(rank=rank)).unlink(missing_ok=True)  # first: the part is gone before its files
-        others = {rel for p in _parts(folder).values() for rel in p["files"]}
-        for rel in part["files"]:
-            if rel not in others:
-                (folder / rel).unlink(missing_ok=True)
-        _remove_empty(folder)
+        _drop_part(base / snap_name(step), rank)
 
 
 def prune_from(base: Path, rank: int, step: int) -> None:
     """A rank's parts of ``step`` and later in ``base``: an earlier attempt's, beyond where this one resumed."""
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return
-    for name in names:
-        s = _step_of(name, "snap-")
-        if s is None or s < step:
-            continue
-        folder = base / name
-        part = _parts(folder).get(rank)
-        if part is None:
-            continue
-        (folder / _PART.format(rank=rank)).unlink(missing_ok=True)
-        others = {rel for p in _parts(folder).values() for rel in p["files"]}
-        for rel in part["files"]:
-            if rel not in others:
-                (folder / rel).unlink(missing_ok=True)
-        _remove_empty(folder)
+    for s in _steps(base):
+        if s >= step:
+            _drop_part(base / snap_name(s), rank)
 
 
 def _remove_empty(folder: Path) -> None:

@@ -405,10 +405,6 @@ class NodeActor:
     # --- snapshots in memory (cluster/checkpoint/memory.py): the driver moves parts from node to node through these
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def snapshot_inventory(self, node_dir: str) -> dict[int, dict[int, str]]:
-        return memory.inventory(node_dir)
-
-    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def read_snapshot_part(self, node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
         return memory.read_part(node_dir, step, rank)
 
