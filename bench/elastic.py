@@ -180,39 +180,54 @@ def _raylaunch(job: Job, work: Path) -> None:
     job.start(run)
 
 
+def raytrain_state(scratch: str, accelerator, model, optimizer, step: int):
+    """A Ray Train worker's save (here and in bench/recovery.py): on rank 0, the model, the optimizer and the step in
+    ``state.pt`` (``torch.save``) of a folder of its own under ``scratch``, as the ``Checkpoint`` to report; None on
+    the other ranks."""
+    import torch
+    from ray.train import Checkpoint
+
+    if not accelerator.is_main_process:
+        return None
+    os.makedirs(scratch, exist_ok=True)
+    folder = tempfile.mkdtemp(dir=scratch)
+    torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "step": step}, os.path.join(folder, "state.pt"))
+    return Checkpoint.from_directory(folder)
+
+
+def raytrain_restore(accelerator, model, optimizer) -> int | None:
+    """A Ray Train worker's restart (here and in bench/recovery.py): what ``raytrain_state`` saved, from the latest
+    checkpoint Ray Train hands back, loaded with ``torch.load(weights_only=True)``; its step, or None when there is
+    none."""
+    import ray.train
+    import torch
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
+    accelerator.unwrap_model(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
 def _raytrain_loop(config: dict) -> None:
     """Each Ray Train worker: the same function, with Ray Train's checkpoints: rank 0 saves the model,
     the optimizer and the step with ``torch.save`` and reports them; a restart loads them with
     ``torch.load(weights_only=True)`` (no unpickling: Accelerate's ``load_state`` is kept for the
     runner's checksummed checkpoints, see tests/test_checkpoints.py)."""
     import ray.train
-    import torch
-    from ray.train import Checkpoint
 
     from bench.elastic_fn import Hooks, elastic_train
 
     def save(accelerator, model, optimizer, step: int) -> None:
-        checkpoint = None
-        if accelerator.is_main_process:
-            os.makedirs(config["scratch"], exist_ok=True)
-            folder = tempfile.mkdtemp(dir=config["scratch"])
-            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, os.path.join(folder, "state.pt"))
-            checkpoint = Checkpoint.from_directory(folder)
         # every rank reports; rank 0's checkpoint is copied to the run's storage, then its folder removed
-        ray.train.report({"step": step}, checkpoint=checkpoint, delete_local_checkpoint_after_upload=True)
+        ray.train.report({"step": step}, checkpoint=raytrain_state(config["scratch"], accelerator, model, optimizer,
+                                                                   step), delete_local_checkpoint_after_upload=True)
 
-    def restore(accelerator, model, optimizer) -> int | None:
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as folder:
-            state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
-        accelerator.unwrap_model(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        return int(state["step"])
-
-    elastic_train(config, Hooks({}, save, restore))
+    elastic_train(config, Hooks({}, save, raytrain_restore))
 
 
 def _raytrain(job: Job, work: Path) -> None:

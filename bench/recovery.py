@@ -265,33 +265,17 @@ def _raytrain_loop(config: dict) -> None:
     in the background, ``CheckpointUploadMode.ASYNC``); a restart loads the latest with
     ``torch.load(weights_only=True)``."""
     import ray.train
-    import torch
-    from ray.train import Checkpoint, CheckpointUploadMode
+    from ray.train import CheckpointUploadMode
 
     from bench.recovery_fn import Hooks, recovery_train
 
     def save(accelerator, model, optimizer, step: int) -> None:
-        checkpoint = None
-        if accelerator.is_main_process:
-            os.makedirs(config["scratch"], exist_ok=True)
-            folder = tempfile.mkdtemp(dir=config["scratch"])
-            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, os.path.join(folder, "state.pt"))
-            checkpoint = Checkpoint.from_directory(folder)
+        checkpoint = elastic.raytrain_state(config["scratch"], accelerator, model, optimizer, step)
         ray.train.report({"step": step}, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                          delete_local_checkpoint_after_upload=True)
 
-    def restore(accelerator, model, optimizer) -> int | None:
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as folder:
-            state = torch.load(os.path.join(folder, "state.pt"), weights_only=True)
-        accelerator.unwrap_model(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        return int(state["step"])
-
-    recovery_train(config, Hooks({}, due=lambda _accelerator, _step: False, save=save, restore=restore))
+    recovery_train(config, Hooks({}, due=lambda _accelerator, _step: False, save=save,
+                                  restore=elastic.raytrain_restore))
 
 
 def _raytrain(job: Job, work: Path) -> None:

@@ -150,6 +150,29 @@ def test_waiting_for_nodes_and_growing_back():
     }
 
 
+def test_an_attempt_event_written_after_its_reservation_counts_from_when_it_began():
+    """The driver writes an attempt's event once where it resumes from is final (after its nodes are reserved and a
+    snapshot put together), with the time the attempt began: the books are those of the order things happened in;
+    a driver killed after a wait for nodes, before that attempt's event, still has the wait counted."""
+    events = [
+        SessionStarted(time=0), Waiting(time=2, attempt=1), Reserved(time=12, attempt=1),
+        AttemptStarted(time=1, attempt=1), FirstStep(time=15, attempt=1),
+        Committed(time=41, attempt=1, step=40, state_time=40), Work(time=42, attempt=1, last=42),
+        AttemptEnded(time=43, attempt=1, outcome=Outcome.FAILED),
+        Waiting(time=45, attempt=2), Reserved(time=47, attempt=2),
+        AttemptStarted(time=44, attempt=2, restarts=1, resume_step=40, resume_from="storage"),
+        FirstStep(time=50, attempt=2), Work(time=60, attempt=2, last=60),
+        AttemptEnded(time=60, attempt=2, outcome=Outcome.SUCCEEDED), SessionEnded(time=60, status="succeeded"),
+    ]
+    in_order = sorted(events, key=lambda e: e.time)
+    assert books(events) == books(in_order)
+    assert books(events)[0]["waiting"] == 10 + 2
+    killed = [SessionStarted(time=0), AttemptStarted(time=1, attempt=1), FirstStep(time=3, attempt=1),
+              Work(time=30, attempt=1, last=29), AttemptEnded(time=31, attempt=1, outcome=Outcome.FAILED),
+              Waiting(time=32, attempt=2), Reserved(time=40, attempt=2)]  # killed before the snapshot was ready
+    assert books(killed)[0]["waiting"] == 40 - 32
+
+
 def test_a_rerun_continues_the_books_and_a_killed_driver_ends_at_its_last_event():
     first = [  # the driver was SIGKILLed: no AttemptEnded, no SessionEnded
         SessionStarted(time=0), AttemptStarted(time=1, attempt=1), FirstStep(time=3, attempt=1),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -74,6 +75,48 @@ def test_a_rank_that_dies_resumes_from_its_nodes_memory(ray_cluster, tmp_path, u
     # the goodput books keep the first attempt's work up to the snapshot: recompute is the steps after it only
     books = json.loads((tmp_path / "runs" / "dies" / "result.json").read_text())["goodput"]["seconds"]
     assert books["recompute"] < 0.25 * books["training"], books
+
+
+def test_a_snapshot_that_cannot_be_put_together_is_recorded_as_the_commit_resumed_from(ray_cluster, tmp_path,
+                                                                                         uninterrupted, monkeypatch,
+                                                                                         capsys):
+    """The parts of the snapshot the restart chose are gone from both nodes when they are to put it together (pruned
+    meanwhile, say): the attempt resumes from the commit of step 40, and what the run records says so too: its
+    ``attempt`` event (storage, step 40), `raylaunch show`, and the goodput books (the first attempt's work is kept
+    up to the commit's state, not the snapshot's)."""
+    from cluster.snapshots import snap_name
+    from jobs.driver.memory import SnapshotBook
+    from jobs.run.events import Committed, decode
+    from jobs.run.ledger import Category, ledger
+
+    assemble, chosen = SnapshotBook.assemble, []
+
+    def parts_gone(book, plan, *args):
+        for folder in book.roots.values():  # each node's own parts and its peer's copies
+            for snap in (Path(folder) / snap_name(plan.step), Path(folder) / "peer" / snap_name(plan.step)):
+                shutil.rmtree(snap, ignore_errors=True)
+        chosen.append(plan.step)
+        return assemble(book, plan, *args)
+
+    monkeypatch.setattr(SnapshotBook, "assemble", parts_gone)
+    result = Driver(spec(tmp_path, "gone", die_at=50)).run()
+    assert result.status == "succeeded", result.error
+    assert result.rank_results["0"]["restored_step"] == 40
+    assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
+    assert len(chosen) == 1 and 40 < chosen[0] < 50, chosen
+    out = capsys.readouterr().out
+    assert f"raylaunch: attempt 2: the snapshot of step {chosen[0]} could not be put together" in out, out
+    rows = events(tmp_path, "gone")
+    starts = [e for e in rows if e["kind"] == "attempt"]
+    assert [(e["resume_step"], e["resume_from"], e["resume_state_time"]) for e in starts] == [
+        (None, None, None), (40, "storage", None)]
+    show = format_show(str(tmp_path / "runs"), "gone")
+    assert "  resumed     attempt 2 from checkpoint 40 (storage)" in show.splitlines(), show
+    books = ledger([e for e in map(decode, rows) if e is not None])
+    commit = next(e for e in map(decode, rows) if isinstance(e, Committed) and e.step == 40)
+    kept = [s.end for s in books.segments if s.attempt == 1 and s.category in (Category.TRAINING,
+                                                                               Category.DATA_WAIT)]
+    assert kept and max(kept) <= commit.state_time + 1e-6, (kept, commit)
 
 
 def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, uninterrupted, capsys):

@@ -32,7 +32,7 @@ from jobs.driver.memory import MemoryResume, SnapshotBook, run_key
 
 # How long a restart waits for the copies of the last snapshots to their peers still in flight.
 SETTLE_S = 30.0
-from jobs.driver.policy import Action, AttemptOutcome, WorldSize, grow_to, next_step, resize_reason, world_sizes
+from jobs.driver.policy import Action, AttemptOutcome, Step, WorldSize, grow_to, next_step, resize_reason, world_sizes
 from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.driver.record import Recorder, RunResult
 from jobs.driver.routing import AttemptRouter, AttemptState, group_failures
@@ -259,44 +259,36 @@ class Driver:
         while True:
             self._open = r.attempts + 1
             began = time.time()
-            # Every rank of the previous attempt is stopped (and no commit comes while nodes are reserved): what it
-            # left half-saved goes, and the checkpoint this attempt resumes from is known before it is announced.
-            latest = plan = None
+            rec.begin_attempt(self._open)
+            latest = plan = self._memory = None
+            # The attempt's event is written once where it resumes from is final (its nodes reserved, a snapshot put
+            # together or not), at ``began``; also when it fails or is stopped before (what it would have loaded).
             try:
-                self.run_dir.clear_staging()
-                latest = self.run_dir.checkpoints.loadable(warn=self._say)
-                plan = self._snapshot_plan(latest.step if latest else 0) if step is not None else None
-            except BaseException:  # no checkpoint it may load (latest.json names one that is gone): the attempt
-                r.attempts += 1  # counts, failed before any node was reserved
-                raise
+                # Every rank of the previous attempt is stopped (and no commit comes while nodes are reserved): what
+                # it left half-saved goes, and the checkpoint this attempt resumes from is known before it is said.
+                try:
+                    self.run_dir.clear_staging()
+                    latest = self.run_dir.checkpoints.loadable(warn=self._say)
+                    plan = self._snapshot_plan(latest.step if latest else 0) if step is not None else None
+                except BaseException:  # no checkpoint it may load (latest.json names one that is gone): the attempt
+                    r.attempts += 1  # counts, failed before any node was reserved
+                    raise
+                if step is not None and (line := step.line(plan.step if plan else latest.step if latest else None,
+                                                           memory=plan is not None)):
+                    self._say(line)  # the restart, once what it means to resume from is known
+                if action is Action.RESERVE:
+                    self._reserve(placement, elastic, step)
+                r.attempts += 1
+                # a snapshot that cannot be put together (a part pruned, a node's actor failed, the nodes too slow):
+                # the attempt resumes from the last commit, and its event says so
+                self._memory = self._put_together(plan, r.attempts) if plan is not None else None
             finally:
+                m = self._memory
                 rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
                                          max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
-                                         resume_step=plan.step if plan else latest.step if latest else None,
-                                         resume_from="memory" if plan else "storage" if latest else None,
-                                         resume_state_time=self.snapshots.taken.get(plan.step) if plan else None))
-            if step is not None and (line := step.line(plan.step if plan else latest.step if latest else None,
-                                                       memory=plan is not None)):
-                self._say(line)  # the restart, once what it resumes from is known
-            if action is Action.RESERVE:
-                old = self.size
-                if elastic:
-                    if self.can_grow and self.node_request is None:  # an autoscaler adds what the run is short of
-                        self.node_request = NodeRequest(placement)
-                    self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
-                                                            can_grow=self.can_grow,
-                                                            wait_full_s=step.wait_full_s if step else 0.0,
-                                                            request=self.node_request)
-                    if self.node_request is not None and self.size == self.sizes[0]:
-                        self.node_request.withdraw()
-                else:
-                    self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
-                    self.size = self.sizes[0]
-                r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
-                if old is not None and old != self.size:
-                    rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
-            r.attempts += 1
-            self._memory = self._put_together(plan, r.attempts) if plan is not None else None
+                                         resume_step=m.step if m else latest.step if latest else None,
+                                         resume_from="memory" if m else "storage" if latest else None,
+                                         resume_state_time=self.snapshots.taken.get(m.step) if m else None))
             resume_step = self._memory.step if self._memory else latest.step if latest else None
             if r.resizes and r.resizes[-1]["attempt"] == r.attempts:
                 r.resizes[-1]["step"] = resume_step or 0
@@ -335,6 +327,26 @@ class Driver:
                     if line := step.line():
                         self._say(line)  # why it is not restarted, and how to ask for it
                 return
+
+    def _reserve(self, placement: Placement, elastic: bool, step: Step | None) -> None:
+        """The attempt's nodes (``self.group``, ``self.size``): the whole placement, or an elastic run's largest size
+        the cluster allows; a change of world size is recorded."""
+        rec, r, old = self.recorder, self.recorder.result, self.size
+        if elastic:
+            if self.can_grow and self.node_request is None:  # an autoscaler adds what the run is short of
+                self.node_request = NodeRequest(placement)
+            self.group, self.size = reserve_elastic(self.spec, placement, self.sizes, rec, self._token,
+                                                    can_grow=self.can_grow,
+                                                    wait_full_s=step.wait_full_s if step else 0.0,
+                                                    request=self.node_request)
+            if self.node_request is not None and self.size == self.sizes[0]:
+                self.node_request.withdraw()
+        else:
+            self.group = reserve(self.spec, placement, rec, self._token, can_grow=self.can_grow)
+            self.size = self.sizes[0]
+        r.num_nodes, r.world_size = self.size.nodes, self.size.world_size
+        if old is not None and old != self.size:
+            rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
 
     def _snapshot_plan(self, committed_step: int) -> SnapshotPlan | None:
         """For a restart: the newest snapshot in memory newer than the last committed checkpoint whose every part a

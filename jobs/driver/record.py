@@ -20,7 +20,7 @@ from cluster.metric_rows import RowBatch
 from cluster.protocol import SAID_ONCE, Progress, RunStatus
 from jobs.driver.policy import WorldSize, resize_note
 from jobs.run.board import Board
-from jobs.run.events import (AttemptEnded, AttemptStarted, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting,
+from jobs.run.events import (AttemptEnded, ProgressShown, Reserved, RunEvent, SessionStarted, Waiting,
                              decode)
 from jobs.run.ledger import Ledger, ledger
 from jobs.run.storage import RECORD_KEYS, RunDir
@@ -88,7 +88,7 @@ class Recorder:
         self.out = out
         self.on_event = on_event  # a progress view: every run event, stored or not
         self.events: list[RunEvent] = []  # the run's stored events, every session's (the ledger's books)
-        self.attempt = 0  # the attempt the latest AttemptStarted began
+        self.attempt = 0  # the attempt begun latest (``begin_attempt``): its reservation's events carry it
         self._waiting = False  # a Waiting was said for this attempt's reservation
         self.secrets = Secrets()  # env.secrets' values, read in the driver's preflight
         self.result = RunResult(status=RunStatus.FAILED, run_dir=run_dir.uri)
@@ -146,10 +146,13 @@ class Recorder:
         if e.stored:
             self.events.append(e)
             self._store(self.run_dir.append_events, [e.to_dict()])
-        if isinstance(e, AttemptStarted):
-            self.attempt, self._waiting = e.attempt, False
         if self.on_event is not None:
             self.on_event(e)
+
+    def begin_attempt(self, number: int) -> None:
+        """Attempt ``number`` begins: the events of its reservation (``waiting``, ``reserved``) carry it; its own
+        ``AttemptStarted`` comes once where it resumes from is final."""
+        self.attempt, self._waiting = number, False
 
     def reserved(self, group: "NodeGroup", live: dict) -> None:
         """The attempt holds its nodes: result.json names them (and how `raylaunch stacks` reaches them), the

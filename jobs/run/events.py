@@ -86,8 +86,11 @@ class SessionEnded(RunEvent):
 
 @dataclass(frozen=True)
 class AttemptStarted(RunEvent):
-    """An attempt began (before its nodes are reserved); ``resume_step``: the step it resumes from, of a committed
-    checkpoint or a snapshot in memory (None: from the beginning); ``Restored`` says when the ranks have loaded it."""
+    """An attempt began at ``time`` (before its nodes were reserved); ``resume_step``: the step it resumes from, of a
+    committed checkpoint or a snapshot in memory (None: from the beginning); ``Restored`` says when the ranks have
+    loaded it. Written once that is final: after the attempt's ``waiting``/``reserved`` and the snapshot put together
+    on its nodes (one that cannot be: the commit it falls back to); or when the attempt ends before (failed or stopped
+    while reserving: what it was to load)."""
 
     kind: ClassVar[str] = "attempt"
     attempt: int = 0

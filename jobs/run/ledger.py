@@ -124,13 +124,16 @@ def _sessions(events: list[RunEvent]) -> list[tuple[float, float, list[_Attempt]
         end = max(end, e.time, e.last if isinstance(e, Work) else e.time)
         if isinstance(e, SessionEnded):
             continue
+        if isinstance(e, (AttemptStarted, Waiting, Reserved)) and e.attempt not in by_number:
+            # an attempt opens with its nodes' reservation, or its own event (written once where it resumes from is
+            # final: after its reservation's events, with the time it began; a driver killed meanwhile writes none)
+            by_number[e.attempt] = _Attempt(e.attempt, e.time)
+            attempts.append(by_number[e.attempt])
         if isinstance(e, AttemptStarted):
             if e.resume_from == "memory" and e.resume_state_time is not None and e.attempt - 1 in by_number:
                 # resumed from a snapshot in memory: the work of the attempt before, up to it, was kept
                 by_number[e.attempt - 1].commits.append(e.resume_state_time)
-            a = _Attempt(e.attempt, e.time)
-            attempts.append(a)
-            by_number[e.attempt] = a
+            by_number[e.attempt].start = e.time
             continue
         a = by_number.get(getattr(e, "attempt", None))
         if a is None:
