@@ -47,7 +47,7 @@ class Kind(StrEnum):
 # The versions every change below was run against: the suite's (CPU) and the GPU check's (shared/gpu, an H200,
 # 2026-12-04). A version outside is said once, by library; nothing is refused for it.
 CHECKED = {"accelerate": ("1.15", "1.16"), "torch": ("2.11", "2.13"), "ray": ("2.60", "2.60"),
-           "python": ("3.11", "3.12")}
+           "python": ("3.11", "3.12"), "transformers": ("5.25", "5.25")}
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,9 @@ PATCHES: tuple[Patch, ...] = (
           "save_state's files kept in host memory, written in the background", "save_state has no writer to "
           "give; torch.save to a buffer would still copy in the training thread", ("obj", "f")),
     Patch("accelerate.utils.other.safe_save_file", _A, Kind.SCOPED, "cluster.checkpoint.snapshot",
-          "the same for safetensors files", "as torch.save", ("tensors", "filename", "metadata")),
+          "the same for safetensors files (and transformers' save_pretrained's, a Trainer's snapshot's, through "
+          "the names it imported)", "as torch.save", ("tensors", "filename", "metadata"),
+          also=("safetensors.torch.save_file", "transformers.modeling_utils.safe_save_file")),
     Patch("torch.distributed.checkpoint.save", _T, Kind.SCOPED, "cluster.checkpoint.snapshot",
           "the same for FSDP's sharded state (DCP): the collectives run now, the files are kept",
           "a storage_writer of our own alone: Accelerate builds its FileSystemWriter inside save_state (so the "
@@ -180,6 +182,12 @@ PATCHES: tuple[Patch, ...] = (
           "excludes matched as Ray matches them", "none public"),
     Patch("ray._private.ray_constants.DASHBOARD_CLIENT_MAX_SIZE", _R, Kind.READ, "cluster.nodes.upload",
           "the upload's size limit, said before Ray refuses", "none public"),
+    Patch("transformers.Trainer._save_optimizer_and_scheduler", "transformers", Kind.READ, "cluster.rank.trainer",
+          "a Trainer's snapshot in memory writes what Trainer's _save_checkpoint writes, with Trainer's own methods, "
+          "minus its collectives (store_flos's gather, the best model's barrier: one rank skipping a snapshot would "
+          "leave the others waiting) and its rotation and upload",
+          "_save_checkpoint itself: collective (above), and it prunes and uploads the user's output_dir",
+          also=("transformers.Trainer._save_scaler", "transformers.Trainer._save_rng_state")),
     Patch("torch.distributed.checkpoint.state_dict._init_optim_state", _T, Kind.READ, "cluster.checkpoint.resume",
           "an FSDP1 optimizer state to load into before load_state", "none public"),
     Patch("torch.autograd.Variable._execution_engine", _T, Kind.READ, "cluster.rank.pace",

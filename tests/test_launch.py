@@ -28,11 +28,12 @@ from jobs.driver.driver import Driver
 from jobs.spec.launch import parse
 
 SCRIPT = "train_fn/digits_script.py"
-# A save_state every 3 steps (3, 6, and 8 at the end), never at an epoch's end: a script of Accelerate's examples'
-# shape that resumes from a checkpoint at an epoch's end starts the next epoch with the first epoch's shuffle (the
-# prepared loader counts its epochs from 0 again), so its model differs from an uninterrupted run's under any
-# launcher; which commit the kill follows must not decide the test. Dropout 0.3: the resumed steps draw the same
-# masks as the uninterrupted run's (#48: they did not, under raylaunch as under accelerate launch).
+# A save_state every 3 steps (3, 6, and 8 at the end). A script of Accelerate's examples' shape resumed in its second
+# epoch drew the first epoch's order again (Accelerate keeps no state of a shuffling loader's generator), so its model
+# differed from an uninterrupted run's under any launcher; raylaunch keeps where each epoch's order came from
+# (cluster.checkpoint.resume.epoch_begins): the snapshot test below resumes at step 7, in the second epoch. Dropout
+# 0.3: the resumed steps draw the same masks as the uninterrupted run's (#48: they did not, under raylaunch as under
+# accelerate launch).
 TRAIN = ["--epochs", "2", "--train_samples", "128", "--checkpointing_steps", "3", "--dropout", "0.3"]
 STEPS = 8  # 128 images / 16 per batch / 2 ranks = 4 steps an epoch
 
@@ -65,6 +66,23 @@ def rank_process(rank: int, attempt: int = 1) -> psutil.Process | None:
         except psutil.Error:
             continue
     return None
+
+
+def killed_when(driver: Driver, ready, what: str):
+    """The run, with rank 1 SIGKILLed once ``ready()``; its result."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    try:
+        try:
+            victim = wait_for(lambda: rank_process(1), 120, "rank 1's process")  # found before: killed at once
+            wait_for(ready, 120, what)
+        except AssertionError as exc:  # where it hung, for a failure seen once in CI (the driver waiting on a start)
+            raise AssertionError(f"{exc}\n{our_stacks()}") from None
+        victim.kill()
+    finally:
+        thread.join(300)
+    return box["result"]
 
 
 @pytest.fixture(scope="module")
@@ -112,20 +130,8 @@ def test_a_rank_killed_after_a_commit_resumes_the_script_with_the_flag_and_ends_
     out = tmp / "out-killed"
     driver = digits(tmp / "runs", "killed", ["--num_machines", "2", "--num_processes", "2"], out,
                     ["--throttle_s", "0.6"])
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
-    thread.start()
-    try:
-        latest = Path(driver.run_dir.uri, "checkpoints", "latest.json")
-        try:
-            victim = wait_for(lambda: rank_process(1), 120, "rank 1's process")  # found before: killed at once
-            wait_for(latest.exists, 120, "the first committed checkpoint")
-        except AssertionError as exc:  # where it hung, for a failure seen once in CI (the driver waiting on a start)
-            raise AssertionError(f"{exc}\n{our_stacks()}") from None
-        victim.kill()
-    finally:
-        thread.join(300)
-    result = box["result"]
+    result = killed_when(driver, Path(driver.run_dir.uri, "checkpoints", "latest.json").exists,
+                         "the first committed checkpoint")
     assert result.status == "succeeded", result.error
     assert result.attempts == 2 and result.restarts == 1
     assert json.loads(Path(result.run_dir, "result.json").read_text())["status"] == "succeeded"
@@ -137,6 +143,30 @@ def test_a_rank_killed_after_a_commit_resumes_the_script_with_the_flag_and_ends_
         json.loads((tmp / "out" / "result.json").read_text())["weights"]
     final = "checkpoints/checkpoint-00000008/model.safetensors"
     assert Path(result.run_dir, final).read_bytes() == Path(reference.run_dir, final).read_bytes()
+
+
+def test_a_rank_killed_between_commits_resumes_the_script_from_a_snapshot_in_memory_bitwise_equal(uninterrupted):
+    """Snapshots every step (commits at 3 and 6): rank 1 is killed once every rank's part of step 7 is held. The
+    restart hands the script `--resume_from_checkpoint <node folder>/step_<n>` put together from the nodes' memory (its
+    save_state's files, named as it names its folders), its own resume reads the step from the name and loads it, and
+    the weights are the uninterrupted run's."""
+    reference, tmp = uninterrupted
+    out, said = tmp / "out-snapshot", io.StringIO()
+    driver = launch(["--num_machines", "2", "--num_processes", "2", "--set", "failure.max_restarts=1", "--set",
+                     "checkpoint.snapshots.every=1", SCRIPT, *TRAIN, "--output_dir", str(out), "--throttle_s", "1"],
+                    tmp / "runs", "snapshot", out=said)
+    result = killed_when(driver, lambda: driver.snapshots is not None and any(
+        s >= 7 and len(r) == 2 for s, r in list(driver.snapshots.held.items())), "the snapshot of step 7")
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and result.restarts == 1
+    events = [json.loads(line) for line in Path(result.run_dir, "events.jsonl").read_text().splitlines()]
+    start = [e for e in events if e["kind"] == "attempt"][-1]
+    assert start["resume_from"] == "memory" and start["resume_step"] in (7, 8), (start, said.getvalue()[-3000:])
+    assert f"/step_{start['resume_step']} (the checkpoint of step {start['resume_step']})" in said.getvalue()
+    second = sorted({r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and "loss" in r})
+    assert second == list(range(start["resume_step"] + 1, STEPS + 1)), second
+    assert json.loads((out / "result.json").read_text())["weights"] == \
+        json.loads((tmp / "out" / "result.json").read_text())["weights"]
 
 
 def test_one_node_with_two_processes_trains_the_same_weights_as_two_nodes(uninterrupted):

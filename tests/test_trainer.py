@@ -24,7 +24,7 @@ from conftest import ROOT, wait_for
 from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 from jobs.spec.launch import parse
-from test_launch import rank_process
+from test_launch import killed_when, rank_process
 
 SCRIPT = "tests/trainer_script.py"
 STEPS = 12  # 64 sequences / 4 a rank / 2 ranks = 8 steps an epoch: the run crosses an epoch's end
@@ -119,15 +119,7 @@ def _in_background(driver: Driver, box: dict) -> threading.Thread:
 
 def _killed_after_the_first_commit(driver: Driver):
     """The run, with rank 1 SIGKILLed once its first checkpoint is committed; its result."""
-    box: dict = {}
-    thread = _in_background(driver, box)
-    try:
-        victim = wait_for(lambda: rank_process(1), 120, "rank 1's process")
-        wait_for(Path(driver.run_dir.uri, "checkpoints", "latest.json").exists, 120, "the first commit")
-        victim.kill()
-    finally:
-        thread.join(300)
-    return box["result"]
+    return killed_when(driver, Path(driver.run_dir.uri, "checkpoints", "latest.json").exists, "the first commit")
 
 
 def _stopped_after_step_3(driver: Driver):
@@ -226,3 +218,31 @@ def test_a_function_that_builds_a_trainer_stops_on_a_notice_and_resumes_where_it
     second = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
     assert first[-1] < STEPS and second[0] == first[-1] + 1, (first, second)
     assert result.rank_results["0"]["weights"] == final(tmp / "out")["weights"]
+
+
+def _events(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in Path(run_dir, "events.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_rank_resumes_trainer_from_a_snapshot_in_memory_and_ends_bitwise_equal(reference):
+    """Snapshots every step and no save of Trainer's due (save_steps 1000): rank 1 SIGKILLed after step 5. The restart
+    hands Trainer a checkpoint-<n> put together from the nodes' memory, written as Trainer writes its own, at most two
+    steps before the kill; Trainer's own resume loads it, and the weights are the uninterrupted run's."""
+    _, tmp, _ = reference
+    said = io.StringIO()
+    driver = trainer_run(tmp / "runs", "snapshot", tmp / "out-snapshot", terminal=said,
+                         launcher=["--set", "checkpoint.snapshots.every=1"],
+                         script=["--throttle_s", "0.4", "--save_steps", "1000", "--logging_steps", "1"])
+    metrics = Path(driver.run_dir.uri, "metrics.jsonl")
+    result = killed_when(driver, lambda: metrics.exists() and any(r.get("step", 0) and r["step"] >= 5 and "loss" in r
+                                                                  for r in rows(driver.run_dir.uri)), "step 5")
+    assert result.status == "succeeded", result.error
+    assert result.attempts == 2 and committed(result.run_dir) == [12]
+    first = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 1 and r["rank"] == 0 and "loss" in r]
+    second = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
+    starts = [e for e in _events(result.run_dir) if e["kind"] == "attempt"]
+    assert starts[-1]["resume_from"] == "memory", starts
+    resumed = starts[-1]["resume_step"]
+    assert first[-1] - 2 <= resumed <= first[-1] and second[0] == resumed + 1, (first, second, resumed)
+    assert "gets --resume_from_checkpoint" in said.getvalue() and f"checkpoint-{resumed} " in said.getvalue()
+    assert final(tmp / "out-snapshot")["weights"] == final(tmp / "out")["weights"]

@@ -11,15 +11,22 @@ The driver decides which snapshot a restart resumes from (``jobs.driver.memory``
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import shutil
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from cluster.checkpoint.writer import describe_written
+from cluster.layout import SCRIPT_FOLDER
 from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, prune_from, snap_name, used_bytes, write_part_json
 
-__all__ = ["AUTO_SHARE", "MemorySnapshots", "auto_interval"]
+__all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "auto_interval", "renumbered"]
 
 # ``every: auto``: snapshots at most this share of the step time (their hold on training, measured).
 AUTO_SHARE = 0.02
@@ -33,6 +40,35 @@ def auto_interval(held_s: float, step_s: float) -> int:
     """
     need = held_s / (AUTO_SHARE * step_s)
     return 1 if need <= 1 else 1 << math.ceil(math.log2(need))
+
+
+def renumbered(name: str, step: int) -> str:
+    """``name`` (a checkpoint folder's, ending in its step) with ``step`` in place of its number, as wide.
+
+    >>> renumbered("step_20", 48), renumbered("checkpoint-0008", 48), renumbered("ckpt7", 1234)
+    ('step_48', 'checkpoint-0048', 'ckpt1234')
+    """
+    m = re.search(r"\d+$", name)
+    if m is None:
+        raise ValueError(f"{name!r} does not end in a number")
+    return name[:m.start()] + str(step).zfill(len(m.group()))
+
+
+@dataclass
+class CodeSave:
+    """A snapshot of code that resumes from checkpoint folders of its own (a script's ``save_state`` folders, a
+    Trainer's ``checkpoint-<n>``): written as that code writes them, named as it names them, and handed to its own
+    resume (``cluster.checkpoint.restore.node_copy`` reads the name from the snapshot's label).
+
+    ``save(folder, default)`` runs this rank's save into ``folder`` under the capture (``default()``: the
+    Accelerator's ``save_state`` there; files it writes itself, not through torch.save or safetensors, are part of the
+    snapshot too); ``name``: a folder
+    name of the code's, ending in a step (None until the code saved once: no snapshot before); ``step()``: the step the
+    code counts itself (Trainer's ``global_step``), None to count optimizer steps."""
+
+    save: Callable[[str, Callable[[], None]], None]
+    name: str | None = None
+    step: Callable[[], int] | None = None
 
 
 class MemorySnapshots:
@@ -50,6 +86,7 @@ class MemorySnapshots:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
         self._save, self._say, self._report = save, say, report
         self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
+        self.code: CodeSave | None = None  # a script's or Trainer's own format; None: a function's (session.restore)
         self.base = 0  # the step training resumed at: a snapshot's step is this plus the optimizer steps taken
         self.off: str | None = None  # why this rank takes no more snapshots
         # A save of this attempt numbered as the optimizer steps count (``Session._steps_agree``): until then no
@@ -85,12 +122,15 @@ class MemorySnapshots:
         return steps + self.interval - step % self.interval
 
     def take(self, steps: int, hold_s: Callable[[], float | None]) -> None:
-        """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took); ``hold_s`` reads
-        how long the previous one held training, for ``auto``."""
-        if self.off is not None or self.accelerator is None or not self.confirmed:
+        """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took; a Trainer's: its
+        own ``global_step``); ``hold_s`` reads how long the previous one held training, for ``auto``."""
+        code = self.code
+        if self.off is not None or self.accelerator is None or not self.confirmed or \
+                (code is not None and code.name is None):
             return
+        step = self.base + steps if code is None or code.step is None else code.step()
         if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
-            prune_from(self.node_dir, self.rank, self.base + steps)
+            prune_from(self.node_dir, self.rank, step)
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
@@ -101,7 +141,6 @@ class MemorySnapshots:
                 if steps_s[len(steps_s) // 2] > 0:
                     self.interval = auto_interval(holds[len(holds) // 2], steps_s[len(steps_s) // 2])
         self._last = (now, steps)
-        step = self.base + steps
         used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
         if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
             prune(self.node_dir, self.rank, KEEP)
@@ -114,14 +153,46 @@ class MemorySnapshots:
                           "(checkpoint.snapshots.every) (said once)")
             return
         folder = self.node_dir / snap_name(step)
+        if code is not None:  # written apart (the code writes files of its own), then moved in: ``_written``
+            folder = self._apart
+            shutil.rmtree(folder, ignore_errors=True)
         self._taken_at[step] = time.time()
-        if self._save(self.accelerator, step, str(folder), self._written):
+        if self._save(self.accelerator, step, str(folder), self._written,
+                      **({"save": code.save} if code is not None else {})):
             self.taken += 1
         else:
             self._taken_at.pop(step, None)
 
+    @property
+    def _apart(self) -> Path:
+        """Where this rank's part of a script's or Trainer's snapshot is written before it joins the step's folder."""
+        return self.node_dir / f".writing-rank-{self.rank}"
+
+    def _joined(self, step: int, apart: Path, files: dict[str, dict]) -> tuple[Path, dict[str, dict]]:
+        """This rank's part of a script's or Trainer's snapshot moved from ``apart`` into the step's folder, with the
+        files the code wrote itself (a config, Trainer's state) described beside those the capture wrote, and on
+        rank 0 the label naming the folder the code resumes from."""
+        folder = self.node_dir / snap_name(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        out = dict(files)
+        for root, _, names in os.walk(apart):
+            for n in names:
+                rel = os.path.relpath(os.path.join(root, n), apart)
+                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(apart / rel, folder / rel)
+                if rel not in out:
+                    out[rel] = describe_written(str(folder / rel))
+        shutil.rmtree(apart, ignore_errors=True)
+        if self.rank == 0 and self.code is not None and self.code.name is not None:
+            (folder / SCRIPT_FOLDER).write_text(json.dumps({"folder": renumbered(self.code.name, step)}))
+            out[SCRIPT_FOLDER] = describe_written(str(folder / SCRIPT_FOLDER))
+        return folder, out
+
     def _written(self, step: int, folder: str, files: dict[str, dict]) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go."""
+        if Path(folder) == self._apart:
+            joined, files = self._joined(step, Path(folder), files)
+            folder = str(joined)
         write_part_json(folder, self.rank, step, files)
         prune(self.node_dir, self.rank, KEEP, COPY_WINDOW_S)
         self.used = used_bytes(self.node_dir)

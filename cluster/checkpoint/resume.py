@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 from cluster.layout import rank_part_file
 
-__all__ = ["NEXT_BATCH", "at_next_batch", "init_optimizers_for_load", "keep_random_states_for_the_first_batch",
+__all__ = ["NEXT_BATCH", "at_next_batch", "epoch_begins", "init_optimizers_for_load", "keep_random_states_for_the_first_batch",
            "load_loader_states", "next_batch", "save_loader_states", "seed_missing_rng"]
 
 
@@ -38,11 +38,78 @@ def _file(path: str, index: int, rank: int) -> str:
 
 
 def save_loader_states(accelerator: Any, path: str) -> None:
-    """Write this rank's stateful dataloaders' positions into the checkpoint folder ``path``."""
+    """Write this rank's stateful dataloaders' positions, and where each shuffling loader's order comes from
+    (``epoch_begins``), into the checkpoint folder ``path``."""
     import torch
 
+    _save_orders(accelerator, path)
     for i, dl in _stateful(accelerator):
         torch.save(dl.state_dict(), _file(path, i, accelerator.process_index))
+
+
+# The order of a shuffling loader's epoch (Accelerate's ``synchronized_generator``: a ``RandomSampler``'s generator,
+# seeded once at ``prepare``) is drawn from that generator when the epoch's iteration begins; Accelerate's save_state
+# keeps no state of it, so a resumed process drew epoch 0's order again for every later epoch (the digits script
+# resumed at step 7, in its second epoch, trained on the first epoch's batches: under accelerate launch too). Each
+# generator's state as its current epoch began, by generator (a loader and those ``skip_first_batches`` makes of it
+# share one): (the loader's epoch, the state).
+_EPOCH_BEGAN: dict[int, tuple[int, Any]] = {}
+# A resume's epoch to draw again, by generator: put back when a loader that skips batches begins (the resumed epoch).
+_DRAW_AGAIN: dict[int, tuple[int, Any]] = {}
+
+
+def _order_file(path: str, index: int, rank: int) -> str:
+    return os.path.join(path, f"dl_order_rank{rank}" + (f"_{index}" if index else "") + ".bin")
+
+
+def _skips(loader: Any) -> bool:
+    """The loader skips batches at its start (``skip_first_batches``: in the loader, or in its batch sampler)."""
+    return any(getattr(part, "skip_batches", 0) for part in (loader, getattr(loader, "batch_sampler", None)))
+
+
+def epoch_begins(loader: Any) -> None:
+    """Called by a prepared dataloader's ``__iter__`` (``cluster.rank.pace``) before it draws its epoch's order: a
+    resumed epoch's (the first loader to skip batches after a resume) is drawn from the state it was first drawn from,
+    and the state every epoch draws from is kept for the next save."""
+    gen = getattr(loader, "synchronized_generator", None)
+    if gen is None:
+        return
+    again = _DRAW_AGAIN.pop(id(gen), None)
+    if again is not None and _skips(loader):
+        epoch, state = again
+        gen.set_state(state)
+        loader.set_epoch(epoch)
+    _EPOCH_BEGAN[id(gen)] = (loader.iteration, gen.get_state())
+
+
+def _save_orders(accelerator: Any, path: str) -> None:
+    import torch
+
+    for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
+        gen = getattr(dl, "synchronized_generator", None)
+        began = _EPOCH_BEGAN.get(id(gen)) if gen is not None else None
+        if began is not None:
+            torch.save({"epoch": began[0], "began": began[1], "now": gen.get_state()},
+                       _order_file(path, i, accelerator.process_index))
+
+
+def _load_orders(accelerator: Any, path: str) -> None:
+    """After ``load_state``: each shuffling loader's generator where the saved run's was, so the next epoch draws the
+    order the run would have drawn; the epoch the save was in is drawn again from where it was first drawn, if the code
+    resumes it (``skip_first_batches``). A rank the checkpoint has no file of takes rank 0's (the generators are
+    synchronized across ranks)."""
+    import torch
+
+    for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
+        gen = getattr(dl, "synchronized_generator", None)
+        found = [f for f in (_order_file(path, i, accelerator.process_index), _order_file(path, i, 0))
+                 if os.path.exists(f)]
+        if gen is None or not found:
+            continue
+        order = torch.load(found[0], weights_only=True)
+        gen.set_state(order["now"])
+        dl.set_epoch(int(order["epoch"]) + 1)
+        _DRAW_AGAIN[id(gen)] = (int(order["epoch"]), order["began"])
 
 
 def load_loader_states(accelerator: Any, path: str) -> None:
@@ -55,6 +122,7 @@ def load_loader_states(accelerator: Any, path: str) -> None:
 
     import torch
 
+    _load_orders(accelerator, path)
     loaders = _stateful(accelerator)
     if not loaders:
         return
@@ -91,8 +159,7 @@ def keep_random_states_for_the_first_batch() -> None:
               torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def put_back(loader: Any) -> None:
-        # skip_first_batches skips in the loader, or in a SkipBatchSampler it gives the loader
-        if not any(getattr(part, "skip_batches", 0) for part in (loader, getattr(loader, "batch_sampler", None))):
+        if not _skips(loader):
             return
         python, numpy_state, torch_state, cuda = states
         random.setstate(python)

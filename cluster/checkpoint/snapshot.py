@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -402,6 +403,11 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
             replaced.enter_context(patches.scoped(torch, "save", torch_save, "torch.save"))
             replaced.enter_context(patches.scoped(other, "safe_save_file", safe_save_file,
                                                   "accelerate.utils.other.safe_save_file"))
+            # transformers' save_pretrained (a Trainer's snapshot, cluster.rank.trainer) writes safetensors through
+            # its own import of save_file; a Trainer's plain nn.Module, through safetensors' module
+            for module, name in (("safetensors.torch", "save_file"), ("transformers.modeling_utils", "safe_save_file")):
+                if (holder := sys.modules.get(module)) is not None and hasattr(holder, name):
+                    replaced.enter_context(patches.scoped(holder, name, safe_save_file, f"{module}.{name}"))
             if dcp is not None:
                 replaced.enter_context(patches.scoped(dcp, "save", distributed_save,
                                                       "torch.distributed.checkpoint.save"))

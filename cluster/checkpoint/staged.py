@@ -321,12 +321,15 @@ class StagedCheckpoints:
         return snap.nbytes / 2**20
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
-                       written: Callable[[int, str, dict[str, dict]], None]) -> bool:
+                       written: Callable[[int, str, dict[str, dict]], None],
+                       save: Callable[[str, Callable[[], None]], None] | None = None) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed;
         ``written(step, folder, files)`` once it is there. False, and nothing taken, while a save or the previous
         snapshot is still being written (training never waits for a snapshot's write) or where a save cannot be
-        held in memory (DeepSpeed's, Megatron-LM's)."""
+        held in memory (DeepSpeed's, Megatron-LM's). ``save(folder, default)`` runs the save under the capture in
+        place of ``default()`` (the Accelerator's ``save_state`` into ``folder``): a script's within its own
+        save_state's scope, a Trainer's its own writes."""
         upload = self._upload
         if upload is not None:
             if upload.busy() or (not upload.snapshot and upload.error is not None):
@@ -347,7 +350,10 @@ class StagedCheckpoints:
 
         sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
         defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
-        snap = capture(lambda: _save_state(accelerator, folder, step), shared=writer is not None,
+        def default() -> None:
+            _save_state(accelerator, folder, step)
+
+        snap = capture(default if save is None else lambda: save(folder, default), shared=writer is not None,
                        pool=self._segments, defer=defer,
                        distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         if not accelerator.is_main_process:

@@ -40,7 +40,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from cluster import patches
-from cluster.checkpoint.resume import NEXT_BATCH, next_batch
+from cluster.checkpoint.resume import NEXT_BATCH, epoch_begins, next_batch
 from cluster.rank.prepared import after_prepare
 
 __all__ = ["CpuTimer", "CudaTimer", "PaceMeter", "Timer", "install"]
@@ -258,6 +258,7 @@ SNAPSHOT: list[Callable[[int], None]] = []
 def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callable[[Any], Iterator]:
     @functools.wraps(iterate)
     def __iter__(self: Any) -> Iterator:
+        epoch_begins(self)  # the order it draws now: kept for a save, or a resumed epoch's drawn again
         batches = iterate(self)
         clock = time.perf_counter
         # A snapshot is taken where a save at a step's end would be: the next batch asked of a loader that handed one

@@ -22,6 +22,7 @@ Imports nothing from Ray.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -29,7 +30,7 @@ import runpy
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from cluster import patches
 from cluster.errors import RaylaunchError
@@ -287,12 +288,21 @@ class ScriptHooks:
                 "accelerator.save_state on every process (not inside `if accelerator.is_main_process`); "
                 "Accelerate itself decides which process writes which file") from None
 
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Within: ``save_state`` is Accelerate's own (raylaunch's saves and snapshots of the script's state), not a
+        save of the script's to commit."""
+        was, self._inside = self._inside, True
+        try:
+            yield
+        finally:
+            self._inside = was
+
     def _save(self, accelerator: Any, save_state: Any, output_dir: str | None, safe: bool, kwargs: dict) -> str:
         self._every_rank_saves()
         step = None if output_dir is None else checkpoint_step_of(output_dir)
         step = self.optimizer_steps if step is None else step
-        self._inside = True
-        try:
+        with self.inside():
             if output_dir is None:
                 # Accelerate names, numbers and prunes the folder itself (automatic_checkpoint_naming): the
                 # script's folder is written as it would be, and the committed checkpoint apart from it.
@@ -301,8 +311,6 @@ class ScriptHooks:
                 return output_dir
             self.session.save_script_state(accelerator, step, str(output_dir), Path(output_dir).name, safe, kwargs)
             return str(output_dir)
-        finally:
-            self._inside = False
 
     def _is_resume_folder(self, input_dir: str | None) -> bool:
         if self.resume_folder is None or input_dir is None:

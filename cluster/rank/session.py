@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -217,11 +218,12 @@ class Session:
             self._device_rows.flush()
 
     def start_snapshots(self, meter: Any) -> None:
-        """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), for a function (a script's
-        and a Trainer's resume read their own checkpoint folders: not yet), taken from the prepared loaders'
-        iteration (``cluster.rank.pace``); ``meter``: the rank's pace meter, which counts its optimizer steps."""
+        """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), taken from the prepared
+        loaders' iteration (``cluster.rank.pace``); ``meter``: the rank's pace meter, which counts its optimizer steps.
+        A function's are restored by ``restore``; a script's and a Trainer's are written in their own checkpoint
+        format and handed to their own resume (``snapshot_script``, ``cluster.rank.trainer.snapshots_of``)."""
         p = self.payload
-        if p is None or p.snapshot_dir is None or p.script is not None or self._checkpoints is None:
+        if p is None or p.snapshot_dir is None or self._checkpoints is None:
             return
         from cluster.checkpoint.memory import MemorySnapshots
         from cluster.snapshots import node_budget_bytes
@@ -239,12 +241,12 @@ class Session:
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
-            from cluster.rank.trainer import made_by_trainer
+            from cluster.rank.trainer import made_by_trainer, snapshots_of
 
             why = None
-            if made_by_trainer(12) is not None:
-                why = ("a transformers Trainer resumes from its own checkpoint folders, which snapshots do not write "
-                       "yet; its committed checkpoints are restored")
+            trainer = made_by_trainer(12)
+            if trainer is not None and getattr(trainer.args, "save_only_model", False):
+                why = "Trainer's save_only_model keeps no optimizer state to resume from; commits are restored"
             elif str(getattr(accelerator, "distributed_type", "")).endswith(("FSDP", "DEEPSPEED", "MEGATRON_LM")):
                 # FSDP's save is a collective (DCP), which ranks deciding on their own could leave one rank in
                 why = "FSDP's, DeepSpeed's and Megatron-LM's states are not snapshotted yet; commits are restored"
@@ -254,7 +256,11 @@ class Session:
             if why is not None:
                 snaps.stop(why)
                 self._agree_no_more()  # (every rank alike) a stop notice ends the rank, or the code agrees itself
-            elif models:
+                return
+            if trainer is not None and (snaps.code is None or snaps.code.step is None):
+                snaps.code, snaps.confirmed = snapshots_of(trainer), True  # named by Trainer's own global_step
+                self._agree_no_more()  # Trainer agrees on stop notices itself (cluster.rank.trainer: it saves there)
+            if models:
                 snaps.accelerator = accelerator
 
         def take(steps: int) -> None:
@@ -310,6 +316,38 @@ class Session:
                   f"not written: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         self._stopped_for_preemption = True
         raise StoppedAtSnapshot()
+
+    def snapshot_script(self, inside: Any) -> None:
+        """A script's snapshots: its Accelerator's ``save_state`` run within ``inside()`` (the script hooks' own scope,
+        where save_state is Accelerate's), named as the script names its folders once it saved one
+        (``script_saved``)."""
+        if self.snapshots is None:
+            return
+        from cluster.checkpoint.memory import CodeSave
+
+        def save(folder: str, default: Any) -> None:
+            with inside():
+                default()
+
+        self.snapshots.code = CodeSave(save)
+
+    def script_saved(self, step: int, folder: str) -> None:
+        """A script's ``save_state`` into ``folder`` (its name) at ``step``: its snapshots are named like it from
+        here, if the name ends in the optimizer steps taken (``step_48``); a script that names them otherwise
+        (``epoch_3``, a count of saves) would resume a snapshot at another step, so it gets none."""
+        snaps = self.snapshots
+        if snaps is None or snaps.code is None or snaps.code.step is not None or snaps.off is not None:
+            return
+        m = re.search(r"\d+$", folder)
+        if m is None or int(m.group()) != step:
+            snaps.stop(f"the script names its checkpoint of step {step} {folder!r}: snapshots are handed to its resume "
+                       "under a name ending in their step (step_<n>, checkpoint-<n>), which this script's names do "
+                       "not give. Name its save_state folders by optimizer steps to have them")
+            self._agree_no_more()
+            return
+        self._steps_agree(step)
+        if snaps.off is None:
+            snaps.code.name = folder
 
     def _steps_agree(self, step: int) -> None:
         """A save's ``step`` against the optimizer steps taken: a function that numbers its saves otherwise (batches,
@@ -482,6 +520,7 @@ class Session:
         """A script's ``save_state(mirror)`` under the runner: the checkpoint of ``step``, committed as ``save``'s
         are, and (``mirror`` not None) the script's folder filled with the same files."""
         assert self._checkpoints is not None, "scripts run only under the runner"
+        self.script_saved(step, folder)
         return self._checkpoints.save(accelerator, step, ScriptSave(folder, mirror, safe_serialization, kwargs))
 
     def resume_folder(self) -> tuple[str, dict] | None:
@@ -542,12 +581,13 @@ class Session:
         step = self._checkpoints.restore(accelerator)
         if step is not None:
             self.restored(step, time.monotonic() - began)
-            if self.snapshots is not None:  # a snapshot's step: the one restored plus the optimizer steps from here
-                self.snapshots.base = step - self._meter.steps
         return step
 
     def restored(self, step: int, seconds: float) -> None:
-        """This rank loaded the checkpoint of ``step`` in ``seconds`` (for the goodput ledger's ``restore``)."""
+        """This rank loaded the checkpoint of ``step`` in ``seconds`` (for the goodput ledger's ``restore``): a
+        function's, a script's or a Trainer's."""
+        if self.snapshots is not None:  # a snapshot's step: the one restored plus the optimizer steps from here
+            self.snapshots.base = step - self._meter.steps
         self.emit(RestoredPart(step=step, seconds=round(seconds, 4)))
 
     # --- events --------------------------------------------------------------

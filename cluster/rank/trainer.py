@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from cluster.protocol import ScriptCall
     from cluster.rank.session import Session
 
-__all__ = ["RunnerCallback", "TrainerStopped", "install", "made_by_trainer", "owner", "trainer_accumulation"]
+__all__ = ["RunnerCallback", "TrainerStopped", "install", "made_by_trainer", "owner", "snapshots_of",
+           "trainer_accumulation"]
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -106,6 +107,60 @@ def install(session: "Session", script: "ScriptCall | None" = None) -> None:
 
 _BRIDGES: list[Any] = []  # the one callback of this rank, shared by its Trainers
 _SCALED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the Trainers whose accumulation was scaled
+
+
+def snapshots_of(trainer: Any) -> Any:
+    """Snapshots in memory of ``trainer`` (``cluster.checkpoint.memory``) in its own format: what its
+    ``_save_checkpoint`` writes into ``checkpoint-<global_step>``, so its own ``resume_from_checkpoint`` restores one
+    exactly as it restores its checkpoints. Written by Trainer's own methods (the model's ``save_model``, then its
+    optimizer, scheduler, scaler and RNG states), under the capture that holds them in memory; left out, what
+    ``_save_checkpoint`` does beyond the files: the flos gathered across ranks and the best model's barrier (each rank
+    decides alone whether it takes a snapshot: no collective may be waited on there; the state written counts this
+    rank's flos as every rank's), the pruning of the output folder and the upload to the Hub."""
+    from cluster.checkpoint.memory import CodeSave
+
+    ref = weakref.ref(trainer)
+
+    def save(folder: str, default: Callable[[], None]) -> None:
+        me = ref()
+        if me is not None:
+            _save_like_trainer(me, folder)
+
+    return CodeSave(save, name="checkpoint-0", step=lambda: ref().state.global_step)
+
+
+def _save_like_trainer(trainer: Any, folder: str) -> None:
+    import copy
+
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_callback import ExportableState
+    from transformers.utils import logging as hf_logging
+
+    args = trainer.args
+    os.makedirs(folder, exist_ok=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # ("Writing model shards" a snapshot)
+    try:
+        trainer.save_model(folder, _internal_call=True)
+        trainer._save_optimizer_and_scheduler(folder)
+        trainer._save_scaler(folder)
+        trainer._save_rng_state(folder)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if not args.should_save:
+        return
+    # Trainer's state as its own save would write it now, on a copy: the live state is Trainer's to change
+    state = copy.copy(trainer.state)
+    state.stateful_callbacks = {k: list(v) if isinstance(v, list) else v for k, v in state.stateful_callbacks.items()}
+    for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+        name = cb.__class__.__name__
+        if isinstance(state.stateful_callbacks.get(name), list):
+            state.stateful_callbacks[name].append(cb.state())
+        else:
+            state.stateful_callbacks[name] = cb.state()
+    state.total_flos = trainer.state.total_flos + getattr(trainer, "current_flos", 0) * args.world_size
+    state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
 
 
 class TrainerStopped(BaseException):

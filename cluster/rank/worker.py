@@ -127,6 +127,7 @@ def _run_script(session: "runtime.Session", call: ScriptCall, rank: int) -> None
 
     hooks = ScriptHooks(session, call, rank)
     hooks.install()
+    session.snapshot_script(hooks.inside)  # written as its save_state writes, named as it names its folders
     resume = None
     if call.resume_arg is None:
         if session.payload.restore_uri is not None:
