@@ -23,6 +23,10 @@ rank:
   accumulation is never applied behind Trainer's back (Trainer makes its Accelerator with accumulation 1 and
   accumulates itself, as under ``accelerate launch``).
 
+Between its saves, snapshots in memory (``cluster.checkpoint.memory``) hold what its own ``checkpoint-<n>`` would
+(:func:`snapshots_of`): a restart may hand Trainer one of them, put together from the nodes' memory, as it hands a
+commit.
+
 After a restart a script gets ``--resume_from_checkpoint <folder>`` (``cluster.rank.worker``); a function passes
 ``get_session().checkpoint_folder()`` to ``trainer.train(resume_from_checkpoint=...)``. Imports nothing from Ray.
 """
