@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cluster.layout import MANIFEST
 
-__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "keep_peer_part", "node_budget_bytes",
+__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "keep_peer_part", "node_budget_bytes", "pin",
            "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
@@ -193,13 +193,39 @@ def _drop_part(folder: Path, rank: int) -> None:
     _remove_empty(folder)
 
 
+# The newest step every rank held a part of, as the driver last heard (``pin``), in a node's folder: never pruned.
+_PIN = "pinned"
+
+
+def pin(node_dir: str | Path, step: int | None) -> None:
+    """The driver heard every rank's part of ``step``: this node keeps its parts of it (own and peers' copies) until a
+    newer one is pinned, however far a faster rank's own snapshots run ahead (a slower rank's write of hundreds of
+    MiB took longer than the copy window, and the only snapshot every rank held was pruned). None: nothing pinned
+    (a new attempt)."""
+    folder = Path(node_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{_PIN}.partial"
+    tmp.write_text("" if step is None else str(step))
+    os.replace(tmp, folder / _PIN)
+
+
+def _pinned(node_dir: Path) -> int | None:
+    try:
+        return int((node_dir / _PIN).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def prune(base: Path, rank: int, keep: int, window_s: float = 0.0) -> None:
     """A rank's parts in ``base``'s ``snap-*`` folders but its newest ``keep``, those written in the last
-    ``window_s`` seconds, and those of a step this node keeps a peer's copy of (``peer/snap-<step>``: with it, the
-    snapshot whole when the peer is lost); a folder left empty goes. A copy to the peer starts once the driver hears
-    of a part (a held poll, up to a second), so a node's own parts stay as long as its copies may take to arrive."""
+    ``window_s`` seconds, those of a step this node keeps a peer's copy of (``peer/snap-<step>``: with it, the
+    snapshot whole when the peer is lost) and the step the driver pinned (``pin``); a folder left empty goes. A copy
+    to the peer starts once the driver hears of a part (a held poll, up to a second), so a node's own parts stay as
+    long as its copies may take to arrive."""
     held = [s for s in _steps(base) if rank in _parts(base / snap_name(s))]
-    pinned = set(_steps(base / "peer"))
+    pinned = set(_steps(base / "peer")) if base.name != "peer" else set()
+    if (step := _pinned(base.parent if base.name == "peer" else base)) is not None:
+        pinned.add(step)
     now = time.time()
     for step in held[:max(0, len(held) - keep)]:
         if step in pinned:

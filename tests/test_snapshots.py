@@ -226,3 +226,33 @@ def test_a_node_ray_drains_stops_the_run_at_a_step_every_rank_agrees_on_and_resu
             ray_cluster.remove_node(victim)  # drained: the spare stands in for it
         elif spare in ray_cluster.worker_nodes:
             ray_cluster.remove_node(spare)
+
+
+def test_the_step_every_rank_holds_is_kept_however_far_a_faster_rank_runs_ahead(tmp_path):
+    """A node keeps a rank's newest two parts, and the step the driver pinned (the newest every rank's part is held
+    of), on the node and among its peer's copies: a slower rank's write of hundreds of MiB outlasted the copy window,
+    and the only snapshot whole had been pruned. A new attempt's pin (none) lets it go."""
+    from cluster.snapshots import KEEP, pin, prune, snap_name, write_part_json
+
+    node = tmp_path / "node"
+
+    def part(base: Path, rank: int, step: int) -> None:
+        folder = base / snap_name(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"random_states_{rank}.pkl").write_bytes(b"x")
+        write_part_json(folder, rank, step, {f"random_states_{rank}.pkl": {"size": 1}})
+
+    def kept(base: Path, rank: int) -> list[int]:
+        return sorted(int(p.parent.name.split("-")[1]) for p in base.glob(f"snap-*/rank-{rank}.json"))
+
+    for step in range(1, 6):
+        part(node, 0, step)  # this node's rank 0
+        part(node / "peer", 1, step)  # the copies it keeps of its peer node's rank 1
+    pin(node, 2)
+    prune(node / "peer", 1, KEEP)
+    prune(node, 0, KEEP)
+    assert kept(node, 0) == [2, 4, 5] and kept(node / "peer", 1) == [2, 4, 5]
+    pin(node, None)
+    prune(node / "peer", 1, KEEP)
+    prune(node, 0, KEEP)
+    assert kept(node, 0) == [4, 5] and kept(node / "peer", 1) == [4, 5]

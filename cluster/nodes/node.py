@@ -424,6 +424,10 @@ class NodeActor:
         return memory.assemble(node_dir, step, world_size, attempt, dict(zip(ranks, parts)))
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    def pin_snapshot(self, node_dir: str, step: int | None) -> None:
+        memory.pin(node_dir, step)
+
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def drop_snapshots(self, run_dir: str) -> None:
         memory.drop_run(run_dir)
 

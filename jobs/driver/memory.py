@@ -68,6 +68,7 @@ class SnapshotBook:
     _copies: dict[Any, tuple[int, int, str, int]] = field(default_factory=dict)  # ref -> (step, rank, peer, source)
     _waiting: dict[int, int] = field(default_factory=dict)  # rank -> the newest step of its part to copy
     _node_of: dict[int, int] = field(default_factory=dict)  # rank -> its node rank, this attempt
+    _pin: int | None = None  # the newest step every rank's part is held of, this attempt (``cluster.snapshots.pin``)
     copied: int = 0  # parts copied to a peer
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its latest part
     every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
@@ -84,7 +85,9 @@ class SnapshotBook:
         self.nodes = [_Node(i.node_id, f"{i.snapshot_root}/{self.key}/{i.node_id}", a) for i, a in zip(infos, actors)]
         for n in self.nodes:
             self.roots[n.node_id] = n.folder
-        self._copies, self._waiting, self._world = {}, {}, world_size
+        self._copies, self._waiting, self._world, self._pin = {}, {}, world_size, None
+        for n in self.nodes:  # an earlier attempt's pin on these nodes holds nothing this one needs
+            n.actor.pin_snapshot.remote(n.folder, None)
         return {rank: n.folder for rank, n in enumerate(self.nodes)}
 
     def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float) -> None:
@@ -97,6 +100,10 @@ class SnapshotBook:
         self._node_of[rank] = node_rank
         if len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones waiting are skipped)
             self._waiting[rank] = max(self._waiting.get(rank, step), step)
+        if len(self.held[step]) == self._world and (self._pin is None or step > self._pin):
+            self._pin = step  # every rank's part is held: the nodes keep it until a newer one is whole
+            for n in self.nodes:
+                n.actor.pin_snapshot.remote(n.folder, step)
         self._forget_old()
         self.poll()
 
