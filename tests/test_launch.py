@@ -31,7 +31,7 @@ SCRIPT = "train_fn/digits_script.py"
 # A save_state every 3 steps (3, 6, and 8 at the end). A script of Accelerate's examples' shape resumed in its second
 # epoch drew the first epoch's order again (Accelerate keeps no state of a shuffling loader's generator), so its model
 # differed from an uninterrupted run's under any launcher; raylaunch keeps where each epoch's order came from
-# (cluster.checkpoint.resume.epoch_begins): the snapshot test below resumes at step 7, in the second epoch. Dropout
+# (cluster.checkpoint.resume.epoch_begins): the snapshot test below resumes in the second epoch or at its end. Dropout
 # 0.3: the resumed steps draw the same masks as the uninterrupted run's (#48: they did not, under raylaunch as under
 # accelerate launch).
 TRAIN = ["--epochs", "2", "--train_samples", "128", "--checkpointing_steps", "3", "--dropout", "0.3"]
@@ -146,15 +146,20 @@ def test_a_rank_killed_after_a_commit_resumes_the_script_with_the_flag_and_ends_
 
 
 def test_a_rank_killed_between_commits_resumes_the_script_from_a_snapshot_in_memory_bitwise_equal(uninterrupted):
-    """Snapshots every step (commits at 3 and 6): rank 1 is killed once every rank's part of step 7 is held. The
-    restart hands the script `--resume_from_checkpoint <node folder>/step_<n>` put together from the nodes' memory (its
-    save_state's files, named as it names its folders), its own resume reads the step from the name and loads it, and
+    """Three epochs of 4 steps, commits at 3, 6, 9 and 12, snapshots every step: rank 1 is killed once every rank's
+    part of step 7 is held. The restart hands the script `--resume_from_checkpoint <node folder>/step_<n>` put together
+    from the nodes' memory (its save_state's files, named as it names its folders) at 7 (inside the second epoch) or 8
+    (its end); the script's own resume reads the step from the name, loads it and skips the epoch's batches seen, and
     the weights are the uninterrupted run's."""
-    reference, tmp = uninterrupted
+    _, tmp = uninterrupted
+    three = [*TRAIN, "--epochs", "3"]
+    topology = ["--num_machines", "2", "--num_processes", "2", "--set", "failure.max_restarts=1"]
+    whole = launch([*topology, "--set", "checkpoint.snapshots.every=0", SCRIPT, *three, "--output_dir",
+                    str(tmp / "out-three")], tmp / "runs", "three").run()
+    assert whole.status == "succeeded", whole.error
     out, said = tmp / "out-snapshot", io.StringIO()
-    driver = launch(["--num_machines", "2", "--num_processes", "2", "--set", "failure.max_restarts=1", "--set",
-                     "checkpoint.snapshots.every=1", SCRIPT, *TRAIN, "--output_dir", str(out), "--throttle_s", "1"],
-                    tmp / "runs", "snapshot", out=said)
+    driver = launch([*topology, "--set", "checkpoint.snapshots.every=1", SCRIPT, *three, "--output_dir", str(out),
+                     "--throttle_s", "1"], tmp / "runs", "snapshot", out=said)
     result = killed_when(driver, lambda: driver.snapshots is not None and any(
         s >= 7 and len(r) == 2 for s, r in list(driver.snapshots.held.items())), "the snapshot of step 7")
     assert result.status == "succeeded", result.error
@@ -164,9 +169,9 @@ def test_a_rank_killed_between_commits_resumes_the_script_from_a_snapshot_in_mem
     assert start["resume_from"] == "memory" and start["resume_step"] in (7, 8), (start, said.getvalue()[-3000:])
     assert f"/step_{start['resume_step']} (the checkpoint of step {start['resume_step']})" in said.getvalue()
     second = sorted({r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and "loss" in r})
-    assert second == list(range(start["resume_step"] + 1, STEPS + 1)), second
+    assert second == list(range(start["resume_step"] + 1, 13)), second
     assert json.loads((out / "result.json").read_text())["weights"] == \
-        json.loads((tmp / "out" / "result.json").read_text())["weights"]
+        json.loads((tmp / "out-three" / "result.json").read_text())["weights"]
 
 
 def test_one_node_with_two_processes_trains_the_same_weights_as_two_nodes(uninterrupted):

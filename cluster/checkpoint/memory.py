@@ -131,6 +131,7 @@ class MemorySnapshots:
         step = self.base + steps if code is None or code.step is None else code.step()
         if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
             prune_from(self.node_dir, self.rank, step)
+            self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
@@ -145,6 +146,9 @@ class MemorySnapshots:
         if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
             prune(self.node_dir, self.rank, KEEP)
             used = self.used = used_bytes(self.node_dir)
+            if used + self.last_nbytes > self.budget:  # the newest and the step the driver pinned, no more
+                prune(self.node_dir, self.rank, 1)
+                used = self.used = used_bytes(self.node_dir)
         if used + self.last_nbytes > self.budget:
             self.say_once(f"raylaunch: snapshots in memory: this node's hold {used / 2**20:.3g} MiB, and one more of "
                           f"{self.last_nbytes / 2**20:.3g} MiB would pass their bound of {self.budget / 2**20:.3g} MiB "
@@ -153,44 +157,61 @@ class MemorySnapshots:
                           "(checkpoint.snapshots.every) (said once)")
             return
         folder = self.node_dir / snap_name(step)
+        kwargs: dict[str, Any] = {}
         if code is not None:  # written apart (the code writes files of its own), then moved in: ``_written``
-            folder = self._apart
-            shutil.rmtree(folder, ignore_errors=True)
+            folder = self._apart(step)
+
+            def save(into: str, default: Callable[[], None]) -> None:
+                self._clear_apart()  # (called once no write of this rank's is in flight)
+                code.save(into, default)
+
+            kwargs["save"] = save
         self._taken_at[step] = time.time()
-        if self._save(self.accelerator, step, str(folder), self._written,
-                      **({"save": code.save} if code is not None else {})):
+        if self._save(self.accelerator, step, str(folder), self._written, **kwargs):
             self.taken += 1
         else:
             self._taken_at.pop(step, None)
 
-    @property
-    def _apart(self) -> Path:
-        """Where this rank's part of a script's or Trainer's snapshot is written before it joins the step's folder."""
-        return self.node_dir / f".writing-rank-{self.rank}"
+    def _apart(self, step: int) -> Path:
+        """Where this rank's part of a script's or Trainer's snapshot of ``step`` is written before it joins the
+        step's folder."""
+        return self.node_dir / f".writing-rank-{self.rank}-{step}"
+
+    def _clear_apart(self) -> None:
+        for old in self.node_dir.glob(f".writing-rank-{self.rank}-*"):
+            shutil.rmtree(old, ignore_errors=True)
 
     def _joined(self, step: int, apart: Path, files: dict[str, dict]) -> tuple[Path, dict[str, dict]]:
         """This rank's part of a script's or Trainer's snapshot moved from ``apart`` into the step's folder, with the
         files the code wrote itself (a config, Trainer's state) described beside those the capture wrote, and on
-        rank 0 the label naming the folder the code resumes from."""
+        rank 0 the label naming the folder the code resumes from. A join that fails leaves none of its files."""
         folder = self.node_dir / snap_name(step)
-        folder.mkdir(parents=True, exist_ok=True)
-        out = dict(files)
-        for root, _, names in os.walk(apart):
-            for n in names:
-                rel = os.path.relpath(os.path.join(root, n), apart)
-                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(apart / rel, folder / rel)
-                if rel not in out:
-                    out[rel] = describe_written(str(folder / rel))
-        shutil.rmtree(apart, ignore_errors=True)
-        if self.rank == 0 and self.code is not None and self.code.name is not None:
-            (folder / SCRIPT_FOLDER).write_text(json.dumps({"folder": renumbered(self.code.name, step)}))
-            out[SCRIPT_FOLDER] = describe_written(str(folder / SCRIPT_FOLDER))
+        out, moved = dict(files), []
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for root, _, names in os.walk(apart):
+                for n in names:
+                    rel = os.path.relpath(os.path.join(root, n), apart)
+                    (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(apart / rel, folder / rel)
+                    moved.append(folder / rel)
+                    if rel not in out:
+                        out[rel] = describe_written(str(folder / rel))
+            if self.rank == 0 and self.code is not None and self.code.name is not None:
+                moved.append(folder / SCRIPT_FOLDER)
+                moved[-1].write_text(json.dumps({"folder": renumbered(self.code.name, step)}))
+                out[SCRIPT_FOLDER] = describe_written(str(moved[-1]))
+        except BaseException:
+            for path in moved:
+                path.unlink(missing_ok=True)
+            raise
+        finally:
+            shutil.rmtree(apart, ignore_errors=True)
         return folder, out
 
     def _written(self, step: int, folder: str, files: dict[str, dict]) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go."""
-        if Path(folder) == self._apart:
+        if Path(folder) == self._apart(step):
             joined, files = self._joined(step, Path(folder), files)
             folder = str(joined)
         write_part_json(folder, self.rank, step, files)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any, Callable, Iterable
 
 from cluster.layout import rank_part_file
@@ -47,15 +48,14 @@ def save_loader_states(accelerator: Any, path: str) -> None:
         torch.save(dl.state_dict(), _file(path, i, accelerator.process_index))
 
 
-# The order of a shuffling loader's epoch (Accelerate's ``synchronized_generator``: a ``RandomSampler``'s generator,
-# seeded once at ``prepare``) is drawn from that generator when the epoch's iteration begins; Accelerate's save_state
-# keeps no state of it, so a resumed process drew epoch 0's order again for every later epoch (the digits script
-# resumed at step 7, in its second epoch, trained on the first epoch's batches: under accelerate launch too). Each
-# generator's state as its current epoch began, by generator (a loader and those ``skip_first_batches`` makes of it
-# share one): (the loader's epoch, the state).
-_EPOCH_BEGAN: dict[int, tuple[int, Any]] = {}
-# A resume's epoch to draw again, by generator: put back when a loader that skips batches begins (the resumed epoch).
-_DRAW_AGAIN: dict[int, tuple[int, Any]] = {}
+# The order of a shuffling loader's epoch (Accelerate's ``synchronized_generator``: a non-seedable ``RandomSampler``'s
+# generator, seeded once at ``prepare``) is drawn from that generator when the epoch's iteration begins; Accelerate's
+# save_state keeps no state of it, so a resumed process drew epoch 0's order again for every later epoch (the digits
+# script resumed at step 7, in its second epoch, trained on the first epoch's batches: under accelerate launch too).
+# Each generator's state as its current epoch began, by generator (a loader and those ``skip_first_batches`` makes of
+# it share one): (the loader's epoch, the state, the loader iterating it).
+_EPOCH_BEGAN: dict[int, tuple[int, Any, Any]] = {}
+_ORDER_SAID: list[str] = []
 
 
 def _order_file(path: str, index: int, rank: int) -> str:
@@ -67,37 +67,45 @@ def _skips(loader: Any) -> bool:
     return any(getattr(part, "skip_batches", 0) for part in (loader, getattr(loader, "batch_sampler", None)))
 
 
+def _order_failed(what: str, exc: BaseException) -> None:
+    if not _ORDER_SAID:  # never the training's failure: the order of a resumed epoch may differ, said once
+        _ORDER_SAID.append(what)
+        print(f"raylaunch: {what} a shuffling loader's order failed ({type(exc).__name__}: {exc}); a resume may draw "
+              "another order for the epoch it resumes", file=sys.stderr, flush=True)
+
+
 def epoch_begins(loader: Any) -> None:
-    """Called by a prepared dataloader's ``__iter__`` (``cluster.rank.pace``) before it draws its epoch's order: a
-    resumed epoch's (the first loader to skip batches after a resume) is drawn from the state it was first drawn from,
-    and the state every epoch draws from is kept for the next save."""
+    """Called by a prepared dataloader's ``__iter__`` (``cluster.rank.pace``) before it draws its epoch's order: the
+    state it draws from, kept for the next save."""
     gen = getattr(loader, "synchronized_generator", None)
     if gen is None:
         return
-    again = _DRAW_AGAIN.pop(id(gen), None)
-    if again is not None and _skips(loader):
-        epoch, state = again
-        gen.set_state(state)
-        loader.set_epoch(epoch)
-    _EPOCH_BEGAN[id(gen)] = (loader.iteration, gen.get_state())
+    try:
+        _EPOCH_BEGAN[id(gen)] = (loader.iteration, gen.get_state(), weakref.ref(loader))
+    except Exception as exc:  # noqa: BLE001
+        _order_failed("keeping", exc)
 
 
 def _save_orders(accelerator: Any, path: str) -> None:
+    """Each prepared shuffling loader's order: where its epoch's was drawn from, where the next one's will be, and
+    whether its epoch had ended (its last batch handed over)."""
     import torch
 
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
         gen = getattr(dl, "synchronized_generator", None)
         began = _EPOCH_BEGAN.get(id(gen)) if gen is not None else None
         if began is not None:
-            torch.save({"epoch": began[0], "began": began[1], "now": gen.get_state()},
+            loader = began[2]()
+            torch.save({"epoch": began[0], "began": began[1], "now": gen.get_state(),
+                        "ended": bool(getattr(loader, "end_of_dataloader", False))},
                        _order_file(path, i, accelerator.process_index))
 
 
 def _load_orders(accelerator: Any, path: str) -> None:
-    """After ``load_state``: each shuffling loader's generator where the saved run's was, so the next epoch draws the
-    order the run would have drawn; the epoch the save was in is drawn again from where it was first drawn, if the code
-    resumes it (``skip_first_batches``). A rank the checkpoint has no file of takes rank 0's (the generators are
-    synchronized across ranks)."""
+    """After ``load_state``: each shuffling loader's generator as the saved run's was. Saved mid-epoch, at that
+    epoch's start, so the code that resumes the epoch (``skip_first_batches``, or skipping batches itself) draws its
+    order again; saved at an epoch's end, as it was, for the next epoch's. A rank the checkpoint has no file of takes
+    rank 0's (the generators are synchronized across ranks)."""
     import torch
 
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
@@ -106,10 +114,13 @@ def _load_orders(accelerator: Any, path: str) -> None:
                  if os.path.exists(f)]
         if gen is None or not found:
             continue
-        order = torch.load(found[0], weights_only=True)
-        gen.set_state(order["now"])
-        dl.set_epoch(int(order["epoch"]) + 1)
-        _DRAW_AGAIN[id(gen)] = (int(order["epoch"]), order["began"])
+        try:
+            order = torch.load(found[0], weights_only=True)
+            ended = bool(order.get("ended", False))
+            gen.set_state(order["now"] if ended else order["began"])
+            dl.set_epoch(int(order["epoch"]) + (1 if ended else 0))
+        except Exception as exc:  # noqa: BLE001
+            _order_failed("putting back", exc)
 
 
 def load_loader_states(accelerator: Any, path: str) -> None:

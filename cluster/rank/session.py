@@ -241,12 +241,12 @@ class Session:
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
-            from cluster.rank.trainer import made_by_trainer, snapshots_of
+            from cluster.rank.trainer import made_by_trainer, snapshots_of, trainer_unsnapshotted
 
             why = None
             trainer = made_by_trainer(12)
-            if trainer is not None and getattr(trainer.args, "save_only_model", False):
-                why = "Trainer's save_only_model keeps no optimizer state to resume from; commits are restored"
+            if trainer is not None and (why := trainer_unsnapshotted(trainer)) is not None:
+                why += "; its committed checkpoints are restored"
             elif str(getattr(accelerator, "distributed_type", "")).endswith(("FSDP", "DEEPSPEED", "MEGATRON_LM")):
                 # FSDP's save is a collective (DCP), which ranks deciding on their own could leave one rank in
                 why = "FSDP's, DeepSpeed's and Megatron-LM's states are not snapshotted yet; commits are restored"
@@ -338,16 +338,16 @@ class Session:
         snaps = self.snapshots
         if snaps is None or snaps.code is None or snaps.code.step is not None or snaps.off is not None:
             return
+        taken = snaps.base + self._meter.steps
         m = re.search(r"\d+$", folder)
-        if m is None or int(m.group()) != step:
-            snaps.stop(f"the script names its checkpoint of step {step} {folder!r}: snapshots are handed to its resume "
-                       "under a name ending in their step (step_<n>, checkpoint-<n>), which this script's names do "
-                       "not give. Name its save_state folders by optimizer steps to have them")
+        if m is None or int(m.group()) != taken:
+            snaps.stop(f"the script named its save_state folder {folder!r} after {taken} optimizer steps: snapshots are "
+                       "handed to its resume under a name ending in their optimizer step (step_<n>, checkpoint-<n>), "
+                       "which this script's names do not give (an epoch, a count of saves or batches). Name its "
+                       "save_state folders by optimizer steps to have them")
             self._agree_no_more()
             return
-        self._steps_agree(step)
-        if snaps.off is None:
-            snaps.code.name = folder
+        snaps.confirmed, snaps.code.name = True, folder
 
     def _steps_agree(self, step: int) -> None:
         """A save's ``step`` against the optimizer steps taken: a function that numbers its saves otherwise (batches,

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from cluster.rank.session import Session
 
 __all__ = ["RunnerCallback", "TrainerStopped", "install", "made_by_trainer", "owner", "snapshots_of",
-           "trainer_accumulation"]
+           "trainer_accumulation", "trainer_unsnapshotted"]
 
 TRAINER_MODULE = "transformers.trainer"
 
@@ -131,6 +131,26 @@ def snapshots_of(trainer: Any) -> Any:
             _save_like_trainer(me, folder)
 
     return CodeSave(save, name="checkpoint-0", step=lambda: ref().state.global_step)
+
+
+def trainer_unsnapshotted(trainer: Any) -> str | None:
+    """Why ``trainer`` gets no snapshots (its committed checkpoints are restored), or None.
+
+    Its model sharded as it loaded (tensor parallel): every rank's ``save_model`` gathers the shards, a collective
+    a rank that skips a snapshot would leave the others waiting in. ``save_only_model``: nothing to resume the
+    optimizer from. A subclass's own ``_save_checkpoint`` may write what its own resume reads, which a snapshot would
+    not hold (TRL's trainers add a model card there, nothing their resume reads: theirs are taken)."""
+    from transformers import Trainer
+
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        return "its model is sharded across ranks as it loaded (tensor parallel): saving it is a collective"
+    if getattr(trainer.args, "save_only_model", False):
+        return "Trainer's save_only_model keeps no optimizer state to resume from"
+    own = type(trainer)._save_checkpoint
+    if own is not Trainer._save_checkpoint and not own.__module__.startswith("trl."):
+        return (f"{type(trainer).__name__} has its own _save_checkpoint ({own.__module__}), whose files a snapshot "
+                "(Trainer's own) would not hold")
+    return None
 
 
 def _save_like_trainer(trainer: Any, folder: str) -> None:

@@ -85,9 +85,9 @@ class SnapshotBook:
         self.nodes = [_Node(i.node_id, f"{i.snapshot_root}/{self.key}/{i.node_id}", a) for i, a in zip(infos, actors)]
         for n in self.nodes:
             self.roots[n.node_id] = n.folder
-        self._copies, self._waiting, self._world, self._pin = {}, {}, world_size, None
-        for n in self.nodes:  # an earlier attempt's pin on these nodes holds nothing this one needs
-            n.actor.pin_snapshot.remote(n.folder, None)
+        self._copies, self._waiting, self._world, self._pin = {}, {}, world_size, resumed
+        for n in self.nodes:  # the step resumed at stays until a newer one is whole (an earlier attempt's pin goes)
+            n.actor.pin_snapshot.remote(n.folder, resumed)
         return {rank: n.folder for rank, n in enumerate(self.nodes)}
 
     def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float) -> None:
@@ -187,7 +187,7 @@ class SnapshotBook:
     def assemble(self, plan: SnapshotPlan, attempt: int, infos: list[Any], actors: list[Any]) -> MemoryResume:
         """Each node of the attempt (``infos``/``actors``, by node rank) puts the snapshot of ``plan`` together in its
         memory; raises when one cannot (a part pruned or its node gone meanwhile: the caller resumes from storage)."""
-        self.attach(infos, actors, plan.world_size)
+        self.attach(infos, actors, plan.world_size, resumed=plan.step)  # (its parts stay pinned while read)
         by_id = {n.node_id: n for n in self.nodes}
         calls, fetched_from = [], set()
         for node_rank, n in enumerate(self.nodes):
