@@ -166,6 +166,9 @@ class StagedCheckpoints:
         self._upload: _Write | None = None  # this rank's checkpoint write or upload in flight
         self._writer = CheckpointWriter()  # the process that writes the tensors of a save in the background
         self._segments = SegmentPool()  # the last save's shared memory, copied into again by the next
+        # A save's, while a snapshot's write it gave up still maps the segments above (``_abandon_snapshot``): made
+        # at the first such save, kept for the next (one more copy of the state in host memory from then on)
+        self._beside = SegmentPool()
         self._steps: set[int] = set()  # the steps this rank saved in this attempt
         self.prepared: threading.Thread | None = None  # the first save's host memory, being made
         self._first_fired = False  # the first optimizer step's hook ran (its handle goes at the next step)
@@ -298,7 +301,8 @@ class StagedCheckpoints:
         sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
         defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
         try:
-            snap = capture(save, shared=writer is not None, pool=self._segments, defer=defer,
+            snap = capture(save, shared=writer is not None, pool=self._segments if behind is None else self._beside,
+                           defer=defer,
                            distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         except BaseException:
             if not is_local(fs):
@@ -327,7 +331,10 @@ class StagedCheckpoints:
         its files go) and returned, for the save's write to start after it ends (one request at a time to the writer
         process): the save holds training for its own copy only, where waiting held it for the rest of that write
         (0.49 s median at 576 MiB a rank, against 0.016 s without snapshots: ``make bench-recovery``). The save's step
-        is at least the snapshot's, so a restart loses nothing by it once the save is committed."""
+        is at least the snapshot's, so a restart loses nothing by it once the save is committed. The save copies into
+        segments of its own (``_beside``), kept for the next such save: the snapshot's are still mapped by the writer,
+        and new ones, their pages faulted in by the copy, held the next step 0.2-0.5 s at 576 MiB on a loaded 2-core
+        machine where kept ones held it 0.006 s."""
         upload = self._upload
         if upload is None or not upload.snapshot or not upload.busy():
             return None
