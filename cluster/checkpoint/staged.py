@@ -343,7 +343,7 @@ class StagedCheckpoints:
         return upload
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
-                       written: Callable[[int, str, dict[str, dict]], None]) -> bool:
+                       written: Callable[[int, str, dict[str, dict] | None, float], None]) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed, its files
         checksummed with crc32 (``cluster.checkpoint.writer.CHECKSUMS``); ``written(step, folder, files, cpu_s)``
