@@ -51,10 +51,35 @@ def test_a_write_given_up_or_failed_is_no_longer_in_flight(tmp_path):
     snaps, taken = snapshots(tmp_path, [True, False])
     snaps.take(1, lambda: None)
     step, folder, written = taken[0]
-    written(step, folder, None, 0.2)  # given up for a save (or failed): nothing reported, nothing measured
+    written(step, folder, None, 0.2)  # given up for a save (or failed): nothing reported, but its cost measured
     snaps.take(2, lambda: None)  # a save's write in flight: not a snapshot skipped
     assert (snaps.skipped, snaps.interval) == (0, 1)
-    assert list(snaps._writes) == []
+    assert [cpu for cpu, _ in snaps._writes] == [0.2]
+    assert not (tmp_path / "snap-00000001" / "rank-0.json").exists()
+
+
+def test_a_skip_keeps_the_interval_up_until_the_write_in_flight_is_measured(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True, True, True, True, False, True, True])
+    for steps in (1, 2, 3, 4):  # a step every 0.5 s; the first three written at once: one a step
+        snaps.take(steps, lambda: 0.001)
+        if steps < 4:
+            step, folder, written = taken[-1]
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            written(step, folder, {}, 0.001)
+        clock.now += 0.5
+    snaps.take(5, lambda: 0.001)  # step 4's write goes on: skipped, and the next due at 6
+    assert (snaps.skipped, snaps.interval, snaps.next_due(5)) == (1, 2, 6)
+    clock.now += 0.5
+    snaps.take(6, lambda: 0.001)  # measured again (one a step by its medians), but kept at 2 until step 4's ends
+    assert (snaps.interval, len(taken)) == (2, 5)
+    step, folder, written = taken[3]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written(step, folder, {}, 0.001)  # step 4's ends: 1.0 s from capture to written
+    clock.now += 0.5
+    snaps.take(7, lambda: 0.001)
+    assert snaps.interval == 1  # measured: one slow write among four is not the median
 
 
 class Clock:

@@ -81,6 +81,7 @@ class MemorySnapshots:
         self._recent: deque[tuple[float, float]] = deque(maxlen=5)  # (hold, step time) of the latest snapshots
         self._writes: deque[tuple[float, float]] = deque(maxlen=5)  # (CPU seconds, capture to written) of their writes
         self.skipped = 0  # snapshots due while the previous one's write was in flight
+        self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
 
     def say_once(self, line: str) -> None:
@@ -117,9 +118,9 @@ class MemorySnapshots:
             if held is not None:  # the medians of the last few: one slow moment of a busy node moves nothing
                 self._recent.append((held, (now - self._last[0]) / (steps - self._last[1])))
                 if _median(s for _, s in self._recent) > 0:
-                    self.interval = auto_interval(
+                    self.interval = max(self._floor, auto_interval(
                         _median(h for h, _ in self._recent), _median(s for _, s in self._recent),
-                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes))
+                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes)))
         self._last = (now, steps)
         step = self.base + steps
         used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
@@ -143,17 +144,18 @@ class MemorySnapshots:
         if in_flight and self._taken_at:  # skipped: its write takes longer than the interval
             self.skipped += 1
             if self.every is None:  # (measured when that write ends: ``_written``)
-                self.interval *= 2
+                self.interval = self._floor = self.interval * 2
 
     def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
-        ``cpu_s``: what the write cost (for ``auto``). ``files`` None: it was not written (failed, or given up for a
-        save)."""
+        ``cpu_s``: what the write cost (for ``auto``, whether it was kept or not). ``files`` None: it was not written
+        (failed, or given up for a save)."""
         taken_at = self._taken_at.pop(step, None)
+        if taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save cost what it did
+            self._writes.append((cpu_s, time.time() - taken_at))
+            self._floor = 1
         if files is None:
             return
-        if taken_at is not None:
-            self._writes.append((cpu_s, time.time() - taken_at))
         write_part_json(folder, self.rank, step, files)
         prune(self.node_dir, self.rank, KEEP, COPY_WINDOW_S)
         self.used = used_bytes(self.node_dir)
