@@ -4,7 +4,8 @@ what a node holds, and the parts the driver moves from node to node through the 
 On a node, the run's snapshots live under ``<root>/<run key>/<node id>/``:
 
 - ``snap-<step>/``: the files of the node's ranks' parts of the snapshot of ``step``, and ``rank-<r>.json`` per
-  rank (its files, their sizes and sha256): a part is there once its json is.
+  rank (its files, their sizes and checksums: crc32 for the files its writer process wrote): a part is there once
+  its json is.
 - ``peer/snap-<step>/``: the same, for the ranks of the node this one keeps copies for (a node lost loses its own).
 - ``restore-<step>/``: a whole snapshot put together for a restart (links to the parts here, copies of the parts
   fetched from other nodes) with a ``manifest.json`` as a committed checkpoint has, which the ranks load and verify

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import zlib
 from typing import Any
 
 from pyarrow import fs as pafs
@@ -24,7 +25,7 @@ from cluster.errors import RaylaunchError
 from cluster.layout import MANIFEST
 
 __all__ = [
-    "CheckpointError", "check_manifest", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
+    "CheckpointError", "check_manifest", "crc32", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
     "split_query", "storage_credentials",
 ]
 
@@ -68,6 +69,15 @@ def sha256(fs: pafs.FileSystem, path: str) -> str:
     return h.hexdigest()
 
 
+def crc32(fs: pafs.FileSystem, path: str) -> str:
+    """The file's CRC-32 as 8 hex digits (a snapshot's checksum: ``cluster.checkpoint.writer.CHECKSUMS``)."""
+    crc = 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
 def describe_files(fs: pafs.FileSystem, path: str, known: dict[str, dict] | None = None) -> dict[str, dict]:
     """``{relative path: {"size", "sha256"}}`` for every file under ``path``.
 
@@ -86,7 +96,8 @@ def describe_files(fs: pafs.FileSystem, path: str, known: dict[str, dict] | None
 
 
 def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) -> None:
-    """The folder holds exactly the files the manifest lists, each with its size and sha256.
+    """The folder holds exactly the files the manifest lists, each with its size and sha256 (a snapshot in memory's,
+``"snapshot": true``, may carry crc32 instead: ``cluster.checkpoint.writer.CHECKSUMS``).
 
     Refused, with ``CheckpointError`` naming the file: a malformed manifest, a listed path that
     leads out of the folder, a file missing or changed, a file the manifest does not list, and
@@ -95,10 +106,11 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
     whoever can write the storage can write a matching manifest too.
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
+    kinds = ("sha256", "crc32") if isinstance(manifest, dict) and manifest.get("snapshot") is True else ("sha256",)
     if not isinstance(files, dict) or not all(
-            isinstance(m, dict) and isinstance(m.get("size"), int) and isinstance(m.get("sha256"), str)
+            isinstance(m, dict) and isinstance(m.get("size"), int) and any(isinstance(m.get(k), str) for k in kinds)
             for m in files.values()):
-        raise CheckpointError(f"{label}/{MANIFEST} is malformed (no 'files' of size and sha256)")
+        raise CheckpointError(f"{label}/{MANIFEST} is malformed (no 'files' of size and {' or '.join(kinds)})")
     for rel in files:
         parts = str(rel).replace("\\", "/").split("/")
         if not rel or str(rel).startswith("/") or any(p in ("", ".", "..") for p in parts):
@@ -120,7 +132,8 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
             raise CheckpointError(f"{label}/{rel} is missing (listed in its manifest)")
         if info.size != meta["size"]:
             raise CheckpointError(f"{label}/{rel} has {info.size} bytes; its manifest says {meta['size']}")
-        if sha256(fs, f"{path}/{rel}") != meta["sha256"]:
+        kind = "sha256" if isinstance(meta.get("sha256"), str) else "crc32"
+        if (sha256 if kind == "sha256" else crc32)(fs, f"{path}/{rel}") != meta[kind]:
             raise CheckpointError(f"{label}/{rel} does not match the checksum in its manifest")
 
 

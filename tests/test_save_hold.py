@@ -5,6 +5,7 @@ before its copy was made is found (its version counter) and that checkpoint is n
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 import cluster.checkpoint.snapshot as snapshot_module
 from cluster.checkpoint.staged import StagedCheckpoints
+from conftest import wait_for
 from cluster.context import WorkerContext
 from cluster.layout import checkpoint_name
 
@@ -108,3 +110,37 @@ def test_a_parameter_changed_in_place_before_its_copy_skips_that_checkpoint_and_
     saved = load_file(tmp_path / "staging" / checkpoint_name(2) / "model.safetensors")
     assert all(torch.equal(saved[k], at_save[k]) for k in at_save)
     assert [a[0] for a, _ in reports] == [2]
+
+
+def test_a_save_while_a_snapshot_is_being_written_gives_that_write_up_instead_of_waiting(trained, tmp_path,
+                                                                                       monkeypatch):
+    """A commit's save never waits behind a snapshot's write (its step is at least the snapshot's): the snapshot is
+    given up, never reported, its files removed, and the save is written once that write has ended."""
+    accelerator, model, optimizer, checkpoints, step, rows, reports = trained
+    release, order = threading.Event(), []
+    write = snapshot_module.Snapshot.write
+
+    def held_up(self, writer=None, hash_files=False, durable=False):
+        if hash_files == "crc32":  # the snapshot's (a save's files are sha256)
+            order.append("snapshot writing")
+            release.wait(20)  # without the change, the save below waited here for this
+            order.append("snapshot's write ended")
+        return write(self, writer, hash_files, durable)
+
+    monkeypatch.setattr(snapshot_module.Snapshot, "write", held_up)
+    folder, parts = tmp_path / "snap-1", []
+    assert checkpoints.hold_in_memory(accelerator, 1, str(folder), lambda *part: parts.append(part))
+    wait_for(lambda: order, 20, "the snapshot's write to begin")
+    step()
+    at_save = weights(model)
+    checkpoints.save(accelerator, 2)
+    order.append("save returned")
+    release.set()
+    step()
+    checkpoints.wait_for_upload()
+    assert order == ["snapshot writing", "save returned", "snapshot's write ended"]
+    assert [part[:3] for part in parts] == [(1, str(folder), None)]  # given up: not reported as written
+    assert not folder.exists()
+    assert [a[0] for a, _ in reports] == [2]
+    saved = load_file(tmp_path / "staging" / checkpoint_name(2) / "model.safetensors")
+    assert saved.keys() == at_save.keys() and all(torch.equal(saved[k], at_save[k]) for k in at_save)

@@ -28,17 +28,27 @@ from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, prune_from, snap_name,
 
 __all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "auto_interval", "renumbered"]
 
-# ``every: auto``: snapshots at most this share of the step time (their hold on training, measured).
+# ``every: auto``: snapshots at most this share of the step time (what each costs: its hold on training and the CPU
+# its background write takes).
 AUTO_SHARE = 0.02
 
-def auto_interval(held_s: float, step_s: float) -> int:
-    """``every: auto``: the optimizer steps between snapshots that keep their hold on training (``held_s`` each) at
-    most ``AUTO_SHARE`` of the step time, rounded up to a power of two.
+def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: float = 0.0) -> int:
+    """``every: auto``: the optimizer steps between snapshots that keep each one's cost at most ``AUTO_SHARE`` of the
+    step time, rounded up to a power of two; and at least the steps its write takes (``write_s``: capture to
+    written, seconds), so the next one is not due while it is still in flight (it would be skipped).
+
+    A snapshot costs its hold on training (``held_s``) and the CPU seconds of its background write (``cpu_s``: the
+    writer process's writing and checksums, the rank's write thread's own files), counted alike: the write runs at
+    the lowest priority but on the node's cores, which training (other ranks, data loader workers, the kernel's page
+    allocation for the snapshot's files) wants too, and shares their memory bandwidth and caches. Counting the hold
+    alone chose a snapshot every step at 576 MiB a rank and slowed steps 1.36x (``make bench-recovery``, 2 cores).
 
     >>> auto_interval(0.0005, 0.05), auto_interval(0.003, 0.05), auto_interval(0.5, 0.05)
     (1, 4, 512)
+    >>> auto_interval(0.003, 0.5), auto_interval(0.003, 0.5, cpu_s=0.5), auto_interval(0.003, 0.5, write_s=3.0)
+    (1, 64, 8)
     """
-    need = held_s / (AUTO_SHARE * step_s)
+    need = max((held_s + cpu_s) / (AUTO_SHARE * step_s), write_s / step_s)
     return 1 if need <= 1 else 1 << math.ceil(math.log2(need))
 
 
@@ -71,14 +81,21 @@ class CodeSave:
     step: Callable[[], int] | None = None
 
 
+def _median(values: Any) -> float:
+    """The median of ``values`` (0.0 for none)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
 class MemorySnapshots:
     """One rank's snapshots: when one is due, taking it (``take``, from the prepared loader's iteration, before the
     batch after an optimizer step is fetched), and what it costs.
 
-    ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their hold on training at most
-    ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two were taken and the second measured). ``save`` is
-    ``StagedCheckpoints.hold_in_memory``; ``emit`` reports a part once written; ``budget``: bytes the node's
-    snapshots may hold."""
+    ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their cost (their hold on
+    training and their write's CPU) at most ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two
+    were taken and the second measured; twice as far apart at once when one comes due while the previous one's write
+    is still in flight, which skips it). ``save`` is ``StagedCheckpoints.hold_in_memory``; ``report`` reports a part
+    once written; ``budget``: bytes the node's snapshots may hold."""
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
@@ -99,6 +116,9 @@ class MemorySnapshots:
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write
         self._recent: deque[tuple[float, float]] = deque(maxlen=5)  # (hold, step time) of the latest snapshots
+        self._writes: deque[tuple[float, float]] = deque(maxlen=5)  # (CPU seconds, capture to written) of their writes
+        self.skipped = 0  # snapshots due while the previous one's write was in flight
+        self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
 
     def say_once(self, line: str) -> None:
@@ -138,9 +158,10 @@ class MemorySnapshots:
             held = hold_s()
             if held is not None:  # the medians of the last few: one slow moment of a busy node moves nothing
                 self._recent.append((held, (now - self._last[0]) / (steps - self._last[1])))
-                holds, steps_s = sorted(h for h, _ in self._recent), sorted(s for _, s in self._recent)
-                if steps_s[len(steps_s) // 2] > 0:
-                    self.interval = auto_interval(holds[len(holds) // 2], steps_s[len(steps_s) // 2])
+                if _median(s for _, s in self._recent) > 0:
+                    self.interval = max(self._floor, auto_interval(
+                        _median(h for h, _ in self._recent), _median(s for _, s in self._recent),
+                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes)))
         self._last = (now, steps)
         used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
         if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
@@ -157,6 +178,7 @@ class MemorySnapshots:
                           "(checkpoint.snapshots.every) (said once)")
             return
         folder = self.node_dir / snap_name(step)
+        in_flight = bool(self._taken_at)  # a snapshot taken whose write has not ended
         kwargs: dict[str, Any] = {}
         if code is not None:  # written apart (the code writes files of its own), then moved in: ``_written``
             folder = self._apart(step)
@@ -169,8 +191,12 @@ class MemorySnapshots:
         self._taken_at[step] = time.time()
         if self._save(self.accelerator, step, str(folder), self._written, **kwargs):
             self.taken += 1
-        else:
-            self._taken_at.pop(step, None)
+            return
+        self._taken_at.pop(step, None)
+        if in_flight and self._taken_at:  # skipped: its write takes longer than the interval
+            self.skipped += 1
+            if self.every is None:  # (measured when that write ends: ``_written``)
+                self.interval = self._floor = self.interval * 2
 
     def _apart(self, step: int) -> Path:
         """Where this rank's part of a script's or Trainer's snapshot of ``step`` is written before it joins the
@@ -209,8 +235,16 @@ class MemorySnapshots:
             shutil.rmtree(apart, ignore_errors=True)
         return folder, out
 
-    def _written(self, step: int, folder: str, files: dict[str, dict]) -> None:
-        """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go."""
+    def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0) -> None:
+        """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
+        ``cpu_s``: what the write cost (for ``auto``, whether it was kept or not). ``files`` None: it was not written
+        (failed, or given up for a save)."""
+        taken_at = self._taken_at.pop(step, None)
+        if taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save cost what it did
+            self._writes.append((cpu_s, time.time() - taken_at))
+            self._floor = 1
+        if files is None:
+            return
         if Path(folder) == self._apart(step):
             joined, files = self._joined(step, Path(folder), files)
             folder = str(joined)
@@ -226,4 +260,4 @@ class MemorySnapshots:
                           "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
-        self._report(step, self.last_nbytes, self.interval, self._taken_at.pop(step, None))
+        self._report(step, self.last_nbytes, self.interval, taken_at)

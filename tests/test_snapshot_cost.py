@@ -1,0 +1,142 @@
+"""What a snapshot in memory costs, and how ``auto`` answers it (no processes): the interval grows with the CPU its
+background write takes and when a snapshot comes due while the previous one's write is still in flight; a snapshot's
+files carry crc32 (a committed checkpoint's stay sha256), which a restore still verifies."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+from pyarrow import fs as pafs
+
+from cluster.checkpoint.memory import MemorySnapshots, auto_interval
+from cluster.checkpoint.writer import describe_written
+from cluster.storage_io import CheckpointError, check_manifest
+
+
+def snapshots(tmp_path, answers: list[bool], every: int | None = None) -> tuple[MemorySnapshots, list]:
+    """A rank's snapshots whose ``save`` answers from ``answers`` (True: taken, its write in flight)."""
+    taken: list = []
+
+    def save(accelerator, step, folder, written):
+        ok = answers.pop(0)
+        if ok:
+            taken.append((step, folder, written))
+        return ok
+
+    snaps = MemorySnapshots(str(tmp_path), 0, every, 1 << 30, save, say=lambda line: None,
+                            report=lambda *a: None)
+    snaps.accelerator, snaps.confirmed = object(), True
+    return snaps, taken
+
+
+def test_a_snapshot_due_while_the_previous_write_is_in_flight_is_skipped_and_auto_spaces_them_out(tmp_path):
+    snaps, taken = snapshots(tmp_path, [True, False])
+    snaps.take(1, lambda: None)
+    assert snaps.interval == 1 and len(taken) == 1
+    snaps.take(2, lambda: None)  # the first one's write has not ended: skipped
+    assert (snaps.skipped, snaps.interval, snaps.next_due(2)) == (1, 2, 4)
+
+
+def test_a_set_interval_is_kept_when_a_snapshot_is_skipped(tmp_path):
+    snaps, taken = snapshots(tmp_path, [True, False], every=4)
+    snaps.take(4, lambda: None)
+    snaps.take(8, lambda: None)
+    assert (snaps.skipped, snaps.interval) == (1, 4)
+
+
+def test_a_write_given_up_or_failed_is_no_longer_in_flight(tmp_path):
+    snaps, taken = snapshots(tmp_path, [True, False])
+    snaps.take(1, lambda: None)
+    step, folder, written = taken[0]
+    written(step, folder, None, 0.2)  # given up for a save (or failed): nothing reported, but its cost measured
+    snaps.take(2, lambda: None)  # a save's write in flight: not a snapshot skipped
+    assert (snaps.skipped, snaps.interval) == (0, 1)
+    assert [cpu for cpu, _ in snaps._writes] == [0.2]
+    assert not (tmp_path / "snap-00000001" / "rank-0.json").exists()
+
+
+def test_a_skip_keeps_the_interval_up_until_the_write_in_flight_is_measured(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True, True, True, True, False, True, True])
+    for steps in (1, 2, 3, 4):  # a step every 0.5 s; the first three written at once: one a step
+        snaps.take(steps, lambda: 0.001)
+        if steps < 4:
+            step, folder, written = taken[-1]
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            written(step, folder, {}, 0.001)
+        clock.now += 0.5
+    snaps.take(5, lambda: 0.001)  # step 4's write goes on: skipped, and the next due at 6
+    assert (snaps.skipped, snaps.interval, snaps.next_due(5)) == (1, 2, 6)
+    clock.now += 0.5
+    snaps.take(6, lambda: 0.001)  # measured again (one a step by its medians), but kept at 2 until step 4's ends
+    assert (snaps.interval, len(taken)) == (2, 5)
+    step, folder, written = taken[3]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written(step, folder, {}, 0.001)  # step 4's ends: 1.0 s from capture to written
+    clock.now += 0.5
+    snaps.take(7, lambda: 0.001)
+    assert snaps.interval == 1  # measured: one slow write among four is not the median
+
+
+class Clock:
+    """``time`` for ``cluster.checkpoint.memory``: it moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("cpu_s, write_s, interval", [
+    (0.0, 0.1, 1),  # 1 ms held, 0.5 s a step: one a step, by the hold alone
+    (0.5, 0.1, 64),  # but 0.5 s of CPU a write: 0.501 / (0.02 x 0.5) = 50.1 steps, up to 64
+    (0.0, 3.0, 8),  # a write that takes 3 s (6 steps) from capture to written: the next is due after it
+])
+def test_auto_counts_the_write_s_cpu_and_its_time_in_flight_beside_the_hold(tmp_path, monkeypatch, cpu_s, write_s,
+                                                                             interval):
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True] * 4)
+    for steps in (1, 2, 3, 4):
+        snaps.take(steps, lambda: 0.001)  # (measured from the third snapshot on, each with the previous one's hold)
+        step, folder, written = taken[-1]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        clock.now += write_s
+        written(step, folder, {}, cpu_s)
+        clock.now += 0.5 - write_s  # the next step begins 0.5 s after this one
+    assert snaps.interval == interval == auto_interval(0.001, 0.5, cpu_s=cpu_s, write_s=write_s)
+
+
+def snapshot_folder(tmp_path, snapshot: bool) -> Path:
+    folder = tmp_path / "restore-00000004"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights" * 1000)
+    files = {"model.safetensors": describe_written(str(folder / "model.safetensors"), checksum="crc32")}
+    (folder / "manifest.json").write_text(json.dumps({"step": 4, "files": files, "snapshot": snapshot}))
+    return folder
+
+
+def test_a_snapshots_crc32_is_verified_on_restore(tmp_path):
+    folder = snapshot_folder(tmp_path, snapshot=True)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["files"]["model.safetensors"] == {"size": 7000,
+                                                      "crc32": f"{zlib.crc32(b'weights' * 1000):08x}"}
+    check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "snap")
+    (folder / "model.safetensors").write_bytes(b"Weights" * 1000)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="does not match the checksum in its manifest"):
+        check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "snap")
+
+
+def test_a_committed_checkpoint_must_carry_sha256(tmp_path):
+    folder = snapshot_folder(tmp_path, snapshot=False)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    with pytest.raises(CheckpointError, match="malformed .no 'files' of size and sha256"):
+        check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "ckpt")
