@@ -117,7 +117,8 @@ def snapshots_of(trainer: Any) -> Any:
     """Snapshots in memory of ``trainer`` (``cluster.checkpoint.memory``) in its own format: what its
     ``_save_checkpoint`` writes into ``checkpoint-<global_step>``, so its own ``resume_from_checkpoint`` restores one
     exactly as it restores its checkpoints. Written by Trainer's own methods (the model's ``save_model``, then its
-    optimizer, scheduler, scaler and RNG states), under the capture that holds them in memory; left out, what
+    optimizer, scheduler, scaler and RNG states), under the capture that holds them in memory; left out, its
+    tokenizer (which its resume never reads), and what
     ``_save_checkpoint`` does beyond the files: the flos gathered across ranks and the best model's barrier (each rank
     decides alone whether it takes a snapshot: no collective may be waited on there; the state written counts this
     rank's flos as every rank's), the pruning of the output folder and the upload to the Hub."""
@@ -164,12 +165,18 @@ def _save_like_trainer(trainer: Any, folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # ("Writing model shards" a snapshot)
+    # Not its tokenizer (or processor): Trainer's resume never reads it, and serializing one (a large vocabulary's
+    # tokenizer.json, megabytes of JSON) would hold training at every snapshot. Trainer's save_model writes the
+    # processing class, or else the data collator's tokenizer: both are set aside for the call, on this thread.
+    kept = trainer.processing_class, trainer.data_collator
+    trainer.processing_class = trainer.data_collator = None
     try:
         trainer.save_model(folder, _internal_call=True)
         trainer._save_optimizer_and_scheduler(folder)
         trainer._save_scaler(folder)
         trainer._save_rng_state(folder)
     finally:
+        trainer.processing_class, trainer.data_collator = kept
         if bars:
             hf_logging.enable_progress_bar()
     if not args.should_save:
