@@ -139,10 +139,11 @@ class Snapshot:
             self.copied.set()
         return sorted(set(changed))
 
-    def write(self, writer: Any = None, hash_files: bool = False,
+    def write(self, writer: Any = None, hash_files: bool | str = False,
               durable: bool = False) -> tuple[list[str], dict[str, dict]]:
-        """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, sha256}}`` when
-        ``hash_files`` (``durable``: each file flushed to its disk before it is hashed, ``describe_written``).
+        """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, <checksum>}}`` when
+        ``hash_files`` (True: sha256, or a kind of ``cluster.checkpoint.writer.CHECKSUMS``; ``durable``: each file
+        flushed to its disk before it is hashed, ``describe_written``).
         ``writer`` (a started ``cluster.checkpoint.writer.CheckpointWriter``) writes the files that hold tensors,
         from the shared segments; this thread writes the files already in bytes (no interpreter lock held while they
         go to disk) and any file of a snapshot off a GPU."""
@@ -165,8 +166,8 @@ class Snapshot:
                 save_file(w.obj, w.path, **w.kwargs)
             else:
                 torch.save(w.obj, w.path, **w.kwargs)
-            if hash_files:
-                files[w.path] = describe_written(w.path, durable)
+            if hash_files:  # (True: sha256; or the kind's name, as the writer takes it)
+                files[w.path] = describe_written(w.path, durable, "sha256" if hash_files is True else hash_files)
         return [w.path for w in self.writes], files
 
     def release(self) -> None:

@@ -179,6 +179,7 @@ class StagedCheckpoints:
         self._copying: _Hold | None = None  # the last save, until its deferred copies are known to be made
         self.last_hold_s: float | None = None  # how long the last save whose hold is known held training
         self.last_snapshot_hold_s: float | None = None  # the same, of the last snapshot in memory
+        self._snapshot_nbytes: int | None = None  # the host memory the last snapshot's copy took
         if background:
             _before_every_optimizer_step(self)
 
@@ -369,11 +370,16 @@ class StagedCheckpoints:
         self._settle(at_step=False)
         hold = _Hold(began, step, snapshot=True)
         on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"
-        writer = self._writer if on_cpu and self._writer.ensure() else None
+        # A small state is written by this rank's write thread itself: the writer process's round trip (3 ms a
+        # snapshot, measured here) cost more than writing a few hundred KB, and ``auto`` then chose one every 8 steps
+        # at 0.05 s steps where one a step fits the 2%.
+        small = self._snapshot_nbytes is not None and self._snapshot_nbytes <= SMALL_SNAPSHOT_BYTES
+        writer = self._writer if on_cpu and not small and self._writer.ensure() else None
         from accelerate.utils import DistributedType
 
         sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
         defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
+
         def default() -> None:
             _save_state(accelerator, folder, step)
 
@@ -382,6 +388,7 @@ class StagedCheckpoints:
                        distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         if not accelerator.is_main_process:
             snap.writes[:] = [w for w in snap.writes if not _EVERY_RANK_WRITES.fullmatch(os.path.basename(w.path))]
+        self._snapshot_nbytes = snap.nbytes
         hold.snap = snap
         self._upload = _Write(snap, folder, None, step, mirror=None,
                               on_done=lambda files, cpu_s: written(step, folder, files, cpu_s),
@@ -622,6 +629,9 @@ def _out_of_space(exc: BaseException, path: str) -> bool:
 
 # The files Accelerate's save_state has every rank write to the same path.
 _EVERY_RANK_WRITES = re.compile(r"dl_state_dict(_\d+)?\.bin")
+
+# A snapshot whose copy took at most this many bytes is written by the rank's write thread, not its writer process.
+SMALL_SNAPSHOT_BYTES = 8 << 20
 
 # The niceness of a rank's background checkpoint writer (the rank itself stays at its own).
 BACKGROUND_NICE = 10
