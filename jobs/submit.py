@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import sys
@@ -197,9 +198,17 @@ def client(address: str):
 
 
 def _translate(exc: Exception, address: str) -> JobsError:
+    """What a Jobs API error means, in words that say what to do. HTTP statuses are whole numbers of the text (a
+    port such as 28403 in the address is no 403: a dead address was reported as refused authentication).
+
+    >>> str(_translate(ConnectionError("Failed to connect to http://127.0.0.1:28403"), "http://127.0.0.1:28403"))[:44]
+    'no Ray dashboard answers at http://127.0.0.1'
+    >>> str(_translate(RuntimeError("Request failed with status code 403"), "http://h:8265"))[:40]
+    'the cluster at http://h:8265 requires Ra'
+    """
     text = str(exc)
     low = text.lower()
-    if "authentication" in low or "unauthenticated" in low or "401" in low or "403" in low:
+    if "authentication" in low or "unauthenticated" in low or re.search(r"\b40[13]\b", low):
         return JobsError(
             f"the cluster at {address} requires Ray's token authentication and refused this client. "
             "Set RAY_AUTH_MODE=token and put the cluster's token in ~/.ray/auth_token (or RAY_AUTH_TOKEN); "
@@ -210,7 +219,7 @@ def _translate(exc: Exception, address: str) -> JobsError:
                          "(`ray dashboard cluster.yaml`)?")
     if "version" in low:
         return JobsError(f"the cluster at {address} runs another Ray version: {text.splitlines()[0]}")
-    if "does not exist" in low or "not found" in low or "404" in low:
+    if "does not exist" in low or "not found" in low or re.search(r"\b404\b", low):
         return JobsError(text.splitlines()[0] if text else "no such job")
     return JobsError(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''} (address {address})")
 
