@@ -8,7 +8,8 @@ the same step without it, in alternating blocks (the machine's other load cancel
 - ``backward``: the gradient hooks and end-of-backward callbacks of ``sync_wait`` (installed on the model as a rank of
   a world of several has them; a world of one has none);
 - ``optimizer``: the optimizer step hooks (the step counter; the checkpoint writer's pre-hook);
-- ``log``: ``session.log`` of one row (the event written to the rank's events file);
+- ``log``: ``session.log`` of one row (its line written to the rank's events file: by a thread, in batches; each
+  block writes its own rows before its clock stops, so the batch's cost is the block's);
 - ``all``: every part at once, as a rank under the runner runs.
 
 The wall clock and the process's CPU time of each block; the median of the block pairs' differences. Prints a table
@@ -83,6 +84,8 @@ def main() -> int:
                 opt.zero_grad()
                 if log_on:
                     session.log({"loss": 0.5}, i)
+            if log_on:
+                session.write_rows()  # the block pays for its rows' lines, which a thread writes in batches
             return (time.perf_counter() - began) / STEPS, (time.process_time() - cpu) / STEPS
         finally:
             _global_optimizer_pre_hooks.update(pre)

@@ -17,9 +17,13 @@ Measured inside each rank process with no change to the training function:
 The two fractions over each window of a few seconds are reported as a ``pace`` event,
 which the driver stores beside the rank's metrics and judges (``jobs/driver/pace.py``).
 
-Costs per batch: two clock reads and a few additions; per backward: one mark when the last gradient is computed
-and one when the backward ends. Which parameter's gradient comes last is learned over the first backwards (the
-hooks of the others are then removed). DDP's communication itself is untouched (no communication hook: torch's
+Costs per batch: two clock reads and a few additions; per backward: one hook call (the gradient of the parameter
+computed last), and, on the backwards that are timed, a mark there and one when the backward ends. Which parameter's
+gradient comes last is learned over the first backwards (the hooks of the others are then removed). Where backwards
+come more often than ``SYNC_SAMPLE_S`` apart, a share of them is timed (about one each ``SYNC_SAMPLE_S``, drawn at
+random so that a period of the code's own, gradient accumulation's micro-batches, is never aliased), each standing
+for the backwards since the last one timed: timing every backward cost 17 us a step (``bench/step_costs.py``, #58),
+5% of a 0.3 ms step. DDP's communication itself is untouched (no communication hook: torch's
 Python ``allreduce_hook`` alone made a 2.1M-parameter MLP's step 5-20% slower on CPU).
 
 On a GPU the CPU clock cannot see the wait: the backward ends once kernels are queued, and the reduction runs
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import sys
 import threading
 import time
@@ -49,6 +54,8 @@ __all__ = ["CpuTimer", "CudaTimer", "PaceMeter", "Timer", "install"]
 REPORT_EVERY_S = 3.0
 # The fewest batches a report covers (a window with fewer goes on).
 MIN_BATCHES = 5
+# The mean seconds between two timed backwards where they come faster (every backward is timed where they do not).
+SYNC_SAMPLE_S = 0.01
 
 
 class Timer:
@@ -125,6 +132,7 @@ class PaceMeter:
         self._first_said = False
         self._last_wall = 0.0  # when the latest batch was handed over (Unix time)
         self.steps = 0  # optimizer steps taken in this process (``stepped``), for good
+        self.timed = 0  # backwards whose wait was read, for good
         self._reset()
 
     def _reset(self) -> None:
@@ -154,14 +162,15 @@ class PaceMeter:
         """A parameter's gradient is computed (a hook on the parameters computed last): the latest mark wins."""
         self._grad_at = self.timer.mark()
 
-    def backward_ended(self, at: Any = None) -> None:
+    def backward_ended(self, at: Any = None, stands_for: int = 1) -> None:
         """The backward pass ended (``at``: the timer's mark then, made here when not given): since the last
-        gradient, it waited for the gradients' reduction across ranks (DDP's all-reduce, FSDP's reduce-scatter)."""
+        gradient, it waited for the gradients' reduction across ranks (DDP's all-reduce, FSDP's reduce-scatter).
+        ``stands_for``: the backwards its wait is counted for (itself and those not timed since the last timed one)."""
         if self._grad_at is None:
             return
         end = self.timer.mark() if at is None else at
         with self._lock:
-            self._pending.append((self._grad_at, end))
+            self._pending.append((self._grad_at, end, stands_for))
             if len(self._pending) > self.MAX_PENDING:
                 del self._pending[0]
         self._grad_at = None
@@ -172,11 +181,13 @@ class PaceMeter:
         waited = 0.0
         with self._lock:
             while self._pending:
-                seconds = self.timer.elapsed(*self._pending[0])
+                start, end, stands_for = self._pending[0]
+                seconds = self.timer.elapsed(start, end)
                 if seconds is None:
                     break
                 self._pending.pop(0)
-                waited += max(seconds, 0.0)
+                waited += max(seconds, 0.0) * stands_for
+                self.timed += 1
             self.sync_s += waited
 
     def synced(self, seconds: float) -> None:
@@ -289,9 +300,11 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
 class _LastGradients:
     """The gradient hooks of one prepared model: over its first ``LEARN`` backwards every parameter's hook marks the
     time and notes which parameter came last; then only the parameters that came last keep a hook. The first hook
-    of each backward asks torch's autograd engine to call ``_ended`` when that backward ends: queued from a callback
-    of the engine's, so it runs after every callback queued during the backward (DDP's and FSDP1's, which wait for
-    the gradients' reduction). The model's next forward clears that ask: a backward that raised never calls back.
+    of a timed backward (every one, or about one each ``SYNC_SAMPLE_S`` where they come faster) asks torch's autograd
+    engine to call ``_ended`` when that backward ends: queued from a callback of the engine's, so it runs after every
+    callback queued during the backward (DDP's and FSDP1's, which wait for the gradients' reduction). A backward is
+    told from the next by the engine's graph task (a backward that raised never calls back, and the next is another
+    task).
 
     The first hook of a backward comes from the parameters nearest the loss (a model's head), in the backward's own
     graph task. Were they inside a reentrant activation checkpoint (``use_reentrant=True``), their backward would be
@@ -300,29 +313,56 @@ class _LastGradients:
     LEARN = 3
 
     def __init__(self, meter: PaceMeter, model: Any, params: list[Any]) -> None:
+        from torch._C import _current_graph_task_id
+
         self.meter = meter
+        self._task_id = _current_graph_task_id  # (cluster.patches: a private read)
         self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook) for p in params}
         self._last: int | None = None  # the latest parameter hooked in this backward (while learning)
         self._lasts: set[int] = set()
         self._learned = 0
-        self._queued = False  # this backward's end is already asked for
-        model.register_forward_pre_hook(self._forward)
-
-    def _forward(self, *_: Any) -> None:
-        self._queued = False  # a new step: the previous backward ended (or raised, and will never call back)
+        self._task = -1  # the graph task of the backward the hooks saw last
+        self._timing = False  # that backward is timed
+        self._since = 0  # backwards since the last timed one
+        self._left = 0  # backwards before the next timed one
+        self._timed_at: float | None = None  # (perf_counter) when the last timed one began
+        self._span, self._count = 0.0, 0.0  # seconds and backwards of the recent pace
+        self._stands_for = 1  # the backwards the timed one's wait is counted for (itself, those untimed before it)
 
     def _hook(self, param: Any) -> None:
+        task = self._task_id()
+        if task != self._task:  # a backward's first hook
+            self._task = task
+            self._since += 1
+            self._left -= 1
+            self._timing = self._left <= 0 or self._learned < self.LEARN
+            if not self._timing:
+                return
+            # The next timed one: about SYNC_SAMPLE_S of backwards on, at the pace of the last hundred or so, a count
+            # drawn at random (uniform, its mean that), independent of what the backwards wait. A time drawn instead
+            # timed the backward after a long wait more often (under accumulation's micro-batches, the one after the
+            # reduction, which waits for nothing: sync_wait read 0.68 of what was waited), as did a pace read over the
+            # last gap alone. Inline: one call fewer on a timed step (tests/test_pace.py's bound).
+            now = time.perf_counter()
+            if self._timed_at is not None:
+                self._span += now - self._timed_at
+                self._count += self._since
+                if self._count > 128:  # the older half forgotten: a pace that changes is followed
+                    self._span, self._count = self._span / 2, self._count / 2
+            self._timed_at = now
+            every = max(1, round(SYNC_SAMPLE_S * self._count / self._span)) if self._span > 0 else 1
+            self._left = 1 + random.randrange(2 * every - 1)
+            self._stands_for, self._since = self._since, 0
+            engine = _ENGINE[0] if _ENGINE else _engine()
+            engine.queue_callback(lambda: engine.queue_callback(self._ended))
+        elif not self._timing:
+            return
         if self._learned < self.LEARN:
             self._last = id(param)
         self.meter.gradient_ready()
-        if not self._queued:
-            self._queued = True
-            engine = _ENGINE[0] if _ENGINE else _engine()
-            engine.queue_callback(lambda: engine.queue_callback(self._ended))
 
     def _ended(self) -> None:
-        self._queued = False
-        self.meter.backward_ended()
+        self.meter.backward_ended(stands_for=self._stands_for)
         if self._learned < self.LEARN:
             self.backward_done()
 

@@ -9,6 +9,8 @@ runner side (``install``, ``emit``, ``handle_sigterm``, ``stopped_for_preemption
 
 from __future__ import annotations
 
+import atexit
+import collections
 import json
 import os
 import re
@@ -98,6 +100,13 @@ class _DeviceRows:
                 self._rows.task_done()
 
 
+# A metrics row is written to the rank's events file by a thread of the session's, with the rows logged in the same
+# this many seconds: the row's line (its JSON) and its write were 22 of the 43 us a ``session.log`` took on a 0.3 ms
+# step (``bench/step_costs.py``, #58), in cache-cold code between the step's kernels. Any other event is written at
+# once, after the rows logged before it.
+METRICS_BATCH_S = 0.25
+
+
 class StoppedAtSnapshot(BaseException):
     """Raised out of a function's loop (its loader, asked for the next batch) once every rank agreed on a stop notice
     and the snapshot of that step is written: the rest is the restart's, from there; the worker reports the rank as
@@ -122,9 +131,13 @@ class Session:
             rank = int(os.environ.get("RANK", "0"))
             self._events_path = local_dir / f"metrics-rank{rank}.jsonl"
         self._events_path.parent.mkdir(parents=True, exist_ok=True)
-        self._events = open(self._events_path, "a", buffering=1)
+        self._events = open(self._events_path, "a")
         # Reentrant: the SIGTERM handler emits, and may run on the main thread while it is inside emit.
         self._lock = threading.RLock()
+        # Metrics rows not written yet ((step, values, time)), and the thread's signal that one waits
+        self._rows: collections.deque[tuple[int | None, dict, float]] = collections.deque()
+        self._rows_due = threading.Event()
+        self._row_writer: threading.Thread | None = None
         self._cooperative = False  # the function calls preempted()
         # checkpoint_due(): when the last save returned (or training began), how long the last save held
         # training (None before the first), and the interval last announced
@@ -205,7 +218,11 @@ class Session:
         rows in it when the function returns (``flush_metrics``)."""
         at = time.time()
         if self._device_rows is None and not _holds_device_values(values):
-            self.emit(Metrics(step=step, values=self._clean(values, "metrics")), at=at)
+            self._rows.append((step, self._clean(values, "metrics"), at))  # (its values read now: the caps copy them)
+            if not self._rows_due.is_set():
+                if self._row_writer is None:
+                    self._start_row_writer()
+                self._rows_due.set()
             return
         if self._device_rows is None:
             self._device_rows = _DeviceRows(
@@ -213,9 +230,42 @@ class Session:
         self._device_rows.put(values, step, at)
 
     def flush_metrics(self) -> None:
-        """Wait until every row logged so far is written (those with values a thread reads off the device)."""
+        """Wait until every row logged so far is written (those with values a thread reads off the device too)."""
         if self._device_rows is not None:
             self._device_rows.flush()
+        self.write_rows()
+
+    def write_rows(self) -> None:
+        """The metrics rows logged so far (but those a thread still reads off the device) written now."""
+        with self._lock:
+            self._write_rows()
+            self._events.flush()
+
+    def _start_row_writer(self) -> None:
+        self._row_writer = threading.Thread(target=self._write_rows_in_batches, daemon=True,
+                                            name="raylaunch-metrics")
+        self._row_writer.start()
+        atexit.register(self.write_rows)  # outside the runner: a local run's last rows, at the interpreter's exit
+
+    def _write_rows_in_batches(self) -> None:
+        while True:
+            self._rows_due.wait()
+            time.sleep(METRICS_BATCH_S)
+            self._rows_due.clear()  # before the rows are taken: one logged from here on sets it again
+            try:
+                self.write_rows()
+            except (OSError, ValueError) as exc:  # the file closed or the disk full: a metric never fails the rank
+                print(f"raylaunch: metrics rows not written: {exc}", file=sys.stderr, flush=True)
+
+    def _write_rows(self) -> None:
+        """Under ``_lock``: the rows logged so far, in order, as ``emit`` writes an event's line."""
+        rank = self.payload.context.world_rank if self.payload is not None else 0
+        rows = self._rows
+        while rows:
+            step, values, at = rows.popleft()
+            row = Metrics(step=step, values=values).to_dict()
+            row["time"], row["rank"] = at, rank
+            self._events.write(json.dumps(row) + "\n")
 
     def start_snapshots(self, meter: Any) -> None:
         """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), taken from the prepared
@@ -609,6 +659,7 @@ class Session:
         row["time"], row["rank"] = time.time() if at is None else at, rank
         line = json.dumps(row)
         with self._lock:
+            self._write_rows()  # the metrics rows logged before it first
             self._events.write(line + "\n")
             self._events.flush()
 

@@ -78,6 +78,8 @@ def run_worker(payload: WorkerPayload) -> Any:
             if not session.stopped_for_preemption:  # wrote its snapshot: reported as preempted below
                 raise
             result = None
+        finally:
+            session.write_rows()  # the metrics rows it logged, however it ended
     session.flush_metrics()  # rows whose values a thread reads off the GPU
     # The run is not over before its last checkpoint is: wait for its upload (and
     # fail the rank if it failed) before reporting this rank as done.
