@@ -6,7 +6,9 @@ memory, a writer process writes it) but written into the node's memory (``/dev/s
 has its folders) instead of the run's storage, and never committed. It is taken by raylaunch itself, at the point a
 save at the end of a step would be: when the training loop asks its loader for the next batch after an optimizer
 step (``cluster.rank.pace``), so a function, unchanged, resumes from it exactly as from a checkpoint it saved there.
-The driver decides which snapshot a restart resumes from (``jobs.driver.memory``). Imports nothing from Ray.
+A commit (``session.save``, a script's ``save_state``) is its step's snapshot too (``MemorySnapshots.commit``): its
+write puts the files it captured in the node's memory first, then copies them to storage. The driver decides which
+snapshot a restart resumes from (``jobs.driver.memory``). Imports nothing from Ray.
 """
 
 from __future__ import annotations
