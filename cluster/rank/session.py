@@ -289,6 +289,7 @@ class Session:
             report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
                 step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)))
         self.snapshots, self._meter = snaps, meter
+        checkpoints.also_in_memory = snaps.commit  # a commit is its step's snapshot too
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
             from cluster.rank.trainer import made_by_trainer, snapshots_of, trainer_unsnapshotted
