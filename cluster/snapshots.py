@@ -18,12 +18,15 @@ the ranks to write and prune their own parts. Imports neither Ray nor torch.
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import pickle
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Union
 
 from cluster.layout import MANIFEST
 
@@ -127,15 +130,20 @@ def _parts(folder: Path) -> dict[int, dict]:
     return out
 
 
-def read_part(node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
-    """A rank's part of the snapshot of ``step`` held on this node (its own or its peer's copy): {rel: bytes},
-    with its json under ``rank-<r>.json``; None when the node no longer holds it whole."""
+# A part's files as they travel between nodes: each a buffer (``bytes``, or Ray's view of its object store at the end
+# that receives it)
+Part = dict[str, Union[bytes, Any]]
+
+
+def read_part(node_dir: str, step: int, rank: int) -> Part | None:
+    """A rank's part of the snapshot of ``step`` held on this node (its own or its peer's copy): {rel: its bytes,
+    mapped}, with its json under ``rank-<r>.json``; None when the node no longer holds it whole."""
     for folder in (Path(node_dir, snap_name(step)), Path(node_dir, "peer", snap_name(step))):
         part = _parts(folder).get(rank)
         if part is None:
             continue
         try:
-            data = {rel: (folder / rel).read_bytes() for rel in part["files"]}
+            data = {rel: _mapped(folder / rel) for rel in part["files"]}
         except OSError:
             continue  # pruned meanwhile
         data[_PART.format(rank=rank)] = json.dumps(part).encode()
@@ -143,7 +151,19 @@ def read_part(node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
     return None
 
 
-def _write_part(folder: Path, rank: int, data: dict[str, bytes]) -> None:
+def _mapped(path: Path) -> Any:
+    """A file's bytes mapped, not read, in a buffer that Ray sends out of band (pickle 5): from the page cache into its
+    object store and, at the node that keeps it, from there into the file, with no copy into either Python heap in
+    between. Read into ``bytes``, a 25 MiB part's copy to its peer cost 0.15 CPU-seconds in the two node actors and
+    raylets, 7 times its write's (#58: the CPU beside the ranks). The mapping outlives a prune of the file (unlinked,
+    never truncated: parts are written whole under other names, then renamed)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return pickle.PickleBuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def _write_part(folder: Path, rank: int, data: Part) -> None:
     """Files first, each whole (a temporary name, then renamed); the part's json last: the part is there once it is."""
     for rel, blob in data.items():
         if rel == _PART.format(rank=rank):
@@ -158,10 +178,10 @@ def _write_part(folder: Path, rank: int, data: dict[str, bytes]) -> None:
     os.replace(tmp, folder / _PART.format(rank=rank))
 
 
-def keep_peer_part(node_dir: str, step: int, rank: int, data: dict[str, bytes], budget: int) -> bool:
+def keep_peer_part(node_dir: str, step: int, rank: int, data: Part, budget: int) -> bool:
     """Keep a copy of another node's rank's part (``read_part``'s bytes) in ``peer/``; older copies of that rank
     beyond ``KEEP`` go. False (nothing kept) when it would take the node past ``budget`` bytes."""
-    need = sum(len(b) for b in data.values())
+    need = sum(memoryview(b).nbytes for b in data.values())
     peer = Path(node_dir, "peer")
     prune(peer, rank, KEEP - 1)  # room first: the copies this one replaces
     if used_bytes(Path(node_dir).parent) + need > budget:
@@ -265,7 +285,7 @@ class SnapshotPlan:
     holders: dict[int, tuple[str, ...]]
 
 
-def assemble(node_dir: str, step: int, world_size: int, attempt: int, fetched: dict[int, dict[str, bytes]]) -> str:
+def assemble(node_dir: str, step: int, world_size: int, attempt: int, fetched: dict[int, Part]) -> str:
     """Put the whole snapshot of ``step`` together in ``restore-<step>/`` on this node: the parts it holds (linked),
     those ``fetched`` from other nodes (written); a ``manifest.json`` as a committed checkpoint's, from the parts'
     own sizes and hashes. Returns the folder. Raises ``FileNotFoundError`` when a rank's part is held nowhere."""

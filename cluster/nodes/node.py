@@ -405,18 +405,18 @@ class NodeActor:
     # --- snapshots in memory (cluster/checkpoint/memory.py): the driver moves parts from node to node through these
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def read_snapshot_part(self, node_dir: str, step: int, rank: int) -> dict[str, bytes] | None:
+    def read_snapshot_part(self, node_dir: str, step: int, rank: int) -> memory.Part | None:
         return memory.read_part(node_dir, step, rank)
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def keep_peer_part(self, node_dir: str, step: int, rank: int, data: dict[str, bytes] | None,
+    def keep_peer_part(self, node_dir: str, step: int, rank: int, data: memory.Part | None,
                        memory_mb: float | None) -> bool:
         return data is not None and memory.keep_peer_part(node_dir, step, rank, data,
                                                            memory.node_budget_bytes(memory_mb, node_dir))
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def assemble_snapshot(self, node_dir: str, step: int, world_size: int, attempt: int, ranks: list[int],
-                          *parts: dict[str, bytes] | None) -> str:
+                          *parts: memory.Part | None) -> str:
         """The snapshot of ``step`` whole in this node's ``restore-<step>``; ``parts``: those of ``ranks``, read from
         the nodes that hold them (resolved by Ray before this runs)."""
         if any(p is None for p in parts):
