@@ -75,6 +75,9 @@ class WorkerPayload:
     snapshot_dir: str | None = None
     snapshot_every: int | None = None
     snapshot_memory_mb: float | None = None
+    # auto's interval to start from: the last attempt's (the largest of its ranks'), 1 at a run's first (a restart
+    # took one a step again until measured, at 576 MiB a rank a second's write every step: make bench-recovery)
+    snapshot_start: int = 1
     # The rank's whole environment, set when it forks from a warm rank host (``cluster.hosting.rankhost``), whose own
     # environment is not the job's. Not shown: it holds the job's secrets.
     environ: dict[str, str] | None = field(default=None, repr=False)

@@ -40,6 +40,15 @@ def test_a_snapshot_due_while_the_previous_write_is_in_flight_is_skipped_and_aut
     assert (snaps.skipped, snaps.interval, snaps.next_due(2)) == (1, 2, 4)
 
 
+def test_a_restarted_rank_starts_from_the_last_attempts_interval(tmp_path):
+    """auto began again at one a step after every restart (at 576 MiB a rank, a second's write each step until
+    measured); the driver hands the last attempt's interval (``WorkerPayload.snapshot_start``) instead."""
+    snaps = MemorySnapshots(str(tmp_path), 0, None, 1 << 30, lambda *a, **k: True, say=lambda line: None,
+                            report=lambda *a: None, start=16)
+    snaps.accelerator, snaps.confirmed, snaps.base = object(), True, 40  # resumed at step 40
+    assert (snaps.interval, snaps.next_due(1)) == (16, 8)  # step 48: the next multiple of 16, as every rank's
+
+
 def test_a_set_interval_is_kept_when_a_snapshot_is_skipped(tmp_path):
     snaps, taken = snapshots(tmp_path, [True, False], every=4)
     snaps.take(4, lambda: None)

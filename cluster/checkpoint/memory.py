@@ -106,7 +106,7 @@ class MemorySnapshots:
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
-                 report: Callable[[int, int, int, float | None], None], copies: int = 0) -> None:
+                 report: Callable[[int, int, int, float | None], None], copies: int = 0, start: int = 1) -> None:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
         self.copies = copies  # the copies of each part the driver makes on other nodes (its peer's: 1, or none)
         self._save, self._say, self._report = save, say, report
@@ -119,7 +119,7 @@ class MemorySnapshots:
         self.confirmed = False
         self._said: set[str] = set()
         self._last: tuple[float, int] | None = None  # (perf_counter, steps) at the last snapshot taken
-        self.interval = every or 1  # optimizer steps from one snapshot to the next
+        self.interval = every or start  # optimizer steps from one snapshot to the next (auto: from ``start``)
         self.taken = 0
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write

@@ -443,6 +443,7 @@ class Driver:
                 mtbf_s=mtbf_s,
                 snapshot_dir=folders.get(ctx.node_rank),
                 snapshot_every=None if snaps.every == "auto" else int(snaps.every),
+                snapshot_start=max(self.snapshots.every.values(), default=1) if self.snapshots is not None else 1,
                 snapshot_memory_mb=None if snaps.memory_mb == "auto" else float(snaps.memory_mb),
             )
 
