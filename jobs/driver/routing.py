@@ -185,7 +185,8 @@ class AttemptRouter:
                     self.checkpoint(e)
                 case SnapshotHeld():
                     if self.snapshots is not None:
-                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time)
+                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time,
+                                                 copy=not e.committed)
                         if line := self.snapshots.news():
                             rec.say(line)
                 case CheckpointInterval():
