@@ -422,10 +422,6 @@ class SnapshotHeld(RankEvent):
     every: int = 1
     held_s: float | None = None
     taken: float | None = None  # when its state was captured (Unix time)
-    # A commit's part (``MemorySnapshots.commit``): on storage too, so never copied to the peer node (a lost node's
-    # ranks resume from storage at the same step; a copy of each commit's 576 MiB part through the raylets held a
-    # 2-core machine's steps at 1.8x in make bench-recovery)
-    committed: bool = False
 
 
 _RANK_EVENTS: dict[str, type[RankEvent]] = {

@@ -170,14 +170,13 @@ def test_a_committed_checkpoint_must_carry_sha256(tmp_path):
         check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "ckpt")
 
 
-def test_a_commit_is_its_steps_snapshot_the_next_one_due_an_interval_after_it_and_its_cost_the_commits(tmp_path):
+def test_a_commit_is_its_steps_snapshot_the_next_one_due_an_interval_after_it_and_its_cpu_counted(tmp_path):
     """A commit (``MemorySnapshots.commit``) keeps its part as its step's snapshot: reported like any part, the next
-    snapshot due ``every`` steps after it, its cost not counted in ``auto``'s (the commit's interval is the code's);
+    snapshot due ``every`` steps after it, the CPU keeping it cost counted with the next snapshot's write (``auto``);
     none where the node's bound has no room, said once."""
     reported = []
     snaps = MemorySnapshots(str(tmp_path), 0, 8, 1 << 30, lambda *a, **k: True, say=lambda line: None,
-                            report=lambda step, nbytes, every, taken, committed=False: reported.append(
-                                (step, nbytes, committed)))
+                            report=lambda step, nbytes, every, taken: reported.append((step, nbytes)))
     assert snaps.commit(6) is None  # no model prepared yet, no save confirmed: none
     snaps.accelerator, snaps.confirmed = object(), True
     assert snaps.next_due(5) == 8
@@ -186,12 +185,12 @@ def test_a_commit_is_its_steps_snapshot_the_next_one_due_an_interval_after_it_an
     Path(folder).mkdir(parents=True)
     Path(folder, "model.safetensors").write_bytes(b"x" * 100)
     kept({"model.safetensors": {"size": 100, "sha256": "0" * 64}}, 0.25)
-    assert reported == [(6, 100, True)]  # a commit's part: the driver copies it to no peer (storage holds it)
+    assert reported == [(6, 100)]
     assert json.loads(Path(folder, "rank-0.json").read_text())["files"]["model.safetensors"]["size"] == 100
-    assert not snaps._writes  # a commit's cost is the commit's: auto's interval does not move it
+    assert not snaps._writes and snaps._commits_cpu == 0.25  # with the next snapshot's write, not one of its own
     snaps._taken_at[14] = 0.0
     snaps._written(14, str(tmp_path / "snap-00000014"), None, 0.5)
-    assert [cpu for cpu, _ in snaps._writes] == [0.5]
+    assert [cpu for cpu, _ in snaps._writes] == [0.75] and snaps._commits_cpu == 0.0
     said = []
     full = MemorySnapshots(str(tmp_path / "full"), 0, 8, 10, lambda *a, **k: True, say=said.append,
                            report=lambda *a: None)

@@ -128,8 +128,10 @@ class MemorySnapshots:
         self.skipped = 0  # snapshots due while the previous one's write was in flight
         self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
-        # A commit is that step's snapshot too (``commit``): the snapshots that follow count from its step
+        # A commit is that step's snapshot too (``commit``): the snapshots that follow count from its step, and the CPU
+        # its part cost beyond the commit's own write is counted in the next snapshot's write, for ``auto``
         self.phase = 0
+        self._commits_cpu = 0.0
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -290,12 +292,14 @@ class MemorySnapshots:
                  commit: bool = False) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
         ``cpu_s``: what the write cost (for ``auto``, whether it was kept or not). ``files`` None: it was not written
-        (failed, or given up for a save). ``commit``: a commit's part (``commit``): its cost is the commit's, at the
-        code's own interval, which ``auto``'s does not move (counted with the snapshots' writes, it spaced them past
-        the next commit: none was taken between commits of every 20 steps), and it is not copied to the peer."""
+        (failed, or given up for a save). ``commit``: a commit's part (``commit``), whose ``cpu_s`` (what keeping it
+        cost beyond the commit's own write) is counted with the next snapshot's write."""
         taken_at = self._taken_at.pop(step, None)
-        if not commit and taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save
-            self._writes.append((cpu_s, time.time() - taken_at))  # cost what it did
+        if commit:
+            self._commits_cpu += cpu_s
+        elif taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save cost what it did
+            cpu_s, self._commits_cpu = cpu_s + self._commits_cpu, 0.0
+            self._writes.append((cpu_s, time.time() - taken_at))
             self._floor = 1
         if files is None:
             return
@@ -314,7 +318,4 @@ class MemorySnapshots:
                           "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
-        if commit:
-            self._report(step, self.last_nbytes, self.interval, taken_at, True)
-        else:
-            self._report(step, self.last_nbytes, self.interval, taken_at)
+        self._report(step, self.last_nbytes, self.interval, taken_at)

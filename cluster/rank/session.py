@@ -286,9 +286,8 @@ class Session:
             p.snapshot_dir, p.context.world_rank, p.snapshot_every,
             node_budget_bytes(p.snapshot_memory_mb, p.snapshot_dir), save=checkpoints.hold_in_memory,
             say=lambda line: print(line, file=sys.stderr, flush=True),
-            report=lambda step, nbytes, every, taken, committed=False: self.emit(SnapshotHeld(
-                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken,
-                committed=committed)),
+            report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
+                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
             copies=1 if p.context.num_nodes > 1 else 0, start=p.snapshot_start)
         self.snapshots, self._meter = snaps, meter
         checkpoints.also_in_memory = snaps.commit  # a commit is its step's snapshot too

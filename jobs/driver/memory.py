@@ -90,16 +90,15 @@ class SnapshotBook:
             n.actor.pin_snapshot.remote(n.folder, resumed)
         return {rank: n.folder for rank, n in enumerate(self.nodes)}
 
-    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float,
-                  copy: bool = True) -> None:
+    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float) -> None:
         """A rank's part of ``step`` (captured at ``taken``) is on node ``node_rank``: noted, and copied to its
-        peer (not a commit's: ``copy`` False, storage holds it)."""
+        peer."""
         self.held.setdefault(step, {}).setdefault(rank, set()).add(self.nodes[node_rank].node_id)
         self.taken[step] = max(self.taken.get(step, taken), taken)
         self.world[step] = self._world
         self.nbytes[rank], self.every[rank] = nbytes, every
         self._node_of[rank] = node_rank
-        if copy and len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones are skipped)
+        if len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones waiting are skipped)
             self._waiting[rank] = max(self._waiting.get(rank, step), step)
         if len(self.held[step]) == self._world and (self._pin is None or step > self._pin):
             self._pin = step  # every rank's part is held: the nodes keep it until a newer one is whole

@@ -185,8 +185,7 @@ class AttemptRouter:
                     self.checkpoint(e)
                 case SnapshotHeld():
                     if self.snapshots is not None:
-                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time,
-                                                 copy=not e.committed)
+                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time)
                         if line := self.snapshots.news():
                             rec.say(line)
                 case CheckpointInterval():
