@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.layout import checkpoint_name
 from conftest import ROOT, wait_for
 from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
@@ -247,25 +246,3 @@ def test_a_killed_rank_resumes_trainer_from_a_snapshot_in_memory_and_ends_bitwis
     assert first[-1] - 2 <= resumed <= first[-1] and second[0] == resumed + 1, (first, second, resumed)
     assert "gets --resume_from_checkpoint" in said.getvalue() and f"checkpoint-{resumed} " in said.getvalue()
     assert final(tmp / "out-snapshot")["weights"] == final(tmp / "out")["weights"]
-
-
-def test_a_rank_killed_right_after_trainers_save_resumes_from_that_checkpoint_kept_in_memory(reference):
-    """Snapshots a thousand steps apart, Trainer saving every 3 steps: each checkpoint-<n> it saves is kept in the
-    nodes' memory too, as its step's snapshot (the same files, labelled checkpoint-<n>). Rank 1 is killed once
-    checkpoint-6 is committed and every rank's part of it held: the restart hands Trainer `--resume_from_checkpoint
-    <node folder>/checkpoint-6` from memory, and the weights are the uninterrupted run's."""
-    _, tmp, _ = reference
-    said = io.StringIO()
-    driver = trainer_run(tmp / "runs", "commit-snapshot", tmp / "out-commit-snapshot", terminal=said,
-                         launcher=["--set", "checkpoint.snapshots.every=1000"],
-                         script=["--throttle_s", "0.6", "--save_steps", "3"])
-    manifest = Path(driver.run_dir.uri, "checkpoints", checkpoint_name(6), "manifest.json")
-    result = killed_when(driver, lambda: manifest.exists() and driver.snapshots is not None and
-                         len(driver.snapshots.held.get(6, {})) == 2, "checkpoint-6 committed and held")
-    assert result.status == "succeeded", result.error
-    start = [e for e in _events(result.run_dir) if e["kind"] == "attempt"][-1]
-    assert (start["resume_from"], start["resume_step"]) == ("memory", 6), (start, said.getvalue()[-3000:])
-    assert "gets --resume_from_checkpoint" in said.getvalue() and "checkpoint-6 " in said.getvalue()
-    second = [r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and r["rank"] == 0 and "loss" in r]
-    assert second == [8, 10, 12], second  # (a loss logged every 2 steps)
-    assert final(tmp / "out-commit-snapshot")["weights"] == final(tmp / "out")["weights"]

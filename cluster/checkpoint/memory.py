@@ -161,8 +161,6 @@ class MemorySnapshots:
                 (code is not None and code.name is None):
             return
         step = self.base + steps if code is None or code.step is None else code.step()
-        if step == self.phase and self.taken:  # a commit of this step is its snapshot (``commit``)
-            return
         self._first_of_attempt(step)
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
@@ -185,8 +183,7 @@ class MemorySnapshots:
             folder = self._apart(step)
 
             def save(into: str, default: Callable[[], None]) -> None:
-                # (called once no snapshot's write of this rank's is in flight; a Trainer commit's may be: kept)
-                self._clear_apart(keep=set(self._taken_at) - {step})
+                self._clear_apart()  # (called once no write of this rank's is in flight)
                 code.save(into, default)
 
             kwargs["save"] = save
@@ -200,18 +197,15 @@ class MemorySnapshots:
             if self.every is None:  # (measured when that write ends: ``_written``)
                 self.interval = self._floor = self.interval * 2
 
-    def commit(self, step: int, own: bool = False
-               ) -> tuple[str, Callable[[dict[str, dict] | None, float], None]] | None:
-        """A commit of ``step`` (``session.save``, a script's ``save_state``; ``own``: Trainer's ``checkpoint-<n>``,
-        which Trainer writes itself and ``cluster.rank.trainer`` stages) is also this rank's snapshot of it, from the
-        same files: the folder on the node's memory its write puts them in first (its copy to storage is made from
-        them), and what it calls then (``files`` {rel: {size, sha256}}, None: not written; the CPU seconds keeping the
-        part cost beyond the commit's own write); None where no snapshot may be kept (none of this rank's, or no
-        room). The next snapshot is due ``interval`` steps after it, and none is taken again at its step."""
+    def commit(self, step: int) -> tuple[str, Callable[[dict[str, dict] | None, float], None]] | None:
+        """A commit of ``step`` (``session.save``, a script's ``save_state``) is also this rank's snapshot of it, from
+        the same capture: the folder on the node's memory its write puts the captured files in first (its copy to
+        storage is made from them), and what it calls then (``files`` {rel: {size, sha256}}, None: not written; the
+        CPU seconds keeping the part cost beyond the commit's own write); None where no snapshot may be kept (none of
+        this rank's, or no room). The next snapshot is due ``interval`` steps after it."""
         code = self.code
-        trainer = code is not None and code.step is not None  # (a Trainer's commits come through ``own`` alone)
         if self.off is not None or self.accelerator is None or not self.confirmed or \
-                (code is not None and code.name is None) or trainer != own:
+                (code is not None and (code.name is None or code.step is not None)):  # (Trainer: not through here)
             return None
         self._first_of_attempt(step)
         self.phase = step
@@ -254,11 +248,9 @@ class MemorySnapshots:
         step's folder."""
         return self.node_dir / f".writing-rank-{self.rank}-{step}"
 
-    def _clear_apart(self, keep: set[int] = frozenset()) -> None:
-        """This rank's parts left apart (a write that died with its rank, or failed), but those of steps in ``keep``."""
+    def _clear_apart(self) -> None:
         for old in self.node_dir.glob(f".writing-rank-{self.rank}-*"):
-            if int(old.name.rsplit("-", 1)[1]) not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
 
     def _joined(self, step: int, apart: Path, files: dict[str, dict]) -> tuple[Path, dict[str, dict]]:
         """This rank's part of a script's or Trainer's snapshot moved from ``apart`` into the step's folder, with the

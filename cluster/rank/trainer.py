@@ -25,8 +25,7 @@ rank:
 
 Between its saves, snapshots in memory (``cluster.checkpoint.memory``) hold what its own ``checkpoint-<n>`` would
 (:func:`snapshots_of`): a restart may hand Trainer one of them, put together from the nodes' memory, as it hands a
-commit. Each of its saves is its step's snapshot too: ``on_save``'s thread copies this rank's files into the node's
-memory first (``MemorySnapshots.commit``) and stages them from there.
+commit.
 
 After a restart a script gets ``--resume_from_checkpoint <folder>`` (``cluster.rank.worker``); a function passes
 ``get_session().checkpoint_folder()`` to ``trainer.train(resume_from_checkpoint=...)``. Imports nothing from Ray.
@@ -240,56 +239,23 @@ def _linked(files: list[str], folder: str, into: str) -> None:
             shutil.copy2(os.path.join(folder, rel), dest)
 
 
-def _in_memory(files: list[str], folder: str, into: str) -> tuple[bool, float]:
-    """``files`` of ``folder`` copied into ``into`` (on the node's memory: a Trainer checkpoint's part kept as its
-    step's snapshot), in the kernel; whether they all were (else none is left there), and the CPU seconds it took."""
-    began = time.thread_time()
-    try:
-        for rel in files:
-            dest = os.path.join(into, rel)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(os.path.join(folder, rel), dest)
-    except OSError as exc:  # the node's memory (full?): staged from the links alone
-        shutil.rmtree(into, ignore_errors=True)
-        print(f"raylaunch: Trainer's checkpoint is not kept in memory as its step's snapshot: {exc}", file=sys.stderr,
-              flush=True)
-        return False, time.thread_time() - began
-    return True, time.thread_time() - began
-
-
 class _Copy:
     """One rank's part of one Trainer checkpoint, copied (and hashed) from this rank's links to it into staging by a
-    thread; reported when done, the links removed. ``memory`` (``MemorySnapshots.commit``): the folder on the node's
-    memory the files are copied into first, as this rank's part of the step's snapshot, staged from there (read and
-    hashed once), and what is called then with their files (None: not kept) and the CPU the copy took."""
+    thread; reported when done, the links removed."""
 
-    def __init__(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None],
-                 memory: tuple[str, Callable[[dict[str, dict] | None, float], None]] | None = None) -> None:
+    def __init__(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(files, folder, uri, report, memory), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(files, folder, uri, report), daemon=True,
                                         name="raylaunch-trainer-checkpoint")
         self._thread.start()
 
-    def _run(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None],
-             memory: tuple[str, Callable[[dict[str, dict] | None, float], None]] | None) -> None:
-        described: dict[str, dict] | None = None
-        kept, cpu_s = False, 0.0
+    def _run(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
         try:
-            if memory is not None:
-                kept, cpu_s = _in_memory(files, folder, memory[0])
-            described = self._copy(files, memory[0] if kept else folder, uri, report)
+            self._copy(files, folder, uri, report)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-            if memory is not None:  # kept only whole and staged (its files described by the staging's hashes)
-                if described is None:
-                    shutil.rmtree(memory[0], ignore_errors=True)
-                try:
-                    memory[1](described if kept else None, cpu_s)
-                except Exception as exc:  # noqa: BLE001 - never the commit's failure
-                    print(f"raylaunch: Trainer's checkpoint is not kept in memory as its step's snapshot: {exc}",
-                          file=sys.stderr, flush=True)
 
-    def _copy(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> dict[str, dict] | None:
+    def _copy(self, files: list[str], folder: str, uri: str, report: Callable[[dict], None]) -> None:
         try:
             fs, base = open_uri(uri)
             local = is_local(fs)
@@ -308,10 +274,8 @@ class _Copy:
                     os.replace(tmp, dest)
                 described[rel] = {"size": size, "sha256": h.hexdigest()}
             report(described)
-            return described
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self.error = exc
-            return None
 
     def wait(self) -> None:
         self._thread.join()
@@ -405,15 +369,7 @@ class _Bridge:
         def report(described: dict) -> None:
             self.session.trainer_saved(step, uri, described, requested, time.perf_counter() - began, folder)
 
-        # The checkpoint is its step's snapshot in the node's memory too, from the same files (none where this rank
-        # takes no snapshots: ``trainer_unsnapshotted``, FSDP's, fp16's)
-        snaps, memory = self.session.snapshots, None
-        if snaps is not None:
-            try:
-                memory = snaps.commit(step, own=True)
-            except Exception as exc:  # noqa: BLE001 - never the save's failure: its commit goes on
-                snaps.stop(f"{type(exc).__name__}: {exc}")
-        self._copy = _Copy(mine, links, uri, report, memory)
+        self._copy = _Copy(mine, links, uri, report)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.wait()
