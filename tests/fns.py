@@ -675,37 +675,24 @@ def step_calls(config: dict) -> dict:
 def digits_dies(config: dict) -> dict:
     """``train_fn.digits``, whose rank ``die_rank`` kills itself (SIGKILL, as the OOM killer would) in attempt 1, in
     the middle of its optimizer step number ``die_at`` (before that step's end: the last whole step is the one
-    before); with ``die_after_commit`` instead, in the optimizer step after that step, once the driver committed the
-    checkpoint of that step."""
+    before)."""
     import signal
-    import time
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from cluster.layout import CHECKPOINTS, MANIFEST, checkpoint_name, run_of_staging
-    from cluster.storage_io import open_uri
     from train_fn.digits import train
 
     session = get_session()
     if config.get("uncooperative"):  # a function that never asks session.preempted: a stop notice is raylaunch's
         session.preempted = lambda accelerator: False
     attempt = session.payload.attempt if session.payload else 0
-    after_commit = config.get("die_after_commit")
     if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
         taken = [0]
 
         def hook(optimizer, args, kwargs) -> None:
             taken[0] += 1
-            if after_commit and taken[0] == after_commit + 1:
-                run = run_of_staging(open_uri(session.payload.staging_uri)[1])
-                committed = Path(run, CHECKPOINTS, checkpoint_name(after_commit), MANIFEST)
-                deadline = time.monotonic() + 60
-                while not committed.exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                os.kill(os.getpid(), signal.SIGKILL)
             if taken[0] == config["die_at"]:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         register_optimizer_step_post_hook(hook)
-    return train({k: v for k, v in config.items()
-                  if k not in ("die_at", "die_rank", "uncooperative", "die_after_commit")})
+    return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank", "uncooperative")})

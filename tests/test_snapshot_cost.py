@@ -168,32 +168,3 @@ def test_a_committed_checkpoint_must_carry_sha256(tmp_path):
     manifest = json.loads((folder / "manifest.json").read_text())
     with pytest.raises(CheckpointError, match="malformed .no 'files' of size and sha256"):
         check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "ckpt")
-
-
-def test_a_commit_is_its_steps_snapshot_the_next_one_due_an_interval_after_it_and_its_cpu_counted(tmp_path):
-    """A commit (``MemorySnapshots.commit``) keeps its part as its step's snapshot: reported like any part, the next
-    snapshot due ``every`` steps after it, the CPU keeping it cost counted with the next snapshot's write (``auto``);
-    none where the node's bound has no room, said once."""
-    reported = []
-    snaps = MemorySnapshots(str(tmp_path), 0, 8, 1 << 30, lambda *a, **k: True, say=lambda line: None,
-                            report=lambda step, nbytes, every, taken: reported.append((step, nbytes)))
-    assert snaps.commit(6) is None  # no model prepared yet, no save confirmed: none
-    snaps.accelerator, snaps.confirmed = object(), True
-    assert snaps.next_due(5) == 8
-    folder, kept = snaps.commit(6)
-    assert folder == str(tmp_path / "snap-00000006") and snaps.next_due(6) == 14
-    Path(folder).mkdir(parents=True)
-    Path(folder, "model.safetensors").write_bytes(b"x" * 100)
-    kept({"model.safetensors": {"size": 100, "sha256": "0" * 64}}, 0.25)
-    assert reported == [(6, 100)]
-    assert json.loads(Path(folder, "rank-0.json").read_text())["files"]["model.safetensors"]["size"] == 100
-    assert not snaps._writes and snaps._commits_cpu == 0.25  # with the next snapshot's write, not one of its own
-    snaps._taken_at[14] = 0.0
-    snaps._written(14, str(tmp_path / "snap-00000014"), None, 0.5)
-    assert [cpu for cpu, _ in snaps._writes] == [0.75] and snaps._commits_cpu == 0.0
-    said = []
-    full = MemorySnapshots(str(tmp_path / "full"), 0, 8, 10, lambda *a, **k: True, say=said.append,
-                           report=lambda *a: None)
-    full.accelerator, full.confirmed, full.last_nbytes = object(), True, 100
-    assert full.commit(6) is None and full.commit(12) is None and full.next_due(12) == 20
-    assert len(said) == 1 and "checkpoint.snapshots.memory_mb" in said[0]

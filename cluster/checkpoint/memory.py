@@ -6,9 +6,7 @@ memory, a writer process writes it) but written into the node's memory (``/dev/s
 has its folders) instead of the run's storage, and never committed. It is taken by raylaunch itself, at the point a
 save at the end of a step would be: when the training loop asks its loader for the next batch after an optimizer
 step (``cluster.rank.pace``), so a function, unchanged, resumes from it exactly as from a checkpoint it saved there.
-A commit (``session.save``, a script's ``save_state``) is its step's snapshot too (``MemorySnapshots.commit``): its
-write puts the files it captured in the node's memory first, then copies them to storage. The driver decides which
-snapshot a restart resumes from (``jobs.driver.memory``). Imports nothing from Ray.
+The driver decides which snapshot a restart resumes from (``jobs.driver.memory``). Imports nothing from Ray.
 """
 
 from __future__ import annotations
@@ -128,10 +126,6 @@ class MemorySnapshots:
         self.skipped = 0  # snapshots due while the previous one's write was in flight
         self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
-        # A commit is that step's snapshot too (``commit``): the snapshots that follow count from its step, and the CPU
-        # its part cost beyond the commit's own write is counted in the next snapshot's write, for ``auto``
-        self.phase = 0
-        self._commits_cpu = 0.0
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -151,7 +145,7 @@ class MemorySnapshots:
         if self.off is not None:
             return math.inf
         step = self.base + steps
-        return steps + self.interval - (step - self.phase) % self.interval
+        return steps + self.interval - step % self.interval
 
     def take(self, steps: int, hold_s: Callable[[], float | None]) -> None:
         """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took; a Trainer's: its
@@ -161,7 +155,9 @@ class MemorySnapshots:
                 (code is not None and code.name is None):
             return
         step = self.base + steps if code is None or code.step is None else code.step()
-        self._first_of_attempt(step)
+        if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
+            prune_from(self.node_dir, self.rank, step)
+            self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
@@ -174,7 +170,19 @@ class MemorySnapshots:
                         cpu_s=_median(c for c, _ in self._writes) * (1 + self.copies * PEER_COPY_WRITES),
                         write_s=_median(w for _, w in self._writes)))
         self._last = (now, steps)
-        if not self._room():
+        used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
+        if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
+            prune(self.node_dir, self.rank, KEEP)
+            used = self.used = used_bytes(self.node_dir)
+            if used + self.last_nbytes > self.budget:  # the newest and the step the driver pinned, no more
+                prune(self.node_dir, self.rank, 1)
+                used = self.used = used_bytes(self.node_dir)
+        if used + self.last_nbytes > self.budget:
+            self.say_once(f"raylaunch: snapshots in memory: this node's hold {used / 2**20:.3g} MiB, and one more of "
+                          f"{self.last_nbytes / 2**20:.3g} MiB would pass their bound of {self.budget / 2**20:.3g} MiB "
+                          "(checkpoint.snapshots.memory_mb): none is taken while it would; a restart resumes from an "
+                          "older one or from storage. Raise the bound, or take them less often "
+                          "(checkpoint.snapshots.every) (said once)")
             return
         folder = self.node_dir / snap_name(step)
         in_flight = bool(self._taken_at)  # a snapshot taken whose write has not ended
@@ -196,52 +204,6 @@ class MemorySnapshots:
             self.skipped += 1
             if self.every is None:  # (measured when that write ends: ``_written``)
                 self.interval = self._floor = self.interval * 2
-
-    def commit(self, step: int) -> tuple[str, Callable[[dict[str, dict] | None, float], None]] | None:
-        """A commit of ``step`` (``session.save``, a script's ``save_state``) is also this rank's snapshot of it, from
-        the same capture: the folder on the node's memory its write puts the captured files in first (its copy to
-        storage is made from them), and what it calls then (``files`` {rel: {size, sha256}}, None: not written; the
-        CPU seconds keeping the part cost beyond the commit's own write); None where no snapshot may be kept (none of
-        this rank's, or no room). The next snapshot is due ``interval`` steps after it."""
-        code = self.code
-        if self.off is not None or self.accelerator is None or not self.confirmed or \
-                (code is not None and (code.name is None or code.step is not None)):  # (Trainer: not through here)
-            return None
-        self._first_of_attempt(step)
-        self.phase = step
-        if not self._room():
-            return None
-        folder = self._apart(step) if code is not None else self.node_dir / snap_name(step)
-        self._taken_at[step] = time.time()
-        self.taken += 1
-
-        def written(files: dict[str, dict] | None, cpu_s: float) -> None:
-            self._written(step, str(folder), files, cpu_s, commit=True)
-
-        return str(folder), written
-
-    def _first_of_attempt(self, step: int) -> None:
-        if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
-            prune_from(self.node_dir, self.rank, step)
-            self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
-
-    def _room(self) -> bool:
-        """Whether one more part fits the node's bound (the oldest of this rank's pruned first); said once when not."""
-        used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
-        if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
-            prune(self.node_dir, self.rank, KEEP)
-            used = self.used = used_bytes(self.node_dir)
-            if used + self.last_nbytes > self.budget:  # the newest and the step the driver pinned, no more
-                prune(self.node_dir, self.rank, 1)
-                used = self.used = used_bytes(self.node_dir)
-        if used + self.last_nbytes > self.budget:
-            self.say_once(f"raylaunch: snapshots in memory: this node's hold {used / 2**20:.3g} MiB, and one more of "
-                          f"{self.last_nbytes / 2**20:.3g} MiB would pass their bound of {self.budget / 2**20:.3g} MiB "
-                          "(checkpoint.snapshots.memory_mb): none is taken while it would; a restart resumes from an "
-                          "older one or from storage. Raise the bound, or take them less often "
-                          "(checkpoint.snapshots.every) (said once)")
-            return False
-        return True
 
     def _apart(self, step: int) -> Path:
         """Where this rank's part of a script's or Trainer's snapshot of ``step`` is written before it joins the
@@ -280,17 +242,12 @@ class MemorySnapshots:
             shutil.rmtree(apart, ignore_errors=True)
         return folder, out
 
-    def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
-                 commit: bool = False) -> None:
+    def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
         ``cpu_s``: what the write cost (for ``auto``, whether it was kept or not). ``files`` None: it was not written
-        (failed, or given up for a save). ``commit``: a commit's part (``commit``), whose ``cpu_s`` (what keeping it
-        cost beyond the commit's own write) is counted with the next snapshot's write."""
+        (failed, or given up for a save)."""
         taken_at = self._taken_at.pop(step, None)
-        if commit:
-            self._commits_cpu += cpu_s
-        elif taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save cost what it did
-            cpu_s, self._commits_cpu = cpu_s + self._commits_cpu, 0.0
+        if taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save cost what it did
             self._writes.append((cpu_s, time.time() - taken_at))
             self._floor = 1
         if files is None:

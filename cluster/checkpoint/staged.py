@@ -180,10 +180,6 @@ class StagedCheckpoints:
         self.last_hold_s: float | None = None  # how long the last save whose hold is known held training
         self.last_snapshot_hold_s: float | None = None  # the same, of the last snapshot in memory
         self._snapshot_nbytes: int | None = None  # the host memory the last snapshot's copy took
-        # ``MemorySnapshots.commit``, with snapshots: a save's write keeps its files in the node's memory too, as the
-        # snapshot of its step, then copies them to storage
-        self.also_in_memory: Callable[[int], tuple[str, Callable[[dict[str, dict] | None, float], None]] | None] | \
-            None = None
         if background:
             _before_every_optimizer_step(self)
 
@@ -325,11 +321,10 @@ class StagedCheckpoints:
             # output_dir; tests/test_jobs.py's launch-script job failed so on a loaded machine).
             os.makedirs(script.mirror, exist_ok=True)
         hold.snap = snap
-        memory = self.also_in_memory(step) if self.also_in_memory is not None else None
         self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
                               mirror=script.mirror if script else None, on_done=saved,
                               writer=None if snap.on_gpu else writer, on_changed=self._changed_before_copied,
-                              behind=behind, memory=memory)
+                              behind=behind)
         return snap.nbytes / 2**20
 
     def _abandon_snapshot(self) -> _Write | None:
@@ -659,12 +654,8 @@ class _Write:
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
                  on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None,
                  on_changed: Callable[[int, list[str]], None] | None = None, durable: bool | None = None,
-                 snapshot: bool = False, behind: _Write | None = None,
-                 memory: tuple[str, Callable[[dict[str, dict] | None, float], None]] | None = None) -> None:
+                 snapshot: bool = False, behind: _Write | None = None) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
-        # A save's files kept in the node's memory first, as the snapshot of its step (``MemorySnapshots.commit``):
-        # (folder, called with their files and the CPU their copy to ``target`` took, or None)
-        self.memory = memory
         # Files written into the run's storage are flushed before they are reported (their write-back at the
         # writer's priority, within the save); files bound for an upload, or a snapshot's in memory, are not.
         self.durable = upload_uri is None if durable is None else durable
@@ -739,9 +730,6 @@ class _Write:
                 shutil.rmtree(self.target, ignore_errors=True)
             if self.snapshot:
                 self._report_snapshot(files)
-            if self.memory is not None:  # never written (a deferred copy's tensor changed, a failure): not kept
-                with contextlib.suppress(Exception):
-                    self.memory[1](None, 0.0)
 
     def _report_snapshot(self, files: dict[str, dict] | None) -> None:
         try:
@@ -765,73 +753,21 @@ class _Write:
         on a shared path their sizes and hashes."""
         if self.snap is None:
             return [], {}
+        durable = self.durable
         try:
-            if self.memory is not None and (through := self._through_memory(*self.memory)) is not None:
-                return through
-            return self._write_snap(self._checksum, self.durable)
+            try:
+                # Until the writer has started (the rank's first save), this thread writes: the first checkpoint is
+                # committed as soon as it would be without a writer.
+                ready = self.writer is not None and self.writer.ready()
+                return self.snap.write(self.writer if ready else None, hash_files=self._checksum, durable=durable)
+            except WriterGone as exc:  # the writer process ended (killed, out of memory): this thread writes
+                print(f"raylaunch: {exc}; this rank writes the checkpoint of step {self.step} itself", file=sys.stderr,
+                      flush=True)
+                if self.writer is not None:
+                    self.writer.broken = str(exc)
+                return self.snap.write(None, hash_files=self._checksum, durable=durable)
         finally:
             self.snap.release()
-
-    def _write_snap(self, checksum: str, durable: bool) -> tuple[list[str], dict[str, dict]]:
-        try:
-            # Until the writer has started (the rank's first save), this thread writes: the first checkpoint is
-            # committed as soon as it would be without a writer.
-            ready = self.writer is not None and self.writer.ready()
-            return self.snap.write(self.writer if ready else None, hash_files=checksum, durable=durable)
-        except WriterGone as exc:  # the writer process ended (killed, out of memory): this thread writes
-            print(f"raylaunch: {exc}; this rank writes the checkpoint of step {self.step} itself", file=sys.stderr,
-                  flush=True)
-            if self.writer is not None:
-                self.writer.broken = str(exc)
-            return self.snap.write(None, hash_files=checksum, durable=durable)
-
-    def _through_memory(self, folder: str, kept: Callable[[dict[str, dict] | None, float], None]
-                        ) -> tuple[list[str], dict[str, dict]] | None:
-        """A save's files written into ``folder`` on the node's memory (the snapshot of its step), hashed there with
-        sha256 as a commit's are, then copied into ``target`` (in the kernel: no second serialisation, no second
-        hash), and ``kept(files, cpu_s)``: the snapshot's part, with the CPU the copy took. Copies, never links: a
-        snapshot written again at the same step (a stop notice's) would write into the committed files. None when
-        the files could not be written there (the save is then written to ``target`` as without snapshots)."""
-        self.memory = None
-        paths = [w.path for w in self.snap.writes]
-        rels = [os.path.relpath(p, self.target) for p in paths]
-        if any(rel.startswith("..") for rel in rels):  # (a file outside the save's folder: not a snapshot's)
-            kept(None, 0.0)
-            return None
-        for w, rel in zip(self.snap.writes, rels):
-            w.path = os.path.join(folder, rel)
-        try:
-            _, hashed = self._write_snap("sha256", durable=False)
-        except Exception as exc:  # noqa: BLE001 - the node's memory (full?): the save goes on to storage alone
-            for w, path in zip(self.snap.writes, paths):
-                w.path = path
-            for rel in rels:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(folder, rel))
-            print(f"raylaunch: the checkpoint of step {self.step} is not kept in memory as its snapshot: {exc}",
-                  file=sys.stderr, flush=True)
-            kept(None, 0.0)
-            return None
-        files = {rel: hashed[os.path.join(folder, rel)] for rel in rels}
-        began = time.thread_time()
-        try:
-            for rel in rels:
-                dest = os.path.join(self.target, rel)
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                shutil.copyfile(os.path.join(folder, rel), dest)
-                if self.durable:  # flushed here, at this thread's priority, and out of the page cache
-                    fd = os.open(dest, os.O_RDONLY)
-                    try:
-                        os.fdatasync(fd)
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-        finally:  # the snapshot is kept whether or not its copy to storage was made (that one's failure is raised)
-            try:
-                kept(files, time.thread_time() - began)
-            except Exception as exc:  # noqa: BLE001 - never the save's failure
-                print(f"raylaunch: the snapshot of step {self.step} was not kept: {exc}", file=sys.stderr, flush=True)
-        return paths, {os.path.join(self.target, rel): meta for rel, meta in files.items()}
 
     @property
     def _checksum(self) -> str:

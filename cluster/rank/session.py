@@ -290,7 +290,6 @@ class Session:
                 step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
             copies=1 if p.context.num_nodes > 1 else 0, start=p.snapshot_start)
         self.snapshots, self._meter = snaps, meter
-        checkpoints.also_in_memory = snaps.commit  # a commit is its step's snapshot too
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
             from cluster.rank.trainer import made_by_trainer, snapshots_of, trainer_unsnapshotted

@@ -349,7 +349,7 @@ class Driver:
             rec.resized(old, self.size, r.attempts + 1, resize_reason(step, old.nodes, self.size.nodes))
 
     def _snapshot_plan(self, committed_step: int) -> SnapshotPlan | None:
-        """For a restart: the newest snapshot in memory at or after the last committed checkpoint whose every part a
+        """For a restart: the newest snapshot in memory newer than the last committed checkpoint whose every part a
         node still there holds (the nodes of the last attempt, when it keeps them; else the cluster's live nodes)."""
         if self.snapshots is None or self.size is None:
             return None

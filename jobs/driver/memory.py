@@ -3,8 +3,8 @@ which snapshot, the copy of each part on one other node, and a restart's choice 
 
 A rank reports each part it wrote (``SnapshotHeld``); the book has the part's node send a copy to its peer (the next
 node, by node rank), one copy in flight from a node at a time (the newest part waiting meanwhile, older ones skipped).
-When an attempt fails, ``choose`` takes the newest snapshot, not older than the last committed checkpoint (a commit
-is its step's snapshot too) and of the same world size, whose every part is held by a node that is still there (its own node, or its peer); ``assemble`` has
+When an attempt fails, ``choose`` takes the newest snapshot, newer than the last committed checkpoint and of the same
+world size, whose every part is held by a node that is still there (its own node, or its peer); ``assemble`` has
 each node of the next attempt put it together in its memory, reading the parts it lacks from the nodes that hold
 them; the ranks then load it as a committed checkpoint. Nothing in flight ever blocks the driver's loop.
 """
@@ -170,12 +170,11 @@ class SnapshotBook:
         self.taken.pop(step, None)
 
     def choose(self, alive: set[str], world_size: int, after_step: int) -> SnapshotPlan | None:
-        """The newest snapshot from ``after_step`` on (the last committed checkpoint's: a commit is its step's snapshot
-        too, and memory is read back faster than storage) of ``world_size`` whose every rank's part is held on a node
-        in ``alive`` (node ids)."""
+        """The newest snapshot after ``after_step`` (the last committed checkpoint's) of ``world_size`` whose every
+        rank's part is held on a node in ``alive`` (node ids)."""
         self.poll()
         for step in sorted(self.held, reverse=True):
-            if step < after_step:
+            if step <= after_step:
                 return None
             if self.world.get(step) != world_size:
                 continue
