@@ -16,7 +16,7 @@ from cluster.checkpoint.writer import describe_written
 from cluster.storage_io import CheckpointError, check_manifest
 
 
-def snapshots(tmp_path, answers: list[bool], every: int | None = None, copies: int = 0) -> tuple[MemorySnapshots, list]:
+def snapshots(tmp_path, answers: list[bool], every: int | None = None) -> tuple[MemorySnapshots, list]:
     """A rank's snapshots whose ``save`` answers from ``answers`` (True: taken, its write in flight)."""
     taken: list = []
 
@@ -27,7 +27,7 @@ def snapshots(tmp_path, answers: list[bool], every: int | None = None, copies: i
         return ok
 
     snaps = MemorySnapshots(str(tmp_path), 0, every, 1 << 30, save, say=lambda line: None,
-                            report=lambda *a: None, copies=copies)
+                            report=lambda *a: None)
     snaps.accelerator, snaps.confirmed = object(), True
     return snaps, taken
 
@@ -122,25 +122,6 @@ def test_auto_counts_the_write_s_cpu_and_its_time_in_flight_beside_the_hold(tmp_
         written(step, folder, {}, cpu_s)
         clock.now += 0.5 - write_s  # the next step begins 0.5 s after this one
     assert snaps.interval == interval == auto_interval(0.001, 0.5, cpu_s=cpu_s, write_s=write_s)
-
-
-@pytest.mark.parametrize("copies, interval", [(0, 8), (1, 32)])
-def test_auto_counts_the_copy_to_the_peer_node_where_there_is_one(tmp_path, monkeypatch, copies, interval):
-    """50 ms of CPU a write, 1 ms held, 0.5 s a step: one node alone, 0.051 / (0.02 x 0.5) = 5.1 steps, up to 8; with a
-    peer, its copy counted as PEER_COPY_WRITES writes more (the CPU beside the ranks, #58): 0.251 / 0.01, up to 32."""
-    from cluster.checkpoint.memory import PEER_COPY_WRITES
-
-    clock = Clock()
-    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
-    snaps, taken = snapshots(tmp_path, [True] * 4, copies=copies)
-    for steps in (1, 2, 3, 4):
-        snaps.take(steps, lambda: 0.001)
-        step, folder, written = taken[-1]
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        clock.now += 0.1
-        written(step, folder, {}, 0.05)
-        clock.now += 0.4
-    assert snaps.interval == interval == auto_interval(0.001, 0.5, cpu_s=0.05 * (1 + copies * PEER_COPY_WRITES))
 
 
 def snapshot_folder(tmp_path, snapshot: bool) -> Path:

@@ -31,10 +31,6 @@ __all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "auto_interval", "renumb
 # ``every: auto``: snapshots at most this share of the step time (what each costs: its hold on training and the CPU
 # its background write takes).
 AUTO_SHARE = 0.02
-# A part's copy to its peer node costs about this many times its write's CPU (read and sent by one node actor, its
-# raylet and the peer's, written by the peer's node actor): measured 3.5-7 times at 25-100 MiB on this machine
-# (out-of-band buffers, 2026-12-06), and counted so, for ``auto``, where the run has a peer (a node beside its own).
-PEER_COPY_WRITES = 4
 
 def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: float = 0.0) -> int:
     """``every: auto``: the optimizer steps between snapshots that keep each one's cost at most ``AUTO_SHARE`` of the
@@ -96,17 +92,15 @@ class MemorySnapshots:
     batch after an optimizer step is fetched), and what it costs.
 
     ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their cost (their hold on
-    training, their write's CPU and their copy's to the peer: ``copies``, ``PEER_COPY_WRITES``) at most
-    ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two
+    training and their write's CPU) at most ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two
     were taken and the second measured; twice as far apart at once when one comes due while the previous one's write
     is still in flight, which skips it). ``save`` is ``StagedCheckpoints.hold_in_memory``; ``report`` reports a part
     once written; ``budget``: bytes the node's snapshots may hold."""
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
-                 report: Callable[[int, int, int, float | None], None], copies: int = 0, start: int = 1) -> None:
+                 report: Callable[[int, int, int, float | None], None], start: int = 1) -> None:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
-        self.copies = copies  # the copies of each part the driver makes on other nodes (its peer's: 1, or none)
         self._save, self._say, self._report = save, say, report
         self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
         self.code: CodeSave | None = None  # a script's or Trainer's own format; None: a function's (session.restore)
@@ -167,8 +161,7 @@ class MemorySnapshots:
                 if _median(s for _, s in self._recent) > 0:
                     self.interval = max(self._floor, auto_interval(
                         _median(h for h, _ in self._recent), _median(s for _, s in self._recent),
-                        cpu_s=_median(c for c, _ in self._writes) * (1 + self.copies * PEER_COPY_WRITES),
-                        write_s=_median(w for _, w in self._writes)))
+                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes)))
         self._last = (now, steps)
         used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
         if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first

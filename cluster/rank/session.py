@@ -288,7 +288,7 @@ class Session:
             say=lambda line: print(line, file=sys.stderr, flush=True),
             report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
                 step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
-            copies=1 if p.context.num_nodes > 1 else 0, start=p.snapshot_start)
+            start=p.snapshot_start)
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
