@@ -259,13 +259,10 @@ class Session:
 
     def _write_rows(self) -> None:
         """Under ``_lock``: the rows logged so far, in order, as ``emit`` writes an event's line."""
-        rank = self.payload.context.world_rank if self.payload is not None else 0
         rows = self._rows
         while rows:
             step, values, at = rows.popleft()
-            row = Metrics(step=step, values=values).to_dict()
-            row["time"], row["rank"] = at, rank
-            self._events.write(json.dumps(row) + "\n")
+            self._events.write(self._line(Metrics(step=step, values=values), at))
 
     def start_snapshots(self, meter: Any) -> None:
         """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), taken from the prepared
@@ -654,15 +651,18 @@ class Session:
     def emit(self, event: RankEvent, at: float | None = None) -> None:
         """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file. ``at``:
         when it happened (now when not given)."""
-        rank = self.payload.context.world_rank if self.payload is not None else 0
-        # Its time and rank set on its line's object, not on a copy of the event (dataclasses.replace: #58)
-        row = event.to_dict()
-        row["time"], row["rank"] = time.time() if at is None else at, rank
-        line = json.dumps(row)
+        line = self._line(event, time.time() if at is None else at)
         with self._lock:
             self._write_rows()  # the metrics rows logged before it first
-            self._events.write(line + "\n")
+            self._events.write(line)
             self._events.flush()
+
+    def _line(self, event: RankEvent, at: float) -> str:
+        """The event's line in the events file: its fields, when it happened (``at``) and this rank."""
+        # Its time and rank set on its line's object, not on a copy of the event (dataclasses.replace: #58)
+        row = event.to_dict()
+        row["time"], row["rank"] = at, self.payload.context.world_rank if self.payload is not None else 0
+        return json.dumps(row) + "\n"
 
 
 _SESSION: Session | None = None
