@@ -12,7 +12,7 @@ One run measures everything a launcher is compared on:
 - under raylaunch, the cost of measuring each rank's pace (``cluster/rank/pace.py``) the same way:
   blocks that read the batch through the prepared dataloader (timed) and train the prepared
   DDP model (its all-reduce timed), alternating with blocks that read it through Accelerate's
-  own untimed iterator and train an identical DDP model without the timing hook;
+  own untimed iterator and train an identical model, prepared by Accelerate the same way, without the timing hooks;
 - at each step of ``checkpoint_at``, ``session.save`` and Accelerate's plain
   ``save_state`` to local disk, in alternating order (whichever goes first pays
   first-write costs);
@@ -114,10 +114,13 @@ def train(config: dict) -> dict:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     paced = session.under_runner  # the runner measures data_wait and sync_wait; others do not
     if paced:
-        twin = twin.to(accelerator.device)  # at world size 1 too (it stayed on the CPU there: every GPU run failed)
-        if accelerator.num_processes > 1:
-            twin = torch.nn.parallel.DistributedDataParallel(twin)
-        twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-4)
+        # The twin prepared as the model is (Accelerate's DDP, its AcceleratedOptimizer), by an Accelerator of its own
+        # (its save_state and raylaunch's snapshots see only the model) through prepare_model and prepare_optimizer,
+        # which raylaunch's pace hooks skip: only the measurement differs between the blocks. A plain DDP and AdamW
+        # twin read the pace's cost as 1.066x (make bench BENCH_FULL=1, 2026-12-06) where bench.step_costs read 17 us.
+        twins = Accelerator(**session.accelerator_kwargs())
+        twin = twins.prepare_model(twin)
+        twin_optimizer = twins.prepare_optimizer(torch.optim.AdamW(twin.parameters(), lr=1e-4))
         untimed = type(loader).__iter__.__wrapped__  # Accelerate's own iterator, without the clock
 
     # Every launcher reads each step's batch through the prepared loader (the same step code everywhere, #58); under

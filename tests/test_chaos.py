@@ -34,7 +34,7 @@ def test_three_faults_one_in_a_recovery_one_in_a_commit_are_survived(ray_cluster
     job = make_job(tmp_path, ObjectStore.uri("runs", proxy.port), ray_cluster.address, "elastic", "chaos", epochs=4,
                    step_s=0.3, reads=ObjectStore.uri("runs", server.port))
     injected = chaos.run_job(job, [*THREE, STALL], timeout_s=150)
-    assert [i.skipped for i in injected] == ["", "", "", ""], injected
+    assert [i.skipped for i in injected] == ["", "", "", ""], (injected, job.log.read_text()[-4000:])
     assert proxy.counts["held"] > 0 and "/.staging/" in proxy.fired_on, (proxy.counts, proxy.fired_on)  # mid-upload
     outcome = check_job(chaos, job, injected, None, 4, {})
     assert outcome.survived, (outcome.status, outcome.problems, job.log.read_text()[-3000:])
@@ -52,7 +52,7 @@ def test_a_disk_full_inside_a_recovery_does_not_fail_the_run(ray_cluster, tmp_pa
         job = make_job(tmp_path, disk, ray_cluster.address, "elastic", "full", epochs=3, step_s=0.3)
         faults = [Fault("rank_kill", "training", 0.5, 0), Fault("disk_full", "recovery", 1.0, 15)]
         injected = chaos.run_job(job, faults, timeout_s=150)
-        assert [i.skipped for i in injected] == ["", ""], injected
+        assert [i.skipped for i in injected] == ["", ""], (injected, job.log.read_text()[-4000:])
         outcome = check_job(chaos, job, injected, None, 3, {})
         assert outcome.survived, (outcome.status, outcome.problems, job.log.read_text()[-3000:])
     finally:
