@@ -393,11 +393,12 @@ class Driver:
             upload = book.upload_plan(plan, away)
             left, rate = deadline - time.time(), book.commit_rate()
             if not upload_fits(upload.nbytes, rate, left):
-                need = f"about {upload.nbytes / rate:.1f} s at the {rate / 2**20:.1f} MiB/s of this run's commits" \
-                    if rate else "its time"
-                self._say(f"raylaunch: the snapshot of step {step} is not committed to storage: "
-                          f"{upload.nbytes / 2**20:.1f} MiB would take {need}, and {whose} is in {left:.0f} s; the "
-                          f"restart resumes from memory, a cluster lost whole from "
+                size = f"{upload.nbytes / 2**20:.1f} MiB"
+                why = (f"{size} would take about {upload.nbytes / rate:.1f} s at the {rate / 2**20:.1f} MiB/s of this "
+                       f"run's commits, and {whose} is in {left:.0f} s" if rate else
+                       f"{whose} is in {left:.0f} s, too soon to write {size}")
+                self._say(f"raylaunch: the snapshot of step {step} is not committed to storage: {why}; a restart reads "
+                          "it from memory, a cluster lost whole resumes from "
                           + (f"the commit of step {latest.step}" if latest else "the beginning"))
                 return
             self.run_dir.clear_staging()  # no rank runs: what a save of this attempt left half-written goes
