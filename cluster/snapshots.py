@@ -11,12 +11,16 @@ On a node, the run's snapshots live under ``<root>/<run key>/<node id>/``:
   fetched from other nodes) with a ``manifest.json`` as a committed checkpoint has, which the ranks load and verify
   as one.
 
+After a stop notice a node also writes the parts it holds into a checkpoint's staging folder on the run's storage
+(``store_part``), which the driver then commits as any checkpoint.
+
 Plain functions over files: the node actors (``cluster.nodes.node``) call them for the driver (``jobs.driver.memory``),
 the ranks to write and prune their own parts. Imports neither Ray nor torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -24,14 +28,17 @@ import pickle
 import shutil
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 from cluster.layout import MANIFEST
+from cluster.storage_io import CheckpointError, open_uri
 
-__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "keep_peer_part", "node_budget_bytes", "pin",
-           "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "used_bytes", "write_part_json"]
+__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "keep_peer_part", "node_budget_bytes", "part_files",
+           "pin", "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "store_part", "used_bytes",
+           "write_part_json"]
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
 KEEP = 2
@@ -135,13 +142,21 @@ def _parts(folder: Path) -> dict[int, dict]:
 Part = dict[str, Union[bytes, Any]]
 
 
+def _held(node_dir: str, step: int, rank: int) -> list[tuple[Path, dict]]:
+    """Where this node holds a rank's part of ``step``: its own folder, then its peer's copy; each with the part's
+    json."""
+    out = []
+    for folder in (Path(node_dir, snap_name(step)), Path(node_dir, "peer", snap_name(step))):
+        part = _parts(folder).get(rank)
+        if part is not None:
+            out.append((folder, part))
+    return out
+
+
 def read_part(node_dir: str, step: int, rank: int) -> Part | None:
     """A rank's part of the snapshot of ``step`` held on this node (its own or its peer's copy): {rel: its bytes,
     mapped}, with its json under ``rank-<r>.json``; None when the node no longer holds it whole."""
-    for folder in (Path(node_dir, snap_name(step)), Path(node_dir, "peer", snap_name(step))):
-        part = _parts(folder).get(rank)
-        if part is None:
-            continue
+    for folder, part in _held(node_dir, step, rank):
         try:
             data = {rel: _mapped(folder / rel) for rel in part["files"]}
         except OSError:
@@ -149,6 +164,55 @@ def read_part(node_dir: str, step: int, rank: int) -> Part | None:
         data[_PART.format(rank=rank)] = json.dumps(part).encode()
         return data
     return None
+
+
+def part_files(node_dir: str, step: int, rank: int) -> dict[str, dict] | None:
+    """The files of a rank's part of ``step`` held on this node, ``{rel: {"size", its checksum}}``; None when it
+    holds none."""
+    held = _held(node_dir, step, rank)
+    return dict(held[0][1]["files"]) if held else None
+
+
+# How much of a file ``store_part`` reads at a time (the deadline is looked at between pieces).
+_PIECE = 4 << 20
+
+
+def store_part(node_dir: str, step: int, rank: int, rels: list[str], target_uri: str, until: float) -> dict[str, dict]:
+    """Write the files ``rels`` of a rank's part of ``step`` held on this node into ``target_uri`` (a checkpoint's
+    staging folder on the run's storage), each checked against the part's own checksum as it is read; returns
+    ``{rel: {"size", "sha256"}}``, as a committed checkpoint's manifest lists them (the commit reads nothing back).
+
+    Raises ``FileNotFoundError`` when the node no longer holds the part, ``CheckpointError`` when a file does not
+    match its checksum, ``TimeoutError`` when ``until`` (Unix time: the stop notice's deadline) passes first. What it
+    wrote then stays in staging, which is never loaded, and nothing is committed."""
+    held = _held(node_dir, step, rank)
+    if not held:
+        raise FileNotFoundError(f"rank {rank}'s part of the snapshot of step {step} is no longer on this node")
+    folder, part = held[0]
+    fs, base = open_uri(target_uri)
+    fs.create_dir(base, recursive=True)
+    out: dict[str, dict] = {}
+    for rel in rels:
+        meta = part["files"][rel]
+        dest = f"{base}/{rel}"
+        if "/" in rel:
+            fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+        sha, crc, size = hashlib.sha256(), 0, 0
+        with open(folder / rel, "rb") as src, fs.open_output_stream(dest) as sink:
+            while piece := src.read(_PIECE):
+                if time.time() > until:
+                    raise TimeoutError(f"the deadline passed while {rel} of rank {rank}'s part was written")
+                sha.update(piece)
+                if "crc32" in meta:
+                    crc = zlib.crc32(piece, crc)
+                size += len(piece)
+                sink.write(piece)
+        if size != meta["size"] or ("crc32" in meta and f"{crc:08x}" != meta["crc32"]) or \
+                ("crc32" not in meta and sha.hexdigest() != meta.get("sha256")):
+            raise CheckpointError(f"{rel} of rank {rank}'s part of the snapshot of step {step} does not match its "
+                                  "checksum on the node; it is not committed")
+        out[rel] = {"size": size, "sha256": sha.hexdigest()}
+    return out
 
 
 def _mapped(path: Path) -> Any:

@@ -177,42 +177,56 @@ def test_snapshots_beyond_their_memory_bound_are_said_and_storage_is_used(ray_cl
         "the run's snapshots are left in memory after its end"
 
 
-def test_a_node_ray_drains_stops_the_run_at_a_step_every_rank_agrees_on_and_resumes_there(ray_cluster, tmp_path,
-                                                                                            uninterrupted, capsys):
-    """Ray drains one rank's node with a 30-second deadline (a cloud's preemption notice, as Ray passes it on): its
-    ranks get a stop notice, every rank writes the snapshot of the step they agree on and stops; the run goes on on
-    the node left and a spare from that very step (no step lost, no restart used), bitwise equal."""
+def run_drained(ray_cluster, tmp_path: Path, name: str, overrides: list[str], nodes: dict):
+    """The run ``name`` (a driver in a thread, its function never asking ``session.preempted``: the stop is
+    raylaunch's, at a snapshot); once its commit of step 20 is there, Ray drains the node of its rank that is not on
+    the head with a 30-second deadline (a cloud's preemption notice, as Ray passes it on), that node kept in
+    ``nodes["victim"]``. Returns how the run ended and the node rank drained."""
     import time
 
     import ray
     from ray.core.generated import autoscaler_pb2
 
+    driver = Driver(spec(tmp_path, name, overrides=["config.uncooperative=true", *overrides]), can_grow=True)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
+    thread.start()
+    latest = tmp_path / "runs" / name / "checkpoints" / "latest.json"
+    wait_for(lambda: latest.exists(), 120, "the commit of step 20")
+    infos = driver.group.infos
+    drained = next(r for r, i in enumerate(infos) if i.node_id != ray_cluster.head_node.node_id)
+    victim = next(n for n in ray_cluster.worker_nodes if n.node_id == infos[drained].node_id)
+    gcs = ray._raylet.GcsClient(address=ray_cluster.address)
+    accepted, why = gcs.drain_node(victim.node_id, autoscaler_pb2.DrainNodeReason.Value(
+        "DRAIN_NODE_REASON_PREEMPTION"), "a test's preemption", int(time.time() * 1000) + 30_000)
+    nodes["victim"] = victim
+    assert accepted, why
+    thread.join(240)
+    return box["result"], drained
+
+
+def stopped_at(tmp_path: Path, name: str) -> int:
+    """The last step attempt 1 trained."""
+    rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return max(r["step"] for r in rows if r.get("attempt") == 1 and "rank_loss" in r)
+
+
+def test_a_node_ray_drains_stops_the_run_at_a_step_every_rank_agrees_on_and_resumes_there(ray_cluster, tmp_path,
+                                                                                            uninterrupted, capsys):
+    """Ray drains one rank's node with a 30-second deadline: its ranks get a stop notice, every rank writes the
+    snapshot of the step they agree on and stops; that snapshot is committed to storage before the deadline, and the
+    run goes on on the node left and a spare from that very step, read from memory (no step lost, no restart used),
+    bitwise equal."""
     spare = ray_cluster.add_node(num_cpus=2)
     ray_cluster.wait_for_nodes()
-    victim = None
+    nodes = {}
     try:
-        # a function that never asks session.preempted: the stop is raylaunch's, at a snapshot
-        driver = Driver(spec(tmp_path, "drain", overrides=["config.uncooperative=true"]), can_grow=True)
-        box = {}
-        thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
-        thread.start()
-        latest = tmp_path / "runs" / "drain" / "checkpoints" / "latest.json"
-        wait_for(lambda: latest.exists(), 120, "the commit of step 20")
-        infos = driver.group.infos
-        drained = next(r for r, i in enumerate(infos) if i.node_id != ray_cluster.head_node.node_id)
-        victim = next(n for n in ray_cluster.worker_nodes if n.node_id == infos[drained].node_id)
-        gcs = ray._raylet.GcsClient(address=ray_cluster.address)
-        accepted, why = gcs.drain_node(victim.node_id, autoscaler_pb2.DrainNodeReason.Value(
-            "DRAIN_NODE_REASON_PREEMPTION"), "a test's preemption", int(time.time() * 1000) + 30_000)
-        assert accepted, why
-        thread.join(240)
-        result = box["result"]
+        result, drained = run_drained(ray_cluster, tmp_path, "drain", [], nodes)
+        victim = nodes["victim"]
         assert result.status == "succeeded", result.error
         assert result.preemptions == 1 and result.restarts == 0
         restored = result.rank_results["0"]["restored_step"]
-        first = [json.loads(line) for line in (tmp_path / "runs" / "drain" / "metrics.jsonl").read_text().splitlines()]
-        stopped_at = max(r["step"] for r in first if r.get("attempt") == 1 and "rank_loss" in r)
-        assert restored == stopped_at > 20, (restored, stopped_at)
+        assert restored == stopped_at(tmp_path, "drain") > 20, restored
         assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
         assert victim.node_id not in {n["node_id"] for n in result.nodes}
         starts = [e for e in events(tmp_path, "drain") if e["kind"] == "attempt"]
@@ -221,10 +235,61 @@ def test_a_node_ray_drains_stops_the_run_at_a_step_every_rank_agrees_on_and_resu
         assert starts[-1]["resume_from"] == expected and starts[-1]["resume_step"] == restored
         out = capsys.readouterr().out
         assert "is being drained by Ray, its deadline in " in out, out
+        if expected == "memory":  # committed too, and still read from memory
+            assert f"committed the snapshot of step {restored} to storage before node {drained}'s deadline" in out, out
     finally:
-        if victim is not None and victim in ray_cluster.worker_nodes:
-            ray_cluster.remove_node(victim)  # drained: the spare stands in for it
+        if nodes.get("victim") in ray_cluster.worker_nodes:
+            ray_cluster.remove_node(nodes["victim"])  # drained: the spare stands in for it
         elif spare in ray_cluster.worker_nodes:
+            ray_cluster.remove_node(spare)
+
+
+def test_a_drained_snapshot_committed_before_the_deadline_is_what_a_cluster_lost_whole_resumes_from(
+        ray_cluster, tmp_path, uninterrupted, capsys):
+    """Ray drains one rank's node with a 30-second deadline, and the run may not go on (no preemption or restart
+    allowed: as when the cluster goes whole with the node): the snapshot of the step the ranks stopped at is
+    committed to storage before the deadline (latest.json names it, its manifest verifies) and leaves the nodes'
+    memory with the run's end; the same run started again, the drained node gone and no snapshot anywhere, resumes
+    from that commit, bitwise equal to the uninterrupted run."""
+    from jobs.run.storage import RunDir
+
+    spare = ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    nodes = {}
+    try:
+        first, drained = run_drained(ray_cluster, tmp_path, "whole-loss",
+                                     ["failure.max_preemptions=0", "failure.max_restarts=0"], nodes)
+        assert first.status == "failed" and first.attempts == 1, first.error
+        assert re.match(r"preempted: ranks \[0, 1\] stopped at step \d+ on a stop notice", first.error), first.error
+        step = stopped_at(tmp_path, "whole-loss")
+        assert step > 20, step
+        run = RunDir(str(tmp_path / "runs"), "whole-loss")
+        latest = run.checkpoints.latest()
+        assert latest is not None and latest.step == step, (latest, step)
+        run.checkpoints.verify(latest)  # every file against its manifest's size and sha256
+        assert set(json.loads((tmp_path / "runs" / "whole-loss" / "checkpoints" / "latest.json").read_text())) == \
+            {"name", "step"}
+        assert not list((tmp_path / "runs" / "whole-loss" / ".staging").rglob("*.*"))
+        out = capsys.readouterr().out
+        if step % 20:  # (a step the ranks committed themselves needs no snapshot's commit)
+            assert f"committed the snapshot of step {step} to storage before node {drained}'s deadline" in out, out
+            committed = [e for e in events(tmp_path, "whole-loss") if e["kind"] == "committed"]
+            assert committed[-1]["step"] == step and committed[-1]["attempt"] == 1
+        assert not list(Path(os.environ["RAYLAUNCH_SNAPSHOT_DIR"]).glob("raylaunch-snapshots/whole-loss-*")), \
+            "the run's snapshots are left in memory after its end"
+        ray_cluster.remove_node(nodes.pop("victim"))  # the node drained is gone; the spare stands in for it
+        spare = None
+
+        result = Driver(spec(tmp_path, "whole-loss", overrides=["config.uncooperative=true"])).run()
+        assert result.status == "succeeded", result.error
+        assert result.rank_results["0"]["restored_step"] == step
+        assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
+        starts = [e for e in events(tmp_path, "whole-loss") if e["kind"] == "attempt"]
+        assert (starts[-1]["resume_from"], starts[-1]["resume_step"]) == ("storage", step)
+    finally:
+        if nodes.get("victim") in ray_cluster.worker_nodes:
+            ray_cluster.remove_node(nodes["victim"])
+        elif spare is not None and spare in ray_cluster.worker_nodes:
             ray_cluster.remove_node(spare)
 
 
@@ -256,3 +321,88 @@ def test_the_step_every_rank_holds_is_kept_however_far_a_faster_rank_runs_ahead(
     prune(node / "peer", 1, KEEP)
     prune(node, 0, KEEP)
     assert kept(node, 0) == [4, 5] and kept(node / "peer", 1) == [4, 5]
+
+
+def test_a_snapshots_part_is_written_to_staging_checked_and_never_past_the_deadline(tmp_path):
+    """A node writes a rank's part (its own or its peer's copy) into a checkpoint's staging folder with the sha256 a
+    manifest lists; a file that does not match the part's checksum, or a deadline passed, fails it: nothing is
+    committed, what was written stays in staging."""
+    import hashlib
+    import time
+    import zlib
+
+    from cluster.storage_io import CheckpointError
+    from cluster.snapshots import part_files, snap_name, store_part, write_part_json
+
+    node = tmp_path / "node"
+    folder = node / "peer" / snap_name(7)  # a peer's copy
+    (folder / "sub").mkdir(parents=True)
+    blobs = {"model.safetensors": os.urandom(5 << 20), "sub/random_states_1.pkl": b"rng", "empty.bin": b""}
+    for rel, blob in blobs.items():
+        (folder / rel).write_bytes(blob)
+    metas = {rel: {"size": len(b), "crc32": f"{zlib.crc32(b):08x}"} for rel, b in blobs.items()}
+    metas["sub/random_states_1.pkl"] = {"size": 3, "sha256": hashlib.sha256(b"rng").hexdigest()}
+    write_part_json(folder, 1, 7, metas)
+    assert part_files(str(node), 7, 1) == metas and part_files(str(node), 7, 0) is None
+
+    staging = tmp_path / "run" / ".staging" / "attempt-1" / "checkpoint-00000007"
+    files = store_part(str(node), 7, 1, sorted(blobs), str(staging), time.time() + 60)
+    assert files == {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in blobs.items()}
+    assert all((staging / rel).read_bytes() == b for rel, b in blobs.items())
+
+    with pytest.raises(TimeoutError):
+        store_part(str(node), 7, 1, ["model.safetensors"], str(tmp_path / "late"), time.time() - 1)
+    (folder / "sub" / "random_states_1.pkl").write_bytes(b"RNG")  # changed on the node since it was written
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        store_part(str(node), 7, 1, ["sub/random_states_1.pkl"], str(tmp_path / "bad"), time.time() + 60)
+    with pytest.raises(FileNotFoundError):
+        store_part(str(node), 8, 1, ["model.safetensors"], str(tmp_path / "gone"), time.time() + 60)
+
+
+def test_a_stop_notices_snapshot_that_would_not_be_committed_in_time_is_said_and_left_uncommitted(tmp_path):
+    """The driver's side, its nodes stood in for: a snapshot estimated past the deadline at the pace of the run's
+    commits is not started, and one whose write the deadline cut is not committed; each is said, and latest.json
+    still names the last commit."""
+    import time
+    from types import SimpleNamespace
+
+    from cluster.snapshots import SnapshotPlan
+    from jobs.driver.memory import SnapshotUpload
+    from jobs.driver.policy import AttemptOutcome
+    from jobs.run.events import Outcome
+
+    said: list[str] = []
+    driver = Driver(spec(tmp_path, "stub"))
+    driver._say = said.append
+    driver.recorder = SimpleNamespace(event=lambda e: said.append(f"event {e}"))
+    driver.group = SimpleNamespace(dead_nodes=lambda: [], infos=[SimpleNamespace(node_id="a"),
+                                                                 SimpleNamespace(node_id="b")])
+    written: list[str] = []
+
+    def cut(up, target, until):
+        written.append(target)
+        raise TimeoutError("1 of the 2 parts were not written in time")
+
+    book = SimpleNamespace(whole=lambda after, dead: SnapshotPlan(28, 2, {0: ("a",), 1: ("b",)}),
+                           upload_plan=lambda plan, away: SnapshotUpload(28, 2, {0: (0, ("m",)), 1: (1, ("r",))},
+                                                                         300 * 2**20),
+                           commit_rate=lambda: 20 * 2**20, upload=cut, stored=set(), taken={})
+    driver.snapshots = book
+    drained = AttemptOutcome(Outcome.PREEMPTED, drained=(1,), deadlines=(time.time() + 10,))
+    driver._store_snapshot(drained, 1)
+    assert len(said) == 1 and said[0].startswith("raylaunch: the snapshot of step 28 is not committed to storage: "
+                                                 "300.0 MiB would take about 15.0 s at the 20.0 MiB/s of this run's "
+                                                 "commits, and node 1's deadline is in "), said
+    assert not written
+
+    said.clear()
+    book.commit_rate = lambda: None  # no commit measured: tried, bounded by the deadline
+    driver._store_snapshot(drained, 1)
+    assert written and said == ["raylaunch: the snapshot of step 28 could not be written to storage before node 1's "
+                                "deadline (1 of the 2 parts were not written in time): it is not committed (what was "
+                                "written stays in staging, which is never loaded)"], said
+    said.clear()
+    driver._store_snapshot(AttemptOutcome(Outcome.PREEMPTED, drained=(1,), deadlines=(time.time() + 1,)), 1)
+    assert len(said) == 1 and re.search(r"node 1's deadline is in [01] s, too soon to write 300.0 MiB; a restart reads "
+                                        r"it from memory, a cluster lost whole resumes from the beginning$", said[0]), said
+    assert driver.run_dir.checkpoints.latest() is None and not book.stored

@@ -424,6 +424,17 @@ class NodeActor:
         return memory.assemble(node_dir, step, world_size, attempt, dict(zip(ranks, parts)))
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    def snapshot_part_files(self, node_dir: str, step: int, rank: int) -> dict[str, dict] | None:
+        return memory.part_files(node_dir, step, rank)
+
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    def store_snapshot_part(self, node_dir: str, step: int, rank: int, rels: list[str], target_uri: str,
+                            until: float) -> dict[str, dict]:
+        """A rank's part of ``step`` held here, written into a checkpoint's staging folder on storage before
+        ``until`` (a stop notice's deadline: ``cluster.snapshots.store_part``)."""
+        return memory.store_part(node_dir, step, rank, rels, target_uri, until)
+
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def pin_snapshot(self, node_dir: str, step: int | None) -> None:
         memory.pin(node_dir, step)
 

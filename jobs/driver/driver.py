@@ -20,15 +20,17 @@ import yaml
 
 from cluster.snapshots import SnapshotPlan
 from cluster.context import WorkerContext
+from cluster.layout import checkpoint_name
 from cluster.nodes.connect import holds_embedded_cluster, job_workdir, machine_gpus
 from cluster.nodes.group import NodeGroup, NodeLostError, RendezvousError
 from cluster.nodes.placement import (Placement, PlacementError, cpu_beside_gpus, cpu_by_choice, fitting_nodes,
                                      resolve_placement)
 from cluster.protocol import RunStatus, ScriptCall, WorkerPayload
+from cluster.storage_io import join_uri
 from cluster.train_function import check_entry
 from jobs.driver.attempt import Attempt
 from jobs.driver.hangs import where_ranks_are
-from jobs.driver.memory import MemoryResume, SnapshotBook, run_key
+from jobs.driver.memory import STORE_MARGIN_S, MemoryResume, SnapshotBook, run_key, stop_deadline, upload_fits
 
 # How long a restart waits for the copies of the last snapshots to their peers still in flight.
 SETTLE_S = 30.0
@@ -36,7 +38,7 @@ from jobs.driver.policy import Action, AttemptOutcome, Step, WorldSize, grow_to,
 from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.driver.record import Recorder, RunResult
 from jobs.driver.routing import AttemptRouter, AttemptState, group_failures
-from jobs.run.events import AttemptEnded, AttemptStarted, Outcome, RunEvent, SessionEnded
+from jobs.run.events import AttemptEnded, AttemptStarted, Committed, Outcome, RunEvent, SessionEnded
 from jobs.run.storage import CheckpointError, RunDir, StorageError
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.spec.environment import Secrets, check_requirements
@@ -308,6 +310,8 @@ class Driver:
                 # the copies of the last snapshots to their peers, before the nodes are let go (a drained node's
                 # snapshot leaves it here, before its deadline; a lost node's never will)
                 self.snapshots.settle(SETTLE_S)
+            if self.snapshots is not None and outcome.ended is Outcome.PREEMPTED:
+                self._store_snapshot(outcome, r.attempts)  # and to storage, if the notice's deadline allows
             # a lost node may still be listed alive (a cut link, until Ray's health checks give up on it): no holder
             self._lost_ids = {self.group.infos[i].node_id for i in outcome.lost_nodes if i < len(self.group.infos)}
             # What next is one pure function of how the attempt ended and the budgets (jobs/driver/policy.py).
@@ -361,11 +365,62 @@ class Driver:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             alive -= set(ray._private.state.state.get_draining_nodes() or {})  # their memory goes with them
             alive -= self._lost_ids
-            return self.snapshots.choose(alive, self.size.world_size, committed_step)
+            # a snapshot committed after a stop notice is the same state as its commit: read from memory still
+            after = committed_step - 1 if committed_step in self.snapshots.stored else committed_step
+            return self.snapshots.choose(alive, self.size.world_size, after)
         except Exception as exc:  # noqa: BLE001 - storage's checkpoint is still there to resume from
             self._say(f"raylaunch: the snapshots in memory cannot be read ({type(exc).__name__}: {exc}); resuming "
                       "from storage")
             return None
+
+    def _store_snapshot(self, outcome: AttemptOutcome, attempt: int) -> None:
+        """After a stop notice ended ``attempt``: the newest snapshot every rank's part of is held (the step the ranks
+        stopped at), committed to storage as a checkpoint of that step through the ranks' own staging and commit
+        (its files written by the nodes that hold them, manifest last, then latest.json), when the notice's deadline
+        leaves time for it at the pace of this run's commits; said either way. It is what a cluster lost whole
+        resumes from; the next attempt still reads the snapshot from memory."""
+        book, group, rec = self.snapshots, self.group, self.recorder
+        notice = self._route.a.notice_at if self._route is not None else None
+        deadline, whose = stop_deadline(dict(zip(outcome.drained, outcome.deadlines)), notice, time.time())
+        step = None
+        try:
+            latest = self.run_dir.checkpoints.latest()
+            plan = book.whole(latest.step if latest else 0, set(group.dead_nodes()))
+            if plan is None:  # nothing newer than the last commit is whole on the nodes: nothing to add
+                return
+            step = plan.step
+            away = {group.infos[i].node_id for i in outcome.drained if i < len(group.infos)}
+            upload = book.upload_plan(plan, away)
+            left, rate = deadline - time.time(), book.commit_rate()
+            if not upload_fits(upload.nbytes, rate, left):
+                size = f"{upload.nbytes / 2**20:.1f} MiB"
+                why = (f"{size} would take about {upload.nbytes / rate:.1f} s at the {rate / 2**20:.1f} MiB/s of this "
+                       f"run's commits, and {whose} is in {left:.0f} s" if rate else
+                       f"{whose} is in {left:.0f} s, too soon to write {size}")
+                self._say(f"raylaunch: the snapshot of step {step} is not committed to storage: {why}; a restart reads "
+                          "it from memory, a cluster lost whole resumes from "
+                          + (f"the commit of step {latest.step}" if latest else "the beginning"))
+                return
+            self.run_dir.clear_staging()  # no rank runs: what a save of this attempt left half-written goes
+            staging = join_uri(self.run_dir.staging_uri(attempt), checkpoint_name(step))
+            began = time.time()
+            files = book.upload(upload, staging, deadline - STORE_MARGIN_S)
+            c = self.run_dir.checkpoints.commit(staging, step, attempt, plan.world_size, self.spec.checkpoint.keep,
+                                                reported=files)
+        except TimeoutError as exc:
+            self._say(f"raylaunch: the snapshot of step {step} could not be written to storage before {whose} "
+                      f"({exc}): it is not committed (what was written stays in staging, which is never loaded)")
+            return
+        except Exception as exc:  # noqa: BLE001 - the snapshot in memory is still what the restart reads
+            what = f"the snapshot of step {step}" if step is not None else "the snapshot the ranks stopped at"
+            self._say(f"raylaunch: {what} could not be committed to storage ({type(exc).__name__}: "
+                      f"{str(exc)[:300]}); the restart resumes from memory")
+            return
+        book.stored.add(step)
+        rec.event(Committed(time=time.time(), attempt=attempt, step=step, state_time=book.taken.get(step, began)))
+        self._say(f"raylaunch: committed the snapshot of step {step} to storage before {whose} "
+                  f"({c.nbytes / 2**20:.1f} MiB in {time.time() - began:.2f} s, {deadline - time.time():.0f} s to "
+                  f"spare): {c.uri}")
 
     def _put_together(self, plan: SnapshotPlan, attempt: int) -> MemoryResume | None:
         """Every node of the attempt puts the snapshot of ``plan`` together in its memory; None (said) when it

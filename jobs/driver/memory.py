@@ -7,12 +7,17 @@ When an attempt fails, ``choose`` takes the newest snapshot, newer than the last
 world size, whose every part is held by a node that is still there (its own node, or its peer); ``assemble`` has
 each node of the next attempt put it together in its memory, reading the parts it lacks from the nodes that hold
 them; the ranks then load it as a committed checkpoint. Nothing in flight ever blocks the driver's loop.
+
+After a stop notice (``stop_deadline``), ``upload_plan`` and ``upload`` have the nodes holding the parts of the
+snapshot the ranks stopped at write them into a checkpoint's staging folder on the run's storage, which the driver
+then commits as any checkpoint (``jobs.run.checkpoints``): what a cluster lost whole resumes from.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +25,51 @@ import ray
 
 from cluster.snapshots import SnapshotPlan
 
-__all__ = ["MemoryResume", "SnapshotBook", "run_key"]
+__all__ = ["NOTICE_S", "MemoryResume", "SnapshotBook", "SnapshotUpload", "run_key", "stop_deadline", "upload_fits"]
 
 # How long a restart waits for the nodes to put a snapshot together before it resumes from storage instead.
 ASSEMBLE_S = 60.0
 # The steps of the newest snapshots the book remembers.
 REMEMBER = 256
+# A stop notice that names no deadline (a rank's SIGTERM, a drain without one) is taken to leave this long from the
+# notice: the shortest a cloud gives (Google Cloud's spot and preemptible VMs: 30 s; AWS gives 2 minutes).
+NOTICE_S = 30.0
+# A snapshot's commit after a stop notice is started only if its estimate ends this long before the deadline, and its
+# files must be written by then (what comes after, the commit itself, needs no node).
+STORE_MARGIN_S = 2.0
+# The measured commits the estimate of a snapshot's commit reads (the latest).
+RATES = 5
+
+
+def stop_deadline(drained: dict[int, float], notice_at: float | None, now: float) -> tuple[float, str]:
+    """When a stop notice's nodes go (Unix time) and whose deadline that is, in words: the earliest deadline of the
+    drained nodes (``drained``: node rank -> its drain's deadline, 0 when it names none), else ``NOTICE_S`` after the
+    notice (``notice_at``; ``now`` when no rank said when).
+
+    >>> stop_deadline({1: 130.0, 2: 0.0}, 100.0, 105.0)
+    (130.0, "node 1's deadline")
+    >>> stop_deadline({}, 100.0, 105.0)
+    (130.0, "the stop notice's deadline (it named none: taken as 30 s after it)")
+    """
+    named = {rank: at for rank, at in drained.items() if at > 0}
+    if named:
+        node = min(named, key=named.get)
+        return named[node], f"node {node}'s deadline"
+    return (notice_at or now) + NOTICE_S, f"the stop notice's deadline (it named none: taken as {NOTICE_S:g} s after it)"
+
+
+def upload_fits(nbytes: int, rate: float | None, left_s: float) -> bool:
+    """Whether a snapshot of ``nbytes`` may be committed in the ``left_s`` seconds before a deadline, at ``rate``
+    (bytes a second this run's commits took, from the save to the commit; None: none measured yet, and it is tried,
+    its write bounded by the deadline all the same), ``STORE_MARGIN_S`` to spare.
+
+    >>> upload_fits(100 * 2**20, 20 * 2**20, 10.0), upload_fits(100 * 2**20, 20 * 2**20, 6.0)
+    (True, False)
+    >>> upload_fits(2**20, None, 5.0), upload_fits(2**20, None, 1.0)
+    (True, False)
+    """
+    room = left_s - STORE_MARGIN_S
+    return room > 0 and (rate is None or nbytes / rate <= room)
 
 
 def run_key(name: str, uri: str) -> str:
@@ -46,6 +90,17 @@ class MemoryResume:
     step: int
     folders: dict[int, str]
     source: str
+
+
+@dataclass(frozen=True)
+class SnapshotUpload:
+    """What committing a snapshot writes to storage: for each rank, the node (by node rank) that writes its part and
+    the files of it that node writes (a file two ranks' parts hold is written once), and their bytes."""
+
+    step: int
+    world_size: int
+    sends: dict[int, tuple[int, tuple[str, ...]]]
+    nbytes: int
 
 
 @dataclass
@@ -74,6 +129,8 @@ class SnapshotBook:
     every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
     taken: dict[int, float] = field(default_factory=dict)  # step -> when its last rank captured it (Unix time)
     said: bool = False  # what snapshots hold was said (``news``)
+    stored: set[int] = field(default_factory=set)  # steps whose snapshot the driver committed to storage
+    rates: list[float] = field(default_factory=list)  # bytes a second of the run's latest commits (save to commit)
 
     def attach(self, infos: list[Any], actors: list[Any], world_size: int, resumed: int | None = None) -> dict[int, str]:
         """An attempt's nodes (their ``NodeInfo`` and actors, by node rank), of ``world_size`` ranks, resumed at step
@@ -141,13 +198,72 @@ class SnapshotBook:
     def settle(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the copies to the peers in flight and waiting (after a stop notice: the
         snapshot of the step the ranks stopped at leaves a drained node before it goes)."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         self.poll()
         while (self._copies or self._waiting) and time.monotonic() < deadline:
             ray.wait(list(self._copies), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             self.poll()
+
+    def commit_took(self, nbytes: int, seconds: float) -> None:
+        """A checkpoint of ``nbytes`` was committed ``seconds`` after its save was asked for: the pace a snapshot's
+        commit is estimated at."""
+        if nbytes > 0 and seconds > 0:
+            self.rates = (self.rates + [nbytes / seconds])[-RATES:]
+
+    def commit_rate(self) -> float | None:
+        """The median bytes a second of the latest commits; None before any."""
+        return sorted(self.rates)[len(self.rates) // 2] if self.rates else None
+
+    def whole(self, after_step: int, dead: set[int]) -> SnapshotPlan | None:
+        """The newest snapshot after ``after_step`` whose every part a node of this attempt holds (but the nodes
+        ``dead``, by node rank)."""
+        alive = {n.node_id for i, n in enumerate(self.nodes) if i not in dead}
+        return self.choose(alive, self._world, after_step)
+
+    def upload_plan(self, plan: SnapshotPlan, away: set[str], timeout_s: float = 10.0) -> SnapshotUpload:
+        """Which node of this attempt writes each rank's part of ``plan`` to storage: one that holds it, a node not
+        ``away`` (node ids: being drained) first, then the rank's own; its files, as that node holds them."""
+        index = {n.node_id: i for i, n in enumerate(self.nodes)}
+        asked = {}
+        for rank in range(plan.world_size):
+            holders = sorted((h for h in plan.holders[rank] if h in index),
+                             key=lambda h: (h in away, index[h] != self._node_of.get(rank), index[h]))
+            if not holders:
+                raise FileNotFoundError(f"rank {rank}'s part of the snapshot of step {plan.step} is on no node of "
+                                        "this attempt")
+            node = self.nodes[index[holders[0]]]
+            asked[rank] = (index[holders[0]], node.actor.snapshot_part_files.remote(node.folder, plan.step, rank))
+        refs = [ref for _, ref in asked.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            raise TimeoutError(f"the nodes did not say which files the snapshot of step {plan.step} holds within "
+                               f"{timeout_s:g} s")
+        sends, seen, nbytes = {}, set(), 0
+        for rank, (node_rank, ref) in sorted(asked.items()):
+            files = ray.get(ref)
+            if files is None:
+                raise FileNotFoundError(f"rank {rank}'s part of the snapshot of step {plan.step} was no longer held "
+                                        f"by node {node_rank}")
+            mine = tuple(rel for rel in sorted(files) if rel not in seen)
+            seen.update(mine)
+            nbytes += sum(int(files[rel]["size"]) for rel in mine)
+            sends[rank] = (node_rank, mine)
+        return SnapshotUpload(plan.step, plan.world_size, sends, nbytes)
+
+    def upload(self, up: SnapshotUpload, target_uri: str, until: float) -> dict[str, dict]:
+        """Each node writes the parts ``up`` gives it into ``target_uri`` (a staging folder on storage) before
+        ``until`` (Unix time); returns every file's ``{"size", "sha256"}``. Raises ``TimeoutError`` when they did not
+        (what they wrote stays in staging, never committed), or what a node raised."""
+        calls = [self.nodes[node].actor.store_snapshot_part.remote(self.nodes[node].folder, up.step, rank,
+                                                                   list(rels), target_uri, until)
+                 for rank, (node, rels) in sorted(up.sends.items())]
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=max(0.0, until - time.time()) + 1.0)
+        if len(ready) < len(calls):
+            raise TimeoutError(f"{len(calls) - len(ready)} of the {len(calls)} parts were not written in time")
+        files: dict[str, dict] = {}
+        for part in ray.get(calls):
+            files.update(part)
+        return files
 
     def _copy(self, step: int, rank: int, source: int) -> None:
         peer = (source + 1) % len(self.nodes)

@@ -226,6 +226,7 @@ class AttemptOutcome:
     fault: Fault = Fault.CODE
     said: bool = False  # the error was printed in full when the attempt ended
     drained: tuple[int, ...] = ()  # node ranks Ray is draining: the next attempt needs other nodes
+    deadlines: tuple[float, ...] = ()  # each drained node's deadline (Unix time; 0: none named)
 
     @property
     def ok(self) -> bool:

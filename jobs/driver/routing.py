@@ -51,6 +51,7 @@ class AttemptState:
     batches: dict[int, int] = field(default_factory=dict)  # rank -> the batches it read (its pace reports')
     optimizer_steps: dict[int, int] = field(default_factory=dict)  # rank -> the optimizer steps it took (the same)
     last_commit: tuple[int, float] | None = None  # (step, time) of this attempt's latest committed checkpoint
+    notice_at: float | None = None  # when a rank first got a stop notice (SIGTERM)
     # For the goodput ledger: when training began and was last seen, each rank's seconds waiting for input,
     # and each rank's restore (when it reported it, seconds, step).
     first_step: float | None = None
@@ -166,6 +167,7 @@ class AttemptRouter:
                 case Preempted():
                     a.preempted.add(rank)
                 case PreemptNotice():
+                    a.notice_at = min(a.notice_at or e.time, e.time)
                     rec.say(f"raylaunch: rank {rank} got a stop notice (SIGTERM): checkpointing at the next step")
                 case Resources():  # peak memory, beside the rank's metrics
                     records += self._measured(rank, e.time, e.peaks())
@@ -287,6 +289,8 @@ class AttemptRouter:
             self.keep, reported=_agreed(a.parts.pop(step).values()), timing=timing,
         )
         timing["to_commit_s"] = round(time.time() - asked, 4)
+        if self.snapshots is not None:  # the pace a snapshot's commit after a stop notice is estimated at
+            self.snapshots.commit_took(c.nbytes, timing["to_commit_s"])
         # A script's log names the staging folder its save_state wrote (Accelerate's "Saving current state to ..."):
         # this line names the folder it asked for, which holds the same files
         mine = (f"Trainer's {e.script_folder}; " if e.trainer else

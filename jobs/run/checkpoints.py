@@ -32,6 +32,7 @@ class CommittedCheckpoint:
     step: int
     uri: str  # what a rank opens: on an object store, with the storage's query string
     name: str  # checkpoint-<step>, as latest.json names it
+    nbytes: int = 0  # its files' bytes, when it was just committed (0: listed, not counted)
 
 
 class CheckpointCatalogue:
@@ -124,7 +125,7 @@ class CheckpointCatalogue:
             for rel in files:
                 self._io.fs.copy_file(f"{staging}/{rel}", f"{final}/{rel}")
             self._io.write(f"{final}/{MANIFEST}", manifest)
-        return CommittedCheckpoint(step, self._io.uri(final), name)
+        return CommittedCheckpoint(step, self._io.uri(final), name, sum(int(m["size"]) for m in files.values()))
 
     def _point(self, staging: str, c: CommittedCheckpoint, keep: int) -> None:
         """After a commit (each part can be redone): its staging folder gone, ``latest.json`` naming it, the
