@@ -372,9 +372,10 @@ class StagedCheckpoints:
         hold = _Hold(began, step, snapshot=True)
         on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"
         # Every size through the writer process, a few hundred KB too: written by the rank's write thread, a 307 KB
-        # part held the interpreter's lock 1.6-2.4 ms a snapshot, and the step after it was that much slower (the
-        # training thread waits for the lock between its operators); through the writer the rank's thread spends
-        # 0.4 ms on it, and the writer's own CPU is on cores training leaves idle (``auto`` counts it so).
+        # part held the interpreter's lock 1.6-2.4 ms a snapshot, and the step after it was 2.2-3.7 ms slower (the
+        # training thread waits for the lock between its operators; paired steps, one process); through the writer
+        # 1.0 ms (the rank's thread spends 0.4 ms on the request), and the writer's own CPU is at the lowest priority
+        # (``auto`` counts it in the share of the node's cores that was busy).
         writer = self._writer if on_cpu and self._writer.ensure() else None
         from accelerate.utils import DistributedType
 
