@@ -219,6 +219,7 @@ PATCHES: tuple[Patch, ...] = (
 
 _BY_TARGET = {t: p for p in PATCHES for t in (p.target, *p.also)}
 _INSTALLED: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id(holder), name) -> (holder, its original)
+_FOUND_GOOD: dict[str, Any] = {}  # target -> the callable last found to take its parameters (held: its id stays its)
 _SAID: set[str] = set()
 
 
@@ -277,15 +278,19 @@ def _entry(target: str, kind: Kind) -> Patch:
 
 
 def _check(patch: Patch, original: Any) -> None:
+    if _FOUND_GOOD.get(patch.target) is original:  # (read once: a scoped change is made at every snapshot)
+        return
     _say_version(patch.library)
     problems = shape_problems(patch, original)
-    if problems:
-        good = CHECKED[patch.library][1]
-        use = (f"Python {good}" if patch.library == _P else
-               f"{patch.library} {good} (`pip install '{patch.library}=={good}.*'`)")
-        raise PatchShapeError(f"raylaunch cannot run with {patch.library} {_version(patch.library)}: "
-                              f"{'; '.join(problems)}, which raylaunch's replacement of it ({patch.why}) relies on. "
-                              f"Use {use}, or report it")
+    if not problems:
+        _FOUND_GOOD[patch.target] = original
+        return
+    good = CHECKED[patch.library][1]
+    use = (f"Python {good}" if patch.library == _P else
+           f"{patch.library} {good} (`pip install '{patch.library}=={good}.*'`)")
+    raise PatchShapeError(f"raylaunch cannot run with {patch.library} {_version(patch.library)}: "
+                          f"{'; '.join(problems)}, which raylaunch's replacement of it ({patch.why}) relies on. "
+                          f"Use {use}, or report it")
 
 
 def installed(holder: Any, name: str) -> bool:

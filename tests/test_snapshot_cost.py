@@ -149,3 +149,30 @@ def test_a_committed_checkpoint_must_carry_sha256(tmp_path):
     manifest = json.loads((folder / "manifest.json").read_text())
     with pytest.raises(CheckpointError, match="malformed .no 'files' of size and sha256"):
         check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "ckpt")
+
+
+@pytest.mark.parametrize("own_s, writer_s, busy, interval", [
+    (0.0, 0.5, 1.0, 64),  # the writer process's 0.5 s on cores that were busy: counted whole, as the rank's own
+    (0.0, 0.5, 0.1, 8),  # on cores idle 90% of the time: 0.05 s of it, (0.001 + 0.05) / (0.02 x 0.5) = 5.1, up to 8
+    (0.5, 0.0, 0.1, 64),  # the rank's own thread's (it holds the interpreter's lock training needs): always whole
+    (0.0, 0.5, None, 64),  # the cores' use not known: whole
+])
+def test_the_writer_process_s_cpu_counts_in_the_share_of_the_node_s_cores_that_was_busy(tmp_path, monkeypatch, own_s,
+                                                                                      writer_s, busy, interval):
+    clock, ticks = Clock(), [0.0]
+
+    def read_cores():  # another 10 s of the cores' time between readings, ``busy`` of it busy
+        ticks[0] += 10.0
+        return (ticks[0] * busy, ticks[0], None, None) if busy is not None else (0.0, 0.0, None, None)
+
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    monkeypatch.setattr("cluster.checkpoint.memory.read_cores", read_cores)
+    snaps, taken = snapshots(tmp_path, [True] * 4)
+    for steps in (1, 2, 3, 4):
+        snaps.take(steps, lambda: 0.001)
+        step, folder, written = taken[-1]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        clock.now += 0.1
+        written(step, folder, {}, own_s, writer_s)
+        clock.now += 0.4
+    assert snaps.interval == interval

@@ -11,6 +11,7 @@ The driver decides which snapshot a restart resumes from (``jobs.driver.memory``
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -26,7 +27,8 @@ from cluster.checkpoint.writer import describe_written
 from cluster.layout import SCRIPT_FOLDER
 from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, prune_from, snap_name, used_bytes, write_part_json
 
-__all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "auto_interval", "renumbered"]
+__all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "auto_interval", "busy_share", "charged_cpu_s", "read_cores",
+           "renumbered"]
 
 # ``every: auto``: snapshots at most this share of the step time (what each costs: its hold on training and the CPU
 # its background write takes).
@@ -37,11 +39,13 @@ def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: flo
     step time, rounded up to a power of two; and at least the steps its write takes (``write_s``: capture to
     written, seconds), so the next one is not due while it is still in flight (it would be skipped).
 
-    A snapshot costs its hold on training (``held_s``) and the CPU seconds of its background write (``cpu_s``: the
-    writer process's writing and checksums, the rank's write thread's own files), counted alike: the write runs at
-    the lowest priority but on the node's cores, which training (other ranks, data loader workers, the kernel's page
-    allocation for the snapshot's files) wants too, and shares their memory bandwidth and caches. Counting the hold
-    alone chose a snapshot every step at 576 MiB a rank and slowed steps 1.36x (``make bench-recovery``, 2 cores).
+    A snapshot costs its hold on training (``held_s``) and the CPU seconds of its background write that training
+    pays (``cpu_s``, ``charged_cpu_s``): the rank's own thread's, whole (it holds the interpreter's lock the training
+    thread needs between its operators), and the writer process's writing and checksums in the share the node's cores
+    were busy: the writer runs at the lowest priority, on the node's cores, which training (other ranks, data loader
+    workers, the kernel's page allocation for the snapshot's files) wants too, and shares their memory bandwidth and
+    caches; on cores that were idle it takes only time no one wanted. Counting the hold alone chose a snapshot every
+    step at 576 MiB a rank and slowed steps 1.36x (``make bench-recovery``, 2 cores, their ranks computing).
 
     >>> auto_interval(0.0005, 0.05), auto_interval(0.003, 0.05), auto_interval(0.5, 0.05)
     (1, 4, 512)
@@ -50,6 +54,97 @@ def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: flo
     """
     need = max((held_s + cpu_s) / (AUTO_SHARE * step_s), write_s / step_s)
     return 1 if need <= 1 else 1 << math.ceil(math.log2(need))
+
+
+def charged_cpu_s(cpu_s: float, writer_cpu_s: float, busy: float | None) -> float:
+    """The CPU seconds of a snapshot's write that ``auto`` counts: ``cpu_s`` (the rank's own thread's) whole, and
+    ``writer_cpu_s`` (the writer process's) in the share ``busy`` of the node's cores that was busy meanwhile (None,
+    not known: whole).
+
+    >>> charged_cpu_s(0.0004, 0.0026, 0.1), charged_cpu_s(0.0004, 0.0026, None), charged_cpu_s(0.01, 0.8, 1.0)
+    (0.00066, 0.003, 0.81)
+    """
+    share = 1.0 if busy is None else min(1.0, max(0.0, busy))
+    return round(cpu_s + writer_cpu_s * share, 9)
+
+
+def busy_share(before: tuple[float, float, float | None, float | None],
+               after: tuple[float, float, float | None, float | None]) -> float | None:
+    """The share of the node's CPU time that was busy between two readings of ``read_cores`` (``(busy, total,
+    container_used, container_allowed)``, in seconds of CPU time): of its cores' time not idle, or of its container's
+    CPU quota used where that is higher; None when nothing was read.
+
+    >>> busy_share((10.0, 40.0, None, None), (11.0, 44.0, None, None))
+    0.25
+    >>> busy_share((10.0, 40.0, 5.0, 8.0), (11.0, 44.0, 6.5, 10.0))
+    0.75
+    """
+    shares = []
+    if after[1] > before[1]:
+        shares.append((after[0] - before[0]) / (after[1] - before[1]))
+    if None not in (before[2], before[3], after[2], after[3]) and after[3] > before[3]:
+        shares.append((after[2] - before[2]) / (after[3] - before[3]))
+    return max(shares) if shares else None
+
+
+def read_cores() -> tuple[float, float, float | None, float | None]:
+    """``(busy, total)`` CPU seconds of the cores this process may run on since boot (``/proc/stat``: user, nice,
+    system, irq, softirq, steal; idle and iowait are idle), and ``(used, allowed)`` of its container's CPU quota
+    (cgroup v2, then v1; None without a quota): ``allowed`` is the quota's cores times the time since an origin of
+    this process's."""
+    try:
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+    except (AttributeError, OSError):
+        mine = set()
+    busy = total = 0.0
+    try:
+        with open("/proc/stat") as f:
+            per_cpu = [line.split() for line in f.read().splitlines() if line.startswith("cpu")]
+        if not mine or {fields[0] for fields in per_cpu[1:]} <= mine:  # all of them: the first line sums them
+            per_cpu = per_cpu[:1]
+        else:
+            per_cpu = [fields for fields in per_cpu[1:] if fields[0] in mine]
+        for fields in per_cpu:
+            ticks = [int(x) for x in fields[1:9]]
+            busy += sum(ticks) - ticks[3] - ticks[4]
+            total += sum(ticks)
+    except (OSError, ValueError, IndexError):
+        pass
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used, allowed = _container_cpu()
+    return busy / hz, total / hz, used, allowed
+
+
+def _container_cpu() -> tuple[float | None, float | None]:
+    """(CPU seconds used, the quota's cores x seconds since an origin) of this process's container, or (None, None)
+    where it has no CPU quota."""
+    cores = _quota_cores()
+    if cores is None:
+        return None, None
+    try:
+        stat = Path("/sys/fs/cgroup/cpu.stat").read_text().splitlines()
+        used = next(int(line.split()[1]) / 1e6 for line in stat if line.startswith("usage_usec "))
+    except (OSError, ValueError, StopIteration):
+        try:
+            used = int(Path("/sys/fs/cgroup/cpuacct/cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None, None
+    return used, cores * time.monotonic()
+
+
+@functools.lru_cache(maxsize=1)
+def _quota_cores() -> float | None:
+    """The cores this process's container may use, by its CPU quota (cgroup v2, then v1); None without one."""
+    for path, period_path in (("/sys/fs/cgroup/cpu.max", None),
+                              ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            text = Path(path).read_text().split()
+            quota = float(text[0]) if text[0] not in ("max", "-1") else None
+            period = float(Path(period_path).read_text()) if period_path else float(text[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        return quota / period if quota is not None and period > 0 else None
+    return None
 
 
 def renumbered(name: str, step: int) -> str:
@@ -116,10 +211,12 @@ class MemorySnapshots:
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write
         self._recent: deque[tuple[float, float]] = deque(maxlen=5)  # (hold, step time) of the latest snapshots
-        self._writes: deque[tuple[float, float]] = deque(maxlen=5)  # (CPU seconds, capture to written) of their writes
+        # (CPU seconds training paid, capture to written) of their writes: ``charged_cpu_s``
+        self._writes: deque[tuple[float, float]] = deque(maxlen=5)
         self.skipped = 0  # snapshots due while the previous one's write was in flight
         self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
+        self._cores: tuple[float, float, float | None, float | None] | None = None  # ``read_cores`` at the last write
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -152,6 +249,7 @@ class MemorySnapshots:
         if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
             prune_from(self.node_dir, self.rank, step)
             self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
+            self._cores = read_cores()
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
@@ -235,13 +333,16 @@ class MemorySnapshots:
             shutil.rmtree(apart, ignore_errors=True)
         return folder, out
 
-    def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0) -> None:
+    def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
+                 writer_cpu_s: float = 0.0) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
-        ``cpu_s``: what the write cost (for ``auto``, whether it was kept or not). ``files`` None: it was not written
-        (failed, or given up for a save)."""
+        ``cpu_s``, ``writer_cpu_s``: what the write cost on the rank's thread and in the writer process (for ``auto``,
+        whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save)."""
         taken_at = self._taken_at.pop(step, None)
-        if taken_at is not None and (files is not None or cpu_s > 0):  # one given up for a save cost what it did
-            self._writes.append((cpu_s, time.time() - taken_at))
+        cores, self._cores = self._cores, read_cores()  # how busy the node was since the last write ended
+        if taken_at is not None and (files is not None or cpu_s + writer_cpu_s > 0):  # (one given up cost what it did)
+            busy = None if cores is None else busy_share(cores, self._cores)
+            self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), time.time() - taken_at))
             self._floor = 1
         if files is None:
             return

@@ -210,6 +210,10 @@ def _shared_empty(t: Any, snap: Snapshot) -> Any:
     return out
 
 
+# Values a snapshot keeps as they are (immutable, and pickled as themselves).
+_ATOMS = (type(None), bool, int, float, str, bytes)
+
+
 def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
     """``obj`` with every tensor copied into host memory (pinned when it was on a GPU), or to be copied there by
     :meth:`Snapshot.copy_deferred` (``snap.defer``); ``path``: the file it is for."""
@@ -237,10 +241,14 @@ def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
             out[k] = _copy(v, snap, cuda, path)
         return out
     if isinstance(obj, list):
+        if all(type(v) in _ATOMS for v in obj):  # (Python's RNG state is 625 ints: one pass, not 625 calls)
+            return list(obj)
         return [_copy(v, snap, cuda, path) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        if all(type(v) in _ATOMS for v in obj):  # immutable all through: kept as it is
+            return obj
         return tuple(_copy(v, snap, cuda, path) for v in obj)
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+    if obj is None or isinstance(obj, _ATOMS):
         return obj
     import numpy as np
 
@@ -349,7 +357,7 @@ def _holds_objects(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_holds_objects(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds_objects(v) for v in value)
+        return any(_holds_objects(v) for v in value if type(v) not in _ATOMS)
     return False
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 
 from pyarrow import fs as pafs
 
+from cluster.checkpoint import lanes
 from cluster.checkpoint.restore import node_copy, node_verified
 from cluster.checkpoint.resume import (init_optimizers_for_load, keep_random_states_for_the_first_batch,
                                       load_loader_states, save_loader_states, seed_missing_rng)
@@ -179,7 +180,6 @@ class StagedCheckpoints:
         self._copying: _Hold | None = None  # the last save, until its deferred copies are known to be made
         self.last_hold_s: float | None = None  # how long the last save whose hold is known held training
         self.last_snapshot_hold_s: float | None = None  # the same, of the last snapshot in memory
-        self._snapshot_nbytes: int | None = None  # the host memory the last snapshot's copy took
         if background:
             _before_every_optimizer_step(self)
 
@@ -344,13 +344,14 @@ class StagedCheckpoints:
         return upload
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
-                       written: Callable[[int, str, dict[str, dict] | None, float], None],
+                       written: Callable[[int, str, dict[str, dict] | None, float, float], None],
                        save: Callable[[str, Callable[[], None]], None] | None = None) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed, its files
-        checksummed with crc32 (``cluster.checkpoint.writer.CHECKSUMS``); ``written(step, folder, files, cpu_s)``
-        once it is there, or given up (``files`` None: it failed, or a save came first), with the CPU seconds its
-        write took (``_Write.cpu_s``). False, and nothing taken, while a save or the previous snapshot is still
+        checksummed with crc32 (``cluster.checkpoint.writer.CHECKSUMS``); ``written(step, folder, files, cpu_s,
+        writer_cpu_s)`` once it is there, or given up (``files`` None: it failed, or a save came first), with the CPU
+        seconds its write took on the rank's thread and in the writer process (``_Write.cpu_s``, ``writer_cpu_s``).
+        False, and nothing taken, while a save or the previous snapshot is still
         being written (training never waits for a snapshot's write) or where a save cannot be held in memory
         (DeepSpeed's, Megatron-LM's). ``save(folder, default)`` runs the save under the capture in place of
         ``default()`` (the Accelerator's ``save_state`` into ``folder``): a script's within its own save_state's
@@ -370,11 +371,12 @@ class StagedCheckpoints:
         self._settle(at_step=False)
         hold = _Hold(began, step, snapshot=True)
         on_cpu = getattr(getattr(accelerator, "device", None), "type", "cpu") == "cpu"
-        # A small state is written by this rank's write thread itself: the writer process's round trip (3 ms a
-        # snapshot, measured here) cost more than writing a few hundred KB, and ``auto`` then chose one every 8 steps
-        # at 0.05 s steps where one a step fits the 2%.
-        small = self._snapshot_nbytes is not None and self._snapshot_nbytes <= SMALL_SNAPSHOT_BYTES
-        writer = self._writer if on_cpu and not small and self._writer.ensure() else None
+        # Every size through the writer process, a few hundred KB too: written by the rank's write thread, a 307 KB
+        # part held the interpreter's lock 1.6-2.4 ms a snapshot, and the step after it was 2.2-3.7 ms slower (the
+        # training thread waits for the lock between its operators; paired steps, one process); through the writer
+        # 1.0 ms (the rank's thread spends 0.4 ms on the request), and the writer's own CPU is at the lowest priority
+        # (``auto`` counts it in the share of the node's cores that was busy).
+        writer = self._writer if on_cpu and self._writer.ensure() else None
         from accelerate.utils import DistributedType
 
         sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
@@ -388,10 +390,9 @@ class StagedCheckpoints:
                        distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         if not accelerator.is_main_process:
             snap.writes[:] = [w for w in snap.writes if not _EVERY_RANK_WRITES.fullmatch(os.path.basename(w.path))]
-        self._snapshot_nbytes = snap.nbytes
         hold.snap = snap
         self._upload = _Write(snap, folder, None, step, mirror=None,
-                              on_done=lambda files, cpu_s: written(step, folder, files, cpu_s),
+                              on_done=lambda files, *cpu: written(step, folder, files, *cpu),
                               writer=None if snap.on_gpu else writer, on_changed=self._snapshot_changed,
                               durable=False, snapshot=True)
         hold.returned = time.perf_counter()
@@ -630,13 +631,6 @@ def _out_of_space(exc: BaseException, path: str) -> bool:
 # The files Accelerate's save_state has every rank write to the same path.
 _EVERY_RANK_WRITES = re.compile(r"dl_state_dict(_\d+)?\.bin")
 
-# A snapshot whose copy took at most this many bytes is written by the rank's write thread, not its writer process.
-SMALL_SNAPSHOT_BYTES = 8 << 20
-
-# The niceness of a rank's background checkpoint writer (the rank itself stays at its own).
-BACKGROUND_NICE = 10
-
-
 def _copies_in_memory(accelerator: Any) -> bool:
     """Whether this save's state can be held in memory and written later: not DeepSpeed's or Megatron-LM's (their
     engines write their own files). FSDP's sharded state is (``cluster.checkpoint.snapshot`` keeps DCP's writes)."""
@@ -649,7 +643,7 @@ def _copies_in_memory(accelerator: Any) -> bool:
 class _Write:
     """One rank's checkpoint part, written from memory (``snap``; None: on local disk already; the tensor files by
     the rank's writer process once it is ready) and, on an object store (``upload_uri``), uploaded, all waited on
-    by a thread of the rank; then reported."""
+    by the rank's checkpoint lanes (``cluster.checkpoint.lanes``); then reported."""
 
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
                  on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None,
@@ -660,37 +654,46 @@ class _Write:
         # writer's priority, within the save); files bound for an upload, or a snapshot's in memory, are not.
         self.durable = upload_uri is None if durable is None else durable
         # A snapshot in memory: its failure is said, never raised; its files checksummed with crc32, and ``on_done``
-        # called ``(files, cpu_s)`` whatever became of it (``files`` None: not written, or given up).
+        # called ``(files, cpu_s, writer_cpu_s)`` whatever became of it (``files`` None: not written, or given up).
         self.snapshot = snapshot
         self.behind = behind  # a snapshot's write given up for this one, which writes once it has ended
-        self.cpu_s = 0.0  # CPU seconds of the write: the writer process's for it, and this thread's own writing
+        self.cpu_s = 0.0  # CPU seconds of the write on the rank's own thread (its writing, the writer's requests)
+        self.writer_cpu_s = 0.0  # and in the writer process, for it
         self._abandoned = threading.Event()
         self._on_changed = on_changed  # a deferred copy's tensor changed before it was made: nothing is written
         self.writer = writer  # the rank's writer process, for the files holding tensors (None: this thread)
         self._own = [w.path for w in snap.writes] if snap is not None else []  # this rank's files in ``target``
         self.error: BaseException | None = None
         self._on_done = on_done
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"raylaunch-checkpoint-{step}")
-        self._thread.start()
+        self._done = threading.Event()  # written and reported, or given up, or failed
+        lanes.COPY.submit(self._copy)
 
     def abandon(self) -> None:
         """Give this snapshot's write up: what is still to write is not, nothing is reported, its files go."""
         self._abandoned.set()
 
-    def _run(self) -> None:
+    def _copy(self) -> None:
+        """On the copy lane, at the rank's own priority: the copies the next optimizer step waits for; then the
+        write, on the write lane (beside training, not ahead of it)."""
+        changed: list[str] = []
+        try:
+            changed = self.snap.copy_deferred() if self.snap is not None else []
+            if changed and self._on_changed is not None:
+                self._on_changed(self.step, changed)
+        except BaseException as exc:
+            self._fail(exc)
+            self._end(None)
+            return
+        if changed:
+            self._end(None)  # never reported: the previous committed checkpoint stays the latest
+        else:
+            lanes.WRITE.submit(self._write)
+
+    def _write(self) -> None:
         files: dict[str, dict] | None = None
         try:
-            # First the copies the next optimizer step waits for, at the rank's own priority.
-            changed = self.snap.copy_deferred() if self.snap is not None else []
-            if changed:
-                if self._on_changed is not None:
-                    self._on_changed(self.step, changed)
-                return  # never reported: the previous committed checkpoint stays the latest
-            # Beside training, not ahead of it: this thread yields the cores to the rank's own (Linux: per thread).
-            with contextlib.suppress(OSError, AttributeError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-            if self.behind is not None:  # the writer answers one request at a time
-                self.behind._thread.join()
+            if self.behind is not None:  # (ahead of this one on the write lane: ended already)
+                self.behind._done.wait()
                 self.behind = None
             if self._abandoned.is_set():
                 self._remove_own_files()
@@ -701,7 +704,8 @@ class _Write:
             try:
                 written, hashed = self._write_files()
             finally:
-                self.cpu_s = time.thread_time() - began + (self.writer.take_cpu_s() if self.writer is not None else 0.0)
+                self.cpu_s = time.thread_time() - began
+                self.writer_cpu_s = self.writer.take_cpu_s() if self.writer is not None else 0.0
             if self._abandoned.is_set():
                 self._remove_own_files()
                 return
@@ -712,28 +716,37 @@ class _Write:
             files = {os.path.relpath(p, self.target): meta for p, meta in hashed.items()} or None
             if self.snapshot:
                 files = files or {}
-                return  # reported in ``finally``, with its cost
+                return  # reported in ``_end``, with its cost
             if self.upload_uri is not None:  # and the rest of the folder (a script's label), here, on local disk
                 files = describe_files(pafs.LocalFileSystem(), self.target, files)
                 fs, path = open_uri(self.upload_uri)
                 pafs.copy_files(self.target, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
             self._on_done(files)
         except BaseException as exc:  # handed to the training thread by wait()
-            self.error = exc
+            self._fail(exc)
             files = None
-            if self.upload_uri is None:  # (before an upload the folder is this rank's own: ``finally`` removes it)
-                self._remove_own_files()
         finally:
+            self._end(files)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        if self.upload_uri is None:  # (before an upload the folder is this rank's own: ``_end`` removes it)
+            self._remove_own_files()
+
+    def _end(self, files: dict[str, dict] | None) -> None:
+        try:
             if self.snap is not None:
                 self.snap.release()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
             if self.snapshot:
                 self._report_snapshot(files)
+        finally:
+            self._done.set()
 
     def _report_snapshot(self, files: dict[str, dict] | None) -> None:
         try:
-            self._on_done(files, self.cpu_s)
+            self._on_done(files, self.cpu_s, self.writer_cpu_s)
         except BaseException as exc:  # (said by wait(), as a write's failure)
             self.error = self.error or exc
 
@@ -776,11 +789,11 @@ class _Write:
         return "crc32" if self.snapshot else "sha256"
 
     def busy(self) -> bool:
-        return self._thread.is_alive()
+        return not self._done.is_set()
 
     def wait(self, quiet: bool = False) -> None:
         """Until it is written and reported; its failure raised (``quiet``, or a snapshot's: said)."""
-        self._thread.join()
+        self._done.wait()
         if self.error is None:
             return
         if quiet or self.snapshot:
