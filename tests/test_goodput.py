@@ -17,6 +17,12 @@ from jobs.spec import load_spec_text
 from test_faults import rows, start
 
 
+def _shares(ratio: float) -> set[str]:
+    """The percentages `show` and `runs` may print for a goodput ``ratio`` as result.json keeps it (to 3 decimals):
+    they round the unrounded ratio, so 0.375 reads 37% or 38% (the fresh-clone suite at 906e962: 37%)."""
+    return {f"{100 * ratio + d:.0f}%" for d in (-0.05, 0.05)}
+
+
 def _result(tmp_path: Path, name: str) -> dict:
     return json.loads((tmp_path / "runs" / name / "result.json").read_text())
 
@@ -60,12 +66,13 @@ def test_a_rank_that_dies_10_steps_after_a_commit_costs_those_steps_as_recompute
     # show: the ledger, each category with its share; runs: the GOODPUT column
     shown = _cli("show", "redo", "--storage", str(tmp_path / "runs"))
     assert shown.returncode == 0, shown.stderr
-    assert f"  goodput     {100 * goodput['ratio']:.0f}% of " in shown.stdout, shown.stdout
+    shares = _shares(goodput["ratio"])
+    assert any(f"  goodput     {share} of " in shown.stdout for share in shares), (shares, shown.stdout)
     for cat in ("training", "recompute", "failure", "restore", "startup"):
         assert [line for line in shown.stdout.splitlines() if line.startswith(f"    {cat} ") and "%" in line], cat
     table = _cli("runs", "--storage", str(tmp_path / "runs"))
     header, row = table.stdout.splitlines()[:2]
-    assert "GOODPUT" in header and f"{100 * goodput['ratio']:.0f}%" in row.split()
+    assert "GOODPUT" in header and shares & set(row.split()), (shares, row)
     # plot --goodput draws the timeline
     png = tmp_path / "goodput.png"
     drawn = _cli("plot", "redo", "--goodput", "-o", str(png), "--storage", str(tmp_path / "runs"))

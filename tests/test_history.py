@@ -112,7 +112,8 @@ def test_runs_lists_every_run_with_its_outcome(runs):
     assert table["broken"][1:5] == ["failed", "2", "x", "1"] and table["broken"][5] == "-"
     for name in ("steady", "digits"):  # the share of the wall clock that trained the model
         ratio = json.loads((storage / name / "result.json").read_text())["goodput"]["ratio"]
-        assert table[name][9] == f"{100 * ratio:.0f}%" and 0 < ratio < 1
+        # (result.json keeps the ratio to 3 decimals, `runs` rounds the unrounded one: 0.375 may read 37% or 38%)
+        assert table[name][9] in {f"{100 * ratio + d:.0f}%" for d in (-0.05, 0.05)} and 0 < ratio < 1
 
 
 def test_show_tells_restarts_checkpoints_logs_and_errors(runs):
