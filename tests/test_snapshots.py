@@ -388,7 +388,7 @@ def test_a_stop_notices_snapshot_that_would_not_be_committed_in_time_is_said_and
                                                                          300 * 2**20),
                            commit_rate=lambda: 20 * 2**20, upload=cut, stored=set(), taken={})
     driver.snapshots = book
-    drained = AttemptOutcome(Outcome.PREEMPTED, drained=(1,), deadlines=(time.time() + 10,))
+    drained = AttemptOutcome(Outcome.PREEMPTED, drained={1: time.time() + 10})
     driver._store_snapshot(drained, 1)
     assert len(said) == 1 and said[0].startswith("raylaunch: the snapshot of step 28 is not committed to storage: "
                                                  "300.0 MiB would take about 15.0 s at the 20.0 MiB/s of this run's "
@@ -402,7 +402,7 @@ def test_a_stop_notices_snapshot_that_would_not_be_committed_in_time_is_said_and
                                 "deadline (1 of the 2 parts were not written in time): it is not committed (what was "
                                 "written stays in staging, which is never loaded)"], said
     said.clear()
-    driver._store_snapshot(AttemptOutcome(Outcome.PREEMPTED, drained=(1,), deadlines=(time.time() + 1,)), 1)
+    driver._store_snapshot(AttemptOutcome(Outcome.PREEMPTED, drained={1: time.time() + 1}), 1)
     assert len(said) == 1 and re.search(r"node 1's deadline is in [01] s, too soon to write 300.0 MiB; a restart reads "
                                         r"it from memory, a cluster lost whole resumes from the beginning$", said[0]), said
     assert driver.run_dir.checkpoints.latest() is None and not book.stored

@@ -221,7 +221,7 @@ class Attempt:
         if ended is Outcome.PREEMPTED:
             return AttemptOutcome(ended, f"preempted: ranks {sorted(a.preempted)} stopped at step {r.last_step} on a "
                                          "stop notice, with that step saved or snapshotted within the grace period",
-                                  drained=tuple(self.drained), deadlines=tuple(self.drained.values()))
+                                  drained=dict(self.drained))
         # Rank return values are JSON data already (``cluster.rank.worker`` made them so).
         r.return_value = self.returns.get(0)
         r.rank_results = {str(k): v for k, v in sorted(self.returns.items())}
@@ -260,5 +260,4 @@ class Attempt:
         print(f"raylaunch: attempt {self.number} failed:\n{error}", file=sys.stderr, flush=True)
         lost = bool(self.lost)
         return AttemptOutcome(attempt_ended(failures, lost_nodes=lost), error, tuple(self.lost),
-                              fault=blame(failures, lost_nodes=lost), said=True, drained=tuple(self.drained),
-                              deadlines=tuple(self.drained.values()))
+                              fault=blame(failures, lost_nodes=lost), said=True, drained=dict(self.drained))

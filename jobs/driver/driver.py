@@ -381,7 +381,7 @@ class Driver:
         resumes from; the next attempt still reads the snapshot from memory."""
         book, group, rec = self.snapshots, self.group, self.recorder
         notice = self._route.a.notice_at if self._route is not None else None
-        deadline, whose = stop_deadline(dict(zip(outcome.drained, outcome.deadlines)), notice, time.time())
+        deadline, whose = stop_deadline(outcome.drained, notice, time.time())
         step = None
         try:
             latest = self.run_dir.checkpoints.latest()

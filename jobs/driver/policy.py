@@ -21,7 +21,7 @@ restart. A resize after a lost node is a failure like any other (``decide``); gr
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterable
 
@@ -225,8 +225,8 @@ class AttemptOutcome:
     grow: "WorldSize | None" = None  # GROW: stopped at a committed checkpoint to grow back to this size
     fault: Fault = Fault.CODE
     said: bool = False  # the error was printed in full when the attempt ended
-    drained: tuple[int, ...] = ()  # node ranks Ray is draining: the next attempt needs other nodes
-    deadlines: tuple[float, ...] = ()  # each drained node's deadline (Unix time; 0: none named)
+    # node ranks Ray is draining (the next attempt needs other nodes) -> each one's deadline (Unix time; 0: none named)
+    drained: dict[int, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
