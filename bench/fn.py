@@ -107,6 +107,11 @@ def train(config: dict) -> dict:
     import copy
 
     twin = copy.deepcopy(model)  # the same weights, for the blocks without pace measurement
+    if config.get("pace_swap"):
+        # The two objects' roles swapped (the bench does so every other raylaunch run): what the object that was made
+        # first, or its memory, does to a step then falls on either side of the pace ratio alike, and cancels in its
+        # median over the runs; what raylaunch attaches to the model it prepares does not.
+        model, twin = twin, model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     n = accelerator.num_processes  # each rank's batch from the prepared loader is the same x and y
     data = torch.utils.data.TensorDataset(x.cpu().repeat(n, *[1] * (x.dim() - 1)), y.cpu().repeat(n, *[1] * (y.dim() - 1)))
@@ -146,7 +151,9 @@ def train(config: dict) -> dict:
         if step == steps // 4 + 1:
             mark("begin")
         log = block > 0 and (step // block) % 2 == 0
-        timed = not paced or block <= 0 or (step // (2 * block)) % 2 == 0
+        # pace blocks of 2 x log_block steps, in the order paced, unpaced, unpaced, paced (ABBA), so a drift of the
+        # machine over the run falls on both alike; each holds as many logged steps as quiet ones
+        timed = not paced or block <= 0 or (step // (2 * block)) % 4 in (0, 3)
         net, opt = (model, optimizer) if timed else (twin, twin_optimizer)
         began, cpu_began = time.perf_counter(), time.process_time()
         loss = compute_loss(net, *batch(timed))
