@@ -186,8 +186,10 @@ class NodeGroup:
         """Reserve the nodes (``cluster.nodes.placement.reserve``) and start the actors, or raise ``PlacementError``."""
         pg = reserve(placement, timeout_s=timeout_s, can_grow=can_grow, on_wait=on_wait, timeout_name=timeout_name)
         # Snapshots' parts move on a thread of their own (reading and writing hundreds of MiB takes seconds): a poll,
-        # and the news of a rank's death it carries, never waits behind them.
-        remote_cls = ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1})(NodeActor)
+        # and the news of a rank's death it carries, never waits behind them. Every other call runs on the actor's
+        # main thread (``max_concurrency=0``: no thread pool for the default group, ``cluster.nodes.node``), where a
+        # held poll keeps Ray's 10 ms signal check asleep.
+        remote_cls = ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1}, max_concurrency=0)(NodeActor)
         # Named, so `raylaunch stacks` can reach them from another process on the cluster.
         token = secrets.token_hex(4)
         names = [f"raylaunch-{token}-node{i}" for i in range(placement.num_nodes)]

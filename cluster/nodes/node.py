@@ -43,12 +43,14 @@ __all__ = ["SNAPSHOT_GROUP", "NodeActor", "NodeInfo", "RendezvousError"]
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-# The actor's calls run one at a time (but those that move snapshots' parts: a concurrency group of their own,
-# SNAPSHOT_GROUP, so that a poll never waits seconds behind a copy of hundreds of MiB). Ray's task loop wakes
-# that thread every 10 ms to check for signals (its own GIL and timer round trip: 0.0087 cores, measured) except
-# while a call runs there, so a poll held on it keeps the node actor at about 0.006 cores in steady training
-# instead of 0.014 (bench/results.md, the CPU beside the ranks). A call that only looks (``pids``, ``stacks``)
-# waits behind a held poll at most its hold (``jobs.driver.attempt.POLL_HOLD_S``, 1 s).
+# The actor's calls run one at a time on its main thread (but those that move snapshots' parts: a concurrency group
+# of their own, SNAPSHOT_GROUP, so that a poll never waits seconds behind a copy of hundreds of MiB). An actor with a
+# concurrency group runs its other calls in a thread pool too unless its ``max_concurrency`` is 0
+# (``cluster.nodes.group``): Ray's task loop wakes the main thread every 10 ms to check for signals (its own GIL and
+# timer round trip) except while a call runs there, so a poll held on it keeps the node actor at about 0.005 cores
+# in steady training instead of 0.013-0.015 (#58: 101 wakeups a second, 0.0087 cores, on the idle main thread while
+# the calls ran in the pool). A call that only looks (``pids``, ``stacks``) waits behind a held poll at most its hold
+# (``jobs.driver.attempt.POLL_HOLD_S``, 1 s).
 # How often a held poll reads the ranks' files (a rank that ends wakes it at once). A poll held for 1 s reads them
 # three times and answers after the full second (it answered after 0.75 s with four reads at 0.25 s).
 POLL_TICK_S = 0.5
