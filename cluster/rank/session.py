@@ -275,7 +275,7 @@ class Session:
             return
         from cluster.checkpoint.memory import MemorySnapshots
         from cluster.snapshots import node_budget_bytes
-        from cluster.protocol import SnapshotHeld
+        from cluster.protocol import SnapshotHeld, SnapshotWriting
         from cluster.rank import pace
         from cluster.rank.prepared import after_prepare
 
@@ -286,7 +286,7 @@ class Session:
             say=lambda line: print(line, file=sys.stderr, flush=True),
             report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
                 step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
-            start=p.snapshot_start)
+            start=p.snapshot_start, writing=lambda step: self.emit(SnapshotWriting(step=step)))
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
