@@ -130,10 +130,11 @@ def test_a_snapshot_that_cannot_be_put_together_is_recorded_as_the_commit_resume
     assert f"raylaunch: attempt 2: the snapshot of step {chosen[0]} could not be put together" in out, out
     rows = events(tmp_path, "gone")
     starts = [e for e in rows if e["kind"] == "attempt"]
-    assert [(e["resume_step"], e["resume_from"], e["resume_state_time"]) for e in starts] == [
-        (None, None, None), (40, "storage", None)]
+    assert [(e["resume_step"], e["resume_from"], e["resume_state_time"], e["memory_missed"]) for e in starts] == [
+        (None, None, None, None), (40, "storage", None, "not_put_together")]
     show = format_show(str(tmp_path / "runs"), "gone")
-    assert "  resumed     attempt 2 from checkpoint 40 (storage)" in show.splitlines(), show
+    assert "  resumed     attempt 2 from checkpoint 40 (storage: the newer snapshot could not be put together)" in \
+        show.splitlines(), show
     books = ledger([e for e in map(decode, rows) if e is not None])
     commit = next(e for e in map(decode, rows) if isinstance(e, Committed) and e.step == 40)
     kept = [s.end for s in books.segments if s.attempt == 1 and s.category in (Category.TRAINING,
@@ -192,8 +193,13 @@ def test_snapshots_beyond_their_memory_bound_are_said_and_storage_is_used(ray_cl
     assert result.status == "succeeded", result.error
     assert result.rank_results["0"]["restored_step"] == 20
     starts = [e for e in events(tmp_path, "bound") if e["kind"] == "attempt"]
-    assert [(e["resume_step"], e["resume_from"]) for e in starts] == [(None, None), (20, "storage")]
+    assert [(e["resume_step"], e["resume_from"], e["memory_missed"]) for e in starts] == [
+        (None, None, None), (20, "storage", "none_newer")]
     said = capsys.readouterr()
+    # why not from memory, said with the restart
+    assert re.search(r"raylaunch: attempt 2: resuming from \S+ \(step 20\); not from memory: no snapshot newer than "
+                     r"step 20 had every rank's part in memory, the newest parts of each rank: rank 0: ",
+                     said.out), said.out
     assert "would pass their bound of 0.01 MiB (checkpoint.snapshots.memory_mb)" in said.out + said.err, said
     assert not list(Path(os.environ["RAYLAUNCH_SNAPSHOT_DIR"]).glob("raylaunch-snapshots/bound-*")), \
         "the run's snapshots are left in memory after its end"

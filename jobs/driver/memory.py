@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from cluster.snapshots import SnapshotPlan
+from jobs.run.events import MemoryMissed
 
 __all__ = ["NOTICE_S", "MemoryResume", "SnapshotBook", "SnapshotUpload", "run_key", "stop_deadline", "upload_fits"]
 
@@ -320,6 +321,28 @@ class SnapshotBook:
             if all(holders.values()):
                 return SnapshotPlan(step, world_size, holders)
         return None
+
+    def missed(self, alive: set[str], world_size: int, after_step: int) -> tuple[MemoryMissed, str]:
+        """Why no snapshot newer than ``after_step`` is whole on the nodes ``alive`` (``choose`` found none), and
+        each rank's newest part on them, in words: none had every rank's part on any node (the commit of
+        ``after_step`` is the newest whole state), or one had, with a part only on a node not ``alive``.
+
+        >>> book = SnapshotBook("run", None, held={12: {0: {"a"}}, 14: {1: {"b"}}}, world={12: 2, 14: 2})
+        >>> book.missed({"a", "b"}, 2, 10)
+        (<MemoryMissed.NONE_NEWER: 'none_newer'>, 'rank 0: step 12, rank 1: step 14')
+        >>> book.held[14][0] = {"a"}  # (whole, with rank 1's part on node b only)
+        >>> book.missed({"a"}, 2, 10)[1]
+        'rank 0: step 14, rank 1: none; the snapshot of step 14 was whole with the nodes gone'
+        >>> book.missed({"a"}, 2, 10)[0]
+        <MemoryMissed.NODE_LOST: 'node_lost'>
+        """
+        newest = {r: max((s for s, parts in self.held.items() if s > after_step and self.world.get(s) == world_size
+                          and parts.get(r, set()) & alive), default=None) for r in range(world_size)}
+        words = ", ".join(f"rank {r}: " + ("none" if s is None else f"step {s}") for r, s in newest.items())
+        anywhere = {n for parts in self.held.values() for nodes in parts.values() for n in nodes}
+        if (lost := self.choose(anywhere, world_size, after_step)) is not None:
+            return MemoryMissed.NODE_LOST, f"{words}; the snapshot of step {lost.step} was whole with the nodes gone"
+        return MemoryMissed.NONE_NEWER, words
 
     def assemble(self, plan: SnapshotPlan, attempt: int, infos: list[Any], actors: list[Any]) -> MemoryResume:
         """Each node of the attempt (``infos``/``actors``, by node rank) puts the snapshot of ``plan`` together in its
