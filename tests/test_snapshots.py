@@ -165,10 +165,13 @@ def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, 
         def copied_past_commit():
             latest = tmp_path / "runs" / "lost" / "checkpoints" / "latest.json"
             committed = json.loads(latest.read_text())["step"] if latest.exists() else 0
-            steps = [int(p.parent.name.split("-")[1]) for p in peer.glob(f"snap-*/rank-{lost}.json")]
+            # a step whose copy of the lost rank's part the peer keeps beside its own rank's part (a rank whose save
+            # was being written took none at that step: the copy alone was not a whole snapshot)
+            steps = [int(p.parent.name.split("-")[1]) for p in peer.glob(f"snap-*/rank-{lost}.json")
+                     if (peer.parent / p.parent.name / f"rank-{1 - lost}.json").exists()]
             return max(steps) if steps and max(steps) > committed and max(steps) >= 10 else None
 
-        kept = wait_for(copied_past_commit, 120, "a copy of rank 1's part newer than the last commit on its peer")
+        kept = wait_for(copied_past_commit, 120, "a whole snapshot newer than the last commit on rank 1's peer")
         ray_cluster.remove_node(victim)
         spare = None  # it stands in for the node lost: the shared cluster keeps its two nodes
         thread.join(240)

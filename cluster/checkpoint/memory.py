@@ -244,9 +244,10 @@ class MemorySnapshots:
         step = self.base + steps
         return steps + self.interval - step % self.interval
 
-    def take(self, steps: int, hold_s: Callable[[], float | None]) -> None:
+    def take(self, steps: int, hold_s: Callable[[], float | None], stopping: bool = False) -> None:
         """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took; a Trainer's: its
-        own ``global_step``); ``hold_s`` reads how long the previous one held training, for ``auto``."""
+        own ``global_step``); ``hold_s`` reads how long the previous one held training, for ``auto``. ``stopping``:
+        the snapshot of a stop notice's step, taken at a step the rank saved too (the restart reads it from memory)."""
         code = self.code
         if self.off is not None or self.accelerator is None or not self.confirmed or \
                 (code is not None and code.name is None):
@@ -283,7 +284,7 @@ class MemorySnapshots:
             return
         folder = self.node_dir / snap_name(step)
         in_flight = bool(self._taken_at)  # a snapshot taken whose write has not ended
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"saved_too": True} if stopping else {}
         if code is not None:  # written apart (the code writes files of its own), then moved in: ``_written``
             folder = self._apart(step)
 

@@ -348,19 +348,20 @@ class StagedCheckpoints:
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
                        written: Callable[[int, str, dict[str, dict] | None, float, float], None],
-                       save: Callable[[str, Callable[[], None]], None] | None = None) -> bool:
+                       save: Callable[[str, Callable[[], None]], None] | None = None, saved_too: bool = False) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed, its files
         checksummed with crc32 (``cluster.checkpoint.writer.CHECKSUMS``); ``written(step, folder, files, cpu_s,
         writer_cpu_s)`` once it is there, or given up (``files`` None: it failed, or a save came before its write
         began), with the CPU
         seconds its write took on the rank's thread and in the writer process (``_Write.cpu_s``, ``writer_cpu_s``).
-        False, and nothing taken, at a step this rank saved, while a save or the previous snapshot is still
+        False, and nothing taken, at a step this rank saved (but ``saved_too``: a stop notice's, which the restart
+        reads from memory), while a save or the previous snapshot is still
         being written (training never waits for a snapshot's write) or where a save cannot be held in memory
         (DeepSpeed's, Megatron-LM's). ``save(folder, default)`` runs the save under the capture in place of
         ``default()`` (the Accelerator's ``save_state`` into ``folder``): a script's within its own save_state's
         scope, a Trainer's its own writes."""
-        if step in self._steps:  # this rank saved this step: its commit holds it (a snapshot would take the writer)
+        if step in self._steps and not saved_too:  # this rank saved this step: its commit holds it
             return False
         upload = self._upload
         if upload is not None:

@@ -358,7 +358,7 @@ class Session:
         self._stopping = True  # (the grace timer leaves a rank that is writing its stop's snapshot alone)
         try:
             checkpoints.wait_for_upload()  # a write in flight first: this snapshot is not skipped for it
-            snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
+            snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s, stopping=True)
             checkpoints.wait_for_upload()  # written, and reported, before the rank ends
         except Exception as exc:  # noqa: BLE001 - stopping all the same: the restart resumes from what is there
             print(f"raylaunch: rank {self.payload.context.world_rank}: the snapshot of the stop notice's step was "
