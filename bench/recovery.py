@@ -414,6 +414,8 @@ def run_arm(case: str, arm: str, rep: int, cluster, work: Path, node_args: dict,
         row["restored_events"] = [e.get("step") for e in events if e.get("kind") == "restored"]
         row["resume_steps"] = [e.get("resume_step") for e in events if e.get("kind") == "attempt"]
         row["resume_from"] = [e.get("resume_from") for e in events if e.get("kind") == "attempt"]
+        # a restart from storage with snapshots on: why not from memory (jobs.run.events.MemoryMissed)
+        row["memory_missed"] = [e.get("memory_missed") for e in events if e.get("kind") == "attempt"]
         book = getattr(job.driver, "snapshots", None)  # the driver's book of snapshots: each rank's interval and size
         row["k"] = max(book.every.values()) if book is not None and book.every else None
         row["snapshot_mb"] = max(book.nbytes.values()) / 2**20 if book is not None and book.nbytes else None
@@ -440,6 +442,17 @@ def _gap(saves: list[dict]) -> str:
 
 def _met(ok: bool | None) -> str:
     return "not measured" if ok is None else "**met**" if ok else "**not met**"
+
+
+def _from_storage(rows: list[dict]) -> str:
+    """The big snapshots arm's restarts from storage, and why not from memory, as the runs' events say
+    (``none_newer``: no snapshot newer than the commit had every rank's part: the commit was the newest whole state)."""
+    why = [m for r in rows if r["case"] == "big" and r["arm"] == "snapshots" for m in (r.get("memory_missed") or [])
+           if m]
+    if not why:
+        return ""
+    counts = {m: why.count(m) for m in sorted(set(why))}
+    return " (restarts from storage, why not from memory: " + ", ".join(f"{m} {n}" for m, n in counts.items()) + ")"
 
 
 def report(rows: list[dict], meta: dict) -> str:
@@ -594,6 +607,7 @@ def report(rows: list[dict], meta: dict) -> str:
               f"{k if k else 'not said by the run'}) | "
               + measured(lambda a: None if worst("big", a, "steps_lost") is None else
                          f"{worst('big', a, 'steps_lost')} steps, worst")
+              + _from_storage(rows)
               + f" | {_met(snap_lost <= k if k and snap_lost is not None else None)} |",
               f"| at most 2 steps lost where the state is tiny ({meta['tiny_kb']:.0f} KB) | "
               + measured(lambda a: None if worst("tiny", a, "steps_lost") is None else
@@ -613,7 +627,9 @@ def report(rows: list[dict], meta: dict) -> str:
         extra = ""
         if r.get("restored_events") is not None:
             extra = (f" (events.jsonl: restored {r['restored_events']}, attempts resumed from {r['resume_steps']}, "
-                     f"from {r.get('resume_from')})")
+                     f"from {r.get('resume_from')}"
+                     + (f", not from memory because {r['memory_missed']}" if any(r.get("memory_missed") or ()) else "")
+                     + ")")
         lines.append(f"- {r['case']} {r['arm']} rep {r['rep']}: {detail or 'none'}{extra}"
                      + (f". ERROR: {r['error']}" if r.get("error") else ""))
     lines += ["", *NOTES, ""]

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
-    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotHeld", "WorkerPayload", "decode_kind", "decode_rank_event",
+    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotHeld", "SnapshotWriting", "WorkerPayload",
+    "decode_kind", "decode_rank_event",
 ]
 
 # The end of a rank's line that every rank says once (a metrics key renamed, say): the driver prints it once a run.
@@ -101,6 +102,7 @@ class EventKind(StrEnum):
     PREEMPT_NOTICE = "preempt_notice"  # it got SIGTERM and will checkpoint at the next step
     PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing
     SNAPSHOT = "snapshot"  # ``step``: its part of a snapshot in memory is on its node (cluster/checkpoint/memory.py)
+    SNAPSHOT_WRITING = "snapshot_writing"  # ``step``: its part of that snapshot is taken and being written, slowly
 
 
 class NodeState(StrEnum):
@@ -424,9 +426,19 @@ class SnapshotHeld(RankEvent):
     taken: float | None = None  # when its state was captured (Unix time)
 
 
+@dataclass(frozen=True)
+class SnapshotWriting(RankEvent):
+    """The rank took its part of the snapshot of ``step`` and is writing it, which takes it long (its recent writes
+    took a second or more): the nodes keep the other ranks' parts of that step meanwhile (``cluster.snapshots.pin``),
+    for the snapshot to be whole once this part is written."""
+
+    kind: ClassVar[EventKind] = EventKind.SNAPSHOT_WRITING
+    step: int = 0
+
+
 _RANK_EVENTS: dict[str, type[RankEvent]] = {
     str(c.kind): c for c in (Arrived, Joined, Metrics, Resources, Pace, CheckpointPart, PreemptNotice, Preempted,
-                             RestoredPart, CheckpointInterval, SnapshotHeld)
+                             RestoredPart, CheckpointInterval, SnapshotHeld, SnapshotWriting)
 }
 
 

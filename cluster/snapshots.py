@@ -278,39 +278,42 @@ def _drop_part(folder: Path, rank: int) -> None:
     _remove_empty(folder)
 
 
-# The newest step every rank held a part of, as the driver last heard (``pin``), in a node's folder: never pruned.
+# The newest step every rank held a part of, as the driver last heard (``pin``), and the steps a rank is still writing
+# its part of, in a node's folder: never pruned.
 _PIN = "pinned"
 
 
-def pin(node_dir: str | Path, step: int | None) -> None:
+def pin(node_dir: str | Path, step: int | None, writing: tuple[int, ...] = ()) -> None:
     """The driver heard every rank's part of ``step``: this node keeps its parts of it (own and peers' copies) until a
     newer one is pinned, however far a faster rank's own snapshots run ahead (a slower rank's write of hundreds of
     MiB took longer than the copy window, and the only snapshot every rank held was pruned). None: nothing pinned
-    (a new attempt)."""
+    (a new attempt). ``writing``: the steps a slow rank is still writing its part of (it said so when it took them):
+    the parts of those steps here are kept too, for the snapshot to be whole once it is written (a part written over
+    seconds, as the model's rank writes hundreds of MiB, found the other ranks' parts of its step, a few KB written
+    at once, pruned: the snapshot was never whole)."""
     folder = Path(node_dir)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{_PIN}.partial"
-    tmp.write_text("" if step is None else str(step))
+    tmp.write_text(" ".join(str(s) for s in sorted(set(writing) | ({step} if step is not None else set()))))
     os.replace(tmp, folder / _PIN)
 
 
-def _pinned(node_dir: Path) -> int | None:
+def _pinned(node_dir: Path) -> set[int]:
     try:
-        return int((node_dir / _PIN).read_text())
+        return {int(s) for s in (node_dir / _PIN).read_text().split()}
     except (OSError, ValueError):
-        return None
+        return set()
 
 
 def prune(base: Path, rank: int, keep: int, window_s: float = 0.0) -> None:
     """A rank's parts in ``base``'s ``snap-*`` folders but its newest ``keep``, those written in the last
     ``window_s`` seconds, those of a step this node keeps a peer's copy of (``peer/snap-<step>``: with it, the
-    snapshot whole when the peer is lost) and the step the driver pinned (``pin``); a folder left empty goes. A copy
+    snapshot whole when the peer is lost) and the steps the driver pinned (``pin``); a folder left empty goes. A copy
     to the peer starts once the driver hears of a part (a held poll, up to a second), so a node's own parts stay as
     long as its copies may take to arrive."""
     held = [s for s in _steps(base) if rank in _parts(base / snap_name(s))]
     pinned = set(_steps(base / "peer")) if base.name != "peer" else set()
-    if (step := _pinned(base.parent if base.name == "peer" else base)) is not None:
-        pinned.add(step)
+    pinned |= _pinned(base.parent if base.name == "peer" else base)
     now = time.time()
     for step in held[:max(0, len(held) - keep)]:
         if step in pinned:

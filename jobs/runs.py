@@ -18,7 +18,7 @@ from cluster.errors import RaylaunchError
 from cluster.layout import LOGS, METRICS, TENSORBOARD
 from cluster.protocol import RunStatus
 from jobs.driver.pace import judge, pace_of_records
-from jobs.run.events import AttemptStarted, RanksPlaced, SessionStarted, decode
+from jobs.run.events import AttemptStarted, MemoryMissed, RanksPlaced, SessionStarted, decode
 from jobs.run.ledger import CATEGORIES, Category, Ledger, ledger, suggestion
 from jobs.run.storage import RunDir, numeric_metrics
 from jobs.spec import run_name_problem
@@ -266,9 +266,10 @@ def _format_resumes(run: RunDir) -> list[str]:
     out = []
     for e in map(decode, run.read_events()):
         if isinstance(e, AttemptStarted) and e.attempt > 1:
+            missed = e.memory_missed.words() if isinstance(e.memory_missed, MemoryMissed) else e.memory_missed
             where = ("the beginning" if e.resume_step is None else
                      f"the snapshot of step {e.resume_step} in memory" if e.resume_from == "memory" else
-                     f"checkpoint {e.resume_step} (storage)")
+                     f"checkpoint {e.resume_step} (storage" + (f": {missed})" if missed else ")"))
             out.append(f"  resumed     attempt {e.attempt} from {where}")
     return out
 

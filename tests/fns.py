@@ -672,6 +672,43 @@ def step_calls(config: dict) -> dict:
             "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
+def digits_snapshot_during_save(config: dict) -> dict:
+    """``digits_dies``, whose rank 0 in attempt 1 writes its first snapshot (the first after the save of step 20: none
+    is taken before a save, nor while one is being written) only once the save of step 40 has returned, a save that
+    came while that snapshot's files were being written, and no sooner than ``write_s`` after it began; and never ends
+    the write of that save, whose commit does not land before rank 1 dies."""
+    import threading
+    import time
+
+    import cluster.checkpoint.snapshot as snapshot_module
+
+    config = dict(config)
+    write_s = config.pop("write_s")
+    session = get_session()
+    attempt = session.payload.attempt if session.payload else 0
+    if attempt == 1 and int(os.environ.get("RANK", "0")) == 0:
+        saved_40, gated = threading.Event(), []
+        real_write, real_save = snapshot_module.Snapshot.write, session.save
+
+        def write(self, writer=None, hash_files=False, durable=False):
+            if hash_files == "crc32" and not gated:  # the first snapshot's files (a save's are sha256)
+                gated.append(time.monotonic())
+                saved_40.wait(120)
+                time.sleep(max(0.0, gated[0] + write_s - time.monotonic()))
+            elif hash_files != "crc32" and saved_40.is_set():  # the save of step 40's
+                time.sleep(600)
+            return real_write(self, writer, hash_files, durable)
+
+        def save(accelerator, step):
+            out = real_save(accelerator, step)
+            if step == 40:
+                saved_40.set()
+            return out
+
+        snapshot_module.Snapshot.write, session.save = write, save
+    return digits_dies(config)
+
+
 def digits_dies(config: dict) -> dict:
     """``train_fn.digits``, whose rank ``die_rank`` kills itself (SIGKILL, as the OOM killer would) in attempt 1, in
     the middle of its optimizer step number ``die_at`` (before that step's end: the last whole step is the one

@@ -112,10 +112,12 @@ def test_a_parameter_changed_in_place_before_its_copy_skips_that_checkpoint_and_
     assert [a[0] for a, _ in reports] == [2]
 
 
-def test_a_save_while_a_snapshot_is_being_written_gives_that_write_up_instead_of_waiting(trained, tmp_path,
-                                                                                       monkeypatch):
-    """A commit's save never waits behind a snapshot's write (its step is at least the snapshot's): the snapshot is
-    given up, never reported, its files removed, and the save is written once that write has ended."""
+def test_a_save_while_a_snapshot_is_being_written_keeps_that_snapshot_and_never_waits_for_it(trained, tmp_path,
+                                                                                           monkeypatch):
+    """A commit's save never waits behind a snapshot's write: it returns at once, and its own write starts once the
+    snapshot's has ended. The snapshot, whose files the writer was writing (it cannot stop within a request), is kept
+    and reported: until the save is committed it is the newest state a restart can read (it was written whole, then
+    removed)."""
     accelerator, model, optimizer, checkpoints, step, rows, reports = trained
     release, order = threading.Event(), []
     write = snapshot_module.Snapshot.write
@@ -123,7 +125,7 @@ def test_a_save_while_a_snapshot_is_being_written_gives_that_write_up_instead_of
     def held_up(self, writer=None, hash_files=False, durable=False):
         if hash_files == "crc32":  # the snapshot's (a save's files are sha256)
             order.append("snapshot writing")
-            release.wait(20)  # without the change, the save below waited here for this
+            release.wait(20)  # a save that waited for this would not return before it is released
             order.append("snapshot's write ended")
         return write(self, writer, hash_files, durable)
 
@@ -139,11 +141,37 @@ def test_a_save_while_a_snapshot_is_being_written_gives_that_write_up_instead_of
     step()
     checkpoints.wait_for_upload()
     assert order == ["snapshot writing", "save returned", "snapshot's write ended"]
-    assert [part[:3] for part in parts] == [(1, str(folder), None)]  # given up: not reported as written
-    assert not folder.exists()
+    assert [part[:2] for part in parts] == [(1, str(folder))] and parts[0][2], parts  # kept: reported with its files
+    assert all((folder / rel).is_file() for rel in parts[0][2]), parts
     assert [a[0] for a, _ in reports] == [2]
     saved = load_file(tmp_path / "staging" / checkpoint_name(2) / "model.safetensors")
     assert saved.keys() == at_save.keys() and all(torch.equal(saved[k], at_save[k]) for k in at_save)
+
+
+def test_a_save_before_a_snapshots_write_began_gives_that_snapshot_up(trained, tmp_path, monkeypatch):
+    """A snapshot whose write has not begun when a save comes (its copies still being made) is given up: nothing of
+    it is written or reported, and the save is written."""
+    accelerator, model, optimizer, checkpoints, step, rows, reports = trained
+    release, copying = threading.Event(), threading.Event()
+    copy = snapshot_module.Snapshot.copy_deferred
+
+    def late(self):
+        copying.set()
+        release.wait(20)
+        return copy(self)
+
+    monkeypatch.setattr(snapshot_module.Snapshot, "copy_deferred", late)
+    folder, parts = tmp_path / "snap-1", []
+    assert checkpoints.hold_in_memory(accelerator, 1, str(folder), lambda *part: parts.append(part))
+    wait_for(copying.is_set, 20, "the snapshot's copies to begin")
+    monkeypatch.setattr(snapshot_module.Snapshot, "copy_deferred", copy)
+    threading.Timer(0.5, release.set).start()  # the save's next step waits for the snapshot's copies
+    checkpoints.save(accelerator, 2)
+    step()
+    checkpoints.wait_for_upload()
+    assert [part[:3] for part in parts] == [(1, str(folder), None)]  # given up: not reported as written
+    assert not folder.exists()
+    assert [a[0] for a, _ in reports] == [2]
 
 
 def test_a_snapshot_hands_its_write_to_the_rank_s_lanes_without_starting_a_thread(trained, tmp_path, monkeypatch):

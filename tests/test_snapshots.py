@@ -77,6 +77,28 @@ def test_a_rank_that_dies_resumes_from_its_nodes_memory(ray_cluster, tmp_path, u
     assert books["recompute"] < 0.25 * books["training"], books
 
 
+def test_a_slow_snapshot_being_written_when_a_save_comes_is_kept_whole_and_resumed_from(ray_cluster, tmp_path,
+                                                                                       uninterrupted):
+    """Rank 0's first snapshot after the commit of step 20 is still being written when the save of step 40 comes, and
+    its write lasts past the window other ranks keep their parts for (``COPY_WINDOW_S``); that save's own write never
+    ends before rank 1 dies in step 58. The snapshot is kept (the writer writes it whole anyway: it was then removed),
+    rank 1's part of its step is kept until rank 0's is written (rank 0 said it was writing it: it was pruned, and the
+    snapshot was never whole), and the restart resumes from it, from memory, bitwise equal to the uninterrupted run
+    (whose steps were not throttled)."""
+    from cluster.snapshots import COPY_WINDOW_S
+
+    text = SPEC.replace("fns:digits_dies", "fns:digits_snapshot_during_save").replace(
+        "die_at: {die_at}}}", f"die_at: {{die_at}}, throttle_s: 0.25, write_s: {COPY_WINDOW_S + 2}}}}}")
+    # (rank 1 dies before the save of step 60, which would wait for the save of step 40's write)
+    result = Driver(load_spec_text(text.format(name="during", die_at=58, every=1, storage=tmp_path / "runs"))).run()
+    assert result.status == "succeeded", result.error
+    restored = result.rank_results["0"]["restored_step"]
+    starts = [e for e in events(tmp_path, "during") if e["kind"] == "attempt"]
+    assert [(e["resume_step"], e["resume_from"]) for e in starts] == [(None, None), (restored, "memory")], starts
+    assert 20 < restored < 40, restored
+    assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
+
+
 def test_a_snapshot_that_cannot_be_put_together_is_recorded_as_the_commit_resumed_from(ray_cluster, tmp_path,
                                                                                          uninterrupted, monkeypatch,
                                                                                          capsys):
@@ -108,10 +130,11 @@ def test_a_snapshot_that_cannot_be_put_together_is_recorded_as_the_commit_resume
     assert f"raylaunch: attempt 2: the snapshot of step {chosen[0]} could not be put together" in out, out
     rows = events(tmp_path, "gone")
     starts = [e for e in rows if e["kind"] == "attempt"]
-    assert [(e["resume_step"], e["resume_from"], e["resume_state_time"]) for e in starts] == [
-        (None, None, None), (40, "storage", None)]
+    assert [(e["resume_step"], e["resume_from"], e["resume_state_time"], e["memory_missed"]) for e in starts] == [
+        (None, None, None, None), (40, "storage", None, "not_put_together")]
     show = format_show(str(tmp_path / "runs"), "gone")
-    assert "  resumed     attempt 2 from checkpoint 40 (storage)" in show.splitlines(), show
+    assert "  resumed     attempt 2 from checkpoint 40 (storage: the newer snapshot could not be put together)" in \
+        show.splitlines(), show
     books = ledger([e for e in map(decode, rows) if e is not None])
     commit = next(e for e in map(decode, rows) if isinstance(e, Committed) and e.step == 40)
     kept = [s.end for s in books.segments if s.attempt == 1 and s.category in (Category.TRAINING,
@@ -142,10 +165,13 @@ def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, 
         def copied_past_commit():
             latest = tmp_path / "runs" / "lost" / "checkpoints" / "latest.json"
             committed = json.loads(latest.read_text())["step"] if latest.exists() else 0
-            steps = [int(p.parent.name.split("-")[1]) for p in peer.glob(f"snap-*/rank-{lost}.json")]
+            # a step whose copy of the lost rank's part the peer keeps beside its own rank's part (a rank whose save
+            # was being written took none at that step: the copy alone was not a whole snapshot)
+            steps = [int(p.parent.name.split("-")[1]) for p in peer.glob(f"snap-*/rank-{lost}.json")
+                     if (peer.parent / p.parent.name / f"rank-{1 - lost}.json").exists()]
             return max(steps) if steps and max(steps) > committed and max(steps) >= 10 else None
 
-        kept = wait_for(copied_past_commit, 120, "a copy of rank 1's part newer than the last commit on its peer")
+        kept = wait_for(copied_past_commit, 120, "a whole snapshot newer than the last commit on rank 1's peer")
         ray_cluster.remove_node(victim)
         spare = None  # it stands in for the node lost: the shared cluster keeps its two nodes
         thread.join(240)
@@ -170,8 +196,13 @@ def test_snapshots_beyond_their_memory_bound_are_said_and_storage_is_used(ray_cl
     assert result.status == "succeeded", result.error
     assert result.rank_results["0"]["restored_step"] == 20
     starts = [e for e in events(tmp_path, "bound") if e["kind"] == "attempt"]
-    assert [(e["resume_step"], e["resume_from"]) for e in starts] == [(None, None), (20, "storage")]
+    assert [(e["resume_step"], e["resume_from"], e["memory_missed"]) for e in starts] == [
+        (None, None, None), (20, "storage", "none_newer")]
     said = capsys.readouterr()
+    # why not from memory, said with the restart
+    assert re.search(r"raylaunch: attempt 2: resuming from \S+ \(step 20\); not from memory: no snapshot newer than "
+                     r"step 20 had every rank's part in memory, the newest parts of each rank: rank 0: ",
+                     said.out), said.out
     assert "would pass their bound of 0.01 MiB (checkpoint.snapshots.memory_mb)" in said.out + said.err, said
     assert not list(Path(os.environ["RAYLAUNCH_SNAPSHOT_DIR"]).glob("raylaunch-snapshots/bound-*")), \
         "the run's snapshots are left in memory after its end"
@@ -291,6 +322,40 @@ def test_a_drained_snapshot_committed_before_the_deadline_is_what_a_cluster_lost
             ray_cluster.remove_node(nodes["victim"])
         elif spare is not None and spare in ray_cluster.worker_nodes:
             ray_cluster.remove_node(spare)
+
+
+def test_a_restart_reads_a_part_from_a_node_that_still_holds_it_where_the_book_named_one_that_pruned_it(
+        ray_cluster, tmp_path):
+    """The book named two nodes holding rank 1's part (its own and its peer's copy, since pruned without a word): the
+    assembly asks them, and the node whose copy is gone fetches the part from the other, where it failed the whole
+    restart over to storage; a part no node holds any more still fails it."""
+    import ray
+
+    from cluster.snapshots import SnapshotPlan, part_files, snap_name, write_part_json
+    from jobs.driver.memory import SnapshotBook, _Node
+
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def snapshot_part_files(self, node_dir, step, rank):
+            return part_files(node_dir, step, rank)
+
+    def part(base: Path, rank: int) -> None:
+        folder = base / snap_name(7)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"random_states_{rank}.pkl").write_bytes(b"x")
+        write_part_json(folder, rank, 7, {f"random_states_{rank}.pkl": {"size": 1}})
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    part(a, 0)
+    part(b, 1)
+    part(b / "peer", 0)  # b's copy of rank 0's part; a's copy of rank 1's was pruned
+    book = SnapshotBook("run", None, held={7: {0: {"a", "b"}, 1: {"a", "b"}}}, world={7: 2})
+    nodes = {"a": _Node("a", str(a), Holder.remote()), "b": _Node("b", str(b), Holder.remote())}
+    plan = book._verified(SnapshotPlan(7, 2, {0: ("a", "b"), 1: ("a", "b")}), nodes)
+    assert plan.holders == {0: ("a", "b"), 1: ("b",)} and book.held[7][1] == {"b"}
+    shutil.rmtree(b / snap_name(7))
+    with pytest.raises(FileNotFoundError, match="rank 1's part of the snapshot of step 7 is on no node"):
+        book._verified(plan, nodes)
 
 
 def test_the_step_every_rank_holds_is_kept_however_far_a_faster_rank_runs_ahead(tmp_path):

@@ -27,12 +27,16 @@ from cluster.checkpoint.writer import describe_written
 from cluster.layout import SCRIPT_FOLDER
 from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, prune_from, snap_name, used_bytes, write_part_json
 
-__all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "auto_interval", "busy_share", "charged_cpu_s", "read_cores",
-           "renumbered"]
+__all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "SLOW_WRITE_S", "auto_interval", "busy_share", "charged_cpu_s",
+           "read_cores", "renumbered"]
 
 # ``every: auto``: snapshots at most this share of the step time (what each costs: its hold on training and the CPU
 # its background write takes).
 AUTO_SHARE = 0.02
+# A rank whose writes take this long (the median of its last few; its first, not measured yet) says when it takes one
+# (``writing``), so that the other ranks' parts of that step are kept until its own is written
+# (``cluster.snapshots.pin``): well within the copy window other ranks' parts are kept anyway.
+SLOW_WRITE_S = COPY_WINDOW_S / 5
 
 def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: float = 0.0) -> int:
     """``every: auto``: the optimizer steps between snapshots that keep each one's cost at most ``AUTO_SHARE`` of the
@@ -190,13 +194,15 @@ class MemorySnapshots:
     training and their write's CPU) at most ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two
     were taken and the second measured; twice as far apart at once when one comes due while the previous one's write
     is still in flight, which skips it). ``save`` is ``StagedCheckpoints.hold_in_memory``; ``report`` reports a part
-    once written; ``budget``: bytes the node's snapshots may hold."""
+    once written; ``writing(step)`` says a part was taken whose write is slow (``SLOW_WRITE_S``); ``budget``: bytes
+    the node's snapshots may hold."""
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
-                 report: Callable[[int, int, int, float | None], None], start: int = 1) -> None:
+                 report: Callable[[int, int, int, float | None], None], start: int = 1,
+                 writing: Callable[[int], None] | None = None) -> None:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
-        self._save, self._say, self._report = save, say, report
+        self._save, self._say, self._report, self._writing = save, say, report, writing
         self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
         self.code: CodeSave | None = None  # a script's or Trainer's own format; None: a function's (session.restore)
         self.base = 0  # the step training resumed at: a snapshot's step is this plus the optimizer steps taken
@@ -238,9 +244,10 @@ class MemorySnapshots:
         step = self.base + steps
         return steps + self.interval - step % self.interval
 
-    def take(self, steps: int, hold_s: Callable[[], float | None]) -> None:
+    def take(self, steps: int, hold_s: Callable[[], float | None], stopping: bool = False) -> None:
         """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took; a Trainer's: its
-        own ``global_step``); ``hold_s`` reads how long the previous one held training, for ``auto``."""
+        own ``global_step``); ``hold_s`` reads how long the previous one held training, for ``auto``. ``stopping``:
+        the snapshot of a stop notice's step, taken at a step the rank saved too (the restart reads it from memory)."""
         code = self.code
         if self.off is not None or self.accelerator is None or not self.confirmed or \
                 (code is not None and code.name is None):
@@ -277,7 +284,7 @@ class MemorySnapshots:
             return
         folder = self.node_dir / snap_name(step)
         in_flight = bool(self._taken_at)  # a snapshot taken whose write has not ended
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"saved_too": True} if stopping else {}
         if code is not None:  # written apart (the code writes files of its own), then moved in: ``_written``
             folder = self._apart(step)
 
@@ -289,6 +296,8 @@ class MemorySnapshots:
         self._taken_at[step] = time.time()
         if self._save(self.accelerator, step, str(folder), self._written, **kwargs):
             self.taken += 1
+            if self._writing is not None and (not self._writes or _median(w for _, w in self._writes) >= SLOW_WRITE_S):
+                self._writing(step)
             return
         self._taken_at.pop(step, None)
         if in_flight and self._taken_at:  # skipped: its write takes longer than the interval

@@ -284,7 +284,7 @@ class StagedCheckpoints:
         step) and return the MiB it holds; a thread writes (and uploads) it, then reports it."""
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
-        behind = self._abandon_snapshot()  # a snapshot's write in flight never holds a save: it is given up
+        behind = self._abandon_snapshot()  # a snapshot's write in flight never holds a save: it goes first
         self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
         target = path if is_local(fs) else self._upload_folder(step)
 
@@ -328,34 +328,41 @@ class StagedCheckpoints:
         return snap.nbytes / 2**20
 
     def _abandon_snapshot(self) -> _Write | None:
-        """A snapshot's write in flight when a save comes is given up (``_Write.abandon``: nothing of it is reported,
-        its files go) and returned, for the save's write to start after it ends (one request at a time to the writer
-        process): the save holds training for its own copy only, where waiting held it for the rest of that write
-        (0.49 s median at 576 MiB a rank, against 0.016 s without snapshots: ``make bench-recovery``). The save's step
-        is at least the snapshot's, so a restart loses nothing by it once the save is committed. The save copies into
-        segments of its own (``_beside``), kept for the next such save: the snapshot's are still mapped by the writer,
-        and new ones, their pages faulted in by the copy, held the next step 0.2-0.5 s at 576 MiB on a loaded 2-core
-        machine where kept ones held it 0.006 s."""
+        """A snapshot's write in flight when a save comes never holds the save: it is returned, for the save's write to
+        start after it ends (one request at a time to the writer process), and the save holds training for its own copy
+        only, where waiting held it for the rest of that write (0.49 s median at 576 MiB a rank, against 0.016 s
+        without snapshots: ``make bench-recovery``). One whose write has not begun is given up (``_Write.abandon``:
+        nothing of it is written or reported; the save's step is at least its step). One whose files are being
+        written is kept and reported when written: the writer process cannot stop within a request, so one given up
+        there was written whole all the same and then removed, and until the save is committed it is the newest state
+        a restart can read (without it, the commit before).
+        The save copies into segments of its own (``_beside``), kept for the next such save: the snapshot's are still
+        mapped by the writer, and new ones, their pages faulted in by the copy, held the next step 0.2-0.5 s at 576 MiB
+        on a loaded 2-core machine where kept ones held it 0.006 s."""
         upload = self._upload
         if upload is None or not upload.snapshot or not upload.busy():
             return None
-        upload.abandon()
+        upload.abandon()  # (no-op once its files are being written)
         self._upload = None
         return upload
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
                        written: Callable[[int, str, dict[str, dict] | None, float, float], None],
-                       save: Callable[[str, Callable[[], None]], None] | None = None) -> bool:
+                       save: Callable[[str, Callable[[], None]], None] | None = None, saved_too: bool = False) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed, its files
         checksummed with crc32 (``cluster.checkpoint.writer.CHECKSUMS``); ``written(step, folder, files, cpu_s,
-        writer_cpu_s)`` once it is there, or given up (``files`` None: it failed, or a save came first), with the CPU
+        writer_cpu_s)`` once it is there, or given up (``files`` None: it failed, or a save came before its write
+        began), with the CPU
         seconds its write took on the rank's thread and in the writer process (``_Write.cpu_s``, ``writer_cpu_s``).
-        False, and nothing taken, while a save or the previous snapshot is still
+        False, and nothing taken, at a step this rank saved (but ``saved_too``: a stop notice's, which the restart
+        reads from memory), while a save or the previous snapshot is still
         being written (training never waits for a snapshot's write) or where a save cannot be held in memory
         (DeepSpeed's, Megatron-LM's). ``save(folder, default)`` runs the save under the capture in place of
         ``default()`` (the Accelerator's ``save_state`` into ``folder``): a script's within its own save_state's
         scope, a Trainer's its own writes."""
+        if step in self._steps and not saved_too:  # this rank saved this step: its commit holds it
+            return False
         upload = self._upload
         if upload is not None:
             if upload.busy() or (not upload.snapshot and upload.error is not None):
@@ -656,10 +663,12 @@ class _Write:
         # A snapshot in memory: its failure is said, never raised; its files checksummed with crc32, and ``on_done``
         # called ``(files, cpu_s, writer_cpu_s)`` whatever became of it (``files`` None: not written, or given up).
         self.snapshot = snapshot
-        self.behind = behind  # a snapshot's write given up for this one, which writes once it has ended
+        self.behind = behind  # a snapshot's write in flight when this save came, which writes once it has ended
         self.cpu_s = 0.0  # CPU seconds of the write on the rank's own thread (its writing, the writer's requests)
         self.writer_cpu_s = 0.0  # and in the writer process, for it
         self._abandoned = threading.Event()
+        self._started = False  # its files are being written (``abandon`` no longer gives it up)
+        self._lock = threading.Lock()
         self._on_changed = on_changed  # a deferred copy's tensor changed before it was made: nothing is written
         self.writer = writer  # the rank's writer process, for the files holding tensors (None: this thread)
         self._own = [w.path for w in snap.writes] if snap is not None else []  # this rank's files in ``target``
@@ -668,9 +677,14 @@ class _Write:
         self._done = threading.Event()  # written and reported, or given up, or failed
         lanes.COPY.submit(self._copy)
 
-    def abandon(self) -> None:
-        """Give this snapshot's write up: what is still to write is not, nothing is reported, its files go."""
-        self._abandoned.set()
+    def abandon(self) -> bool:
+        """Give this snapshot's write up if it has not begun: nothing of it is written or reported. False once its
+        files are being written: the writer process cannot stop within a request, so it is written and reported."""
+        with self._lock:
+            if self._started:
+                return False
+            self._abandoned.set()
+            return True
 
     def _copy(self) -> None:
         """On the copy lane, at the rank's own priority: the copies the next optimizer step waits for; then the
@@ -695,9 +709,11 @@ class _Write:
             if self.behind is not None:  # (ahead of this one on the write lane: ended already)
                 self.behind._done.wait()
                 self.behind = None
-            if self._abandoned.is_set():
-                self._remove_own_files()
-                return
+            with self._lock:
+                if self._abandoned.is_set():
+                    self._remove_own_files()
+                    return
+                self._started = True
             began = time.thread_time()
             if self.writer is not None:
                 self.writer.take_cpu_s()  # (nothing of another write counts in this one's)
@@ -706,9 +722,6 @@ class _Write:
             finally:
                 self.cpu_s = time.thread_time() - began
                 self.writer_cpu_s = self.writer.take_cpu_s() if self.writer is not None else 0.0
-            if self._abandoned.is_set():
-                self._remove_own_files()
-                return
             if self.mirror is not None:  # this rank's files, as it wrote them
                 _mirror_files(self.target, [os.path.relpath(p, self.target) for p in written], self.mirror)
             # This rank's files, hashed as they were written (by the writer process, at the lowest priority), so

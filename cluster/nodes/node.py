@@ -437,8 +437,8 @@ class NodeActor:
         return memory.store_part(node_dir, step, rank, rels, target_uri, until)
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def pin_snapshot(self, node_dir: str, step: int | None) -> None:
-        memory.pin(node_dir, step)
+    def pin_snapshot(self, node_dir: str, step: int | None, writing: tuple[int, ...] = ()) -> None:
+        memory.pin(node_dir, step, writing)
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def drop_snapshots(self, run_dir: str) -> None:

@@ -275,7 +275,7 @@ class Session:
             return
         from cluster.checkpoint.memory import MemorySnapshots
         from cluster.snapshots import node_budget_bytes
-        from cluster.protocol import SnapshotHeld
+        from cluster.protocol import SnapshotHeld, SnapshotWriting
         from cluster.rank import pace
         from cluster.rank.prepared import after_prepare
 
@@ -286,7 +286,7 @@ class Session:
             say=lambda line: print(line, file=sys.stderr, flush=True),
             report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
                 step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
-            start=p.snapshot_start)
+            start=p.snapshot_start, writing=lambda step: self.emit(SnapshotWriting(step=step)))
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
@@ -358,7 +358,7 @@ class Session:
         self._stopping = True  # (the grace timer leaves a rank that is writing its stop's snapshot alone)
         try:
             checkpoints.wait_for_upload()  # a write in flight first: this snapshot is not skipped for it
-            snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
+            snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s, stopping=True)
             checkpoints.wait_for_upload()  # written, and reported, before the rank ends
         except Exception as exc:  # noqa: BLE001 - stopping all the same: the restart resumes from what is there
             print(f"raylaunch: rank {self.payload.context.world_rank}: the snapshot of the stop notice's step was "

@@ -38,7 +38,7 @@ from jobs.driver.policy import Action, AttemptOutcome, Step, WorldSize, grow_to,
 from jobs.driver.preflight import NodeRequest, reserve, reserve_elastic
 from jobs.driver.record import Recorder, RunResult
 from jobs.driver.routing import AttemptRouter, AttemptState, group_failures
-from jobs.run.events import AttemptEnded, AttemptStarted, Committed, Outcome, RunEvent, SessionEnded
+from jobs.run.events import AttemptEnded, AttemptStarted, Committed, MemoryMissed, Outcome, RunEvent, SessionEnded
 from jobs.run.storage import CheckpointError, RunDir, StorageError
 from jobs.spec import JobSpec, spec_to_dict
 from jobs.spec.environment import Secrets, check_requirements
@@ -94,6 +94,8 @@ class Driver:
         self.snapshots: SnapshotBook | None = None if snaps.every == 0 else SnapshotBook(
             run_key(spec.name, self.run_dir.uri), None if snaps.memory_mb == "auto" else float(snaps.memory_mb))
         self._memory: MemoryResume | None = None  # the attempt's resume from a snapshot, once put together
+        # a restart with snapshots on that resumes from storage: why not from memory, and each rank's newest part
+        self._missed: tuple[MemoryMissed, str] | None = None
         self._lost_ids: set[str] = set()  # the nodes the last attempt lost (their snapshots with them)
 
     @property
@@ -262,7 +264,7 @@ class Driver:
             self._open = r.attempts + 1
             began = time.time()
             rec.begin_attempt(self._open)
-            latest = plan = self._memory = None
+            latest = plan = self._memory = self._missed = None
             # The attempt's event is written once where it resumes from is final (its nodes reserved, a snapshot put
             # together or not), at ``began``; also when it fails or is stopped before (what it would have loaded).
             try:
@@ -286,11 +288,13 @@ class Driver:
                 self._memory = self._put_together(plan, r.attempts) if plan is not None else None
             finally:
                 m = self._memory
+                missed = self._missed[0] if self._missed and latest is not None and m is None else None
                 rec.event(AttemptStarted(time=began, attempt=self._open, restarts=r.restarts,
                                          max_restarts=self.spec.failure.max_restarts, world_size=r.world_size,
                                          resume_step=m.step if m else latest.step if latest else None,
                                          resume_from="memory" if m else "storage" if latest else None,
-                                         resume_state_time=self.snapshots.taken.get(m.step) if m else None))
+                                         resume_state_time=self.snapshots.taken.get(m.step) if m else None,
+                                         memory_missed=missed))
             resume_step = self._memory.step if self._memory else latest.step if latest else None
             if r.resizes and r.resizes[-1]["attempt"] == r.attempts:
                 r.resizes[-1]["step"] = resume_step or 0
@@ -301,7 +305,8 @@ class Driver:
                              "was committed"))
             elif latest is not None:
                 self._say(f"raylaunch: attempt {r.attempts}: resuming from {latest.uri} (step {latest.step})"
-                          + (f" on world size {self.size.world_size}" if elastic else ""))
+                          + (f" on world size {self.size.world_size}" if elastic else "")
+                          + (f"; not from memory: {self._missed_words(latest.step)}" if self._missed else ""))
             r.status = RunStatus.RUNNING
             rec.write_result()
             rec.board.start_attempt(resume_step)
@@ -367,7 +372,10 @@ class Driver:
             alive -= self._lost_ids
             # a snapshot committed after a stop notice is the same state as its commit: read from memory still
             after = committed_step - 1 if committed_step in self.snapshots.stored else committed_step
-            return self.snapshots.choose(alive, self.size.world_size, after)
+            plan = self.snapshots.choose(alive, self.size.world_size, after)
+            if plan is None:
+                self._missed = self.snapshots.missed(alive, self.size.world_size, after)
+            return plan
         except Exception as exc:  # noqa: BLE001 - storage's checkpoint is still there to resume from
             self._say(f"raylaunch: the snapshots in memory cannot be read ({type(exc).__name__}: {exc}); resuming "
                       "from storage")
@@ -433,7 +441,20 @@ class Driver:
         except Exception as exc:  # noqa: BLE001
             self._say(f"raylaunch: attempt {attempt}: the snapshot of step {plan.step} could not be put together "
                       f"({type(exc).__name__}: {str(exc)[:200]}); resuming from storage instead")
+            self._missed = (MemoryMissed.NOT_PUT_TOGETHER,
+                            f"the snapshot of step {plan.step} could not be put together")
             return None
+
+    def _missed_words(self, committed_step: int) -> str:
+        """Why a restart with snapshots on resumes from the commit of ``committed_step``, in words."""
+        why, words = self._missed
+        if why is MemoryMissed.NONE_NEWER:
+            return (f"no snapshot newer than step {committed_step} had every rank's part in memory, the newest parts "
+                    f"of each rank: {words} (a rank takes none before its attempt's first save, nor while a save of "
+                    "its is being written)")
+        if why is MemoryMissed.NODE_LOST:
+            return f"a part of each newer snapshot was on a node gone ({words})"
+        return words
 
     def _end_attempt(self, outcome: Outcome) -> None:
         """Say how the open attempt ended (and where its training stood), and write result.json's books."""

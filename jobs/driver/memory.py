@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from cluster.snapshots import SnapshotPlan
+from jobs.run.events import MemoryMissed
 
 __all__ = ["NOTICE_S", "MemoryResume", "SnapshotBook", "SnapshotUpload", "run_key", "stop_deadline", "upload_fits"]
 
@@ -124,6 +125,8 @@ class SnapshotBook:
     _waiting: dict[int, int] = field(default_factory=dict)  # rank -> the newest step of its part to copy
     _node_of: dict[int, int] = field(default_factory=dict)  # rank -> its node rank, this attempt
     _pin: int | None = None  # the newest step every rank's part is held of, this attempt (``cluster.snapshots.pin``)
+    _writing: dict[int, int] = field(default_factory=dict)  # rank -> the step it is writing its part of, slowly
+    _pinned: tuple = ()  # what the nodes were last told to keep (``_send_pins``)
     copied: int = 0  # parts copied to a peer
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its latest part
     every: dict[int, int] = field(default_factory=dict)  # rank -> optimizer steps between its snapshots
@@ -142,10 +145,28 @@ class SnapshotBook:
         self.nodes = [_Node(i.node_id, f"{i.snapshot_root}/{self.key}/{i.node_id}", a) for i, a in zip(infos, actors)]
         for n in self.nodes:
             self.roots[n.node_id] = n.folder
-        self._copies, self._waiting, self._world, self._pin = {}, {}, world_size, resumed
-        for n in self.nodes:  # the step resumed at stays until a newer one is whole (an earlier attempt's pin goes)
-            n.actor.pin_snapshot.remote(n.folder, resumed)
+        self._copies, self._waiting, self._world, self._pin, self._writing = {}, {}, world_size, resumed, {}
+        self._pinned = ()
+        self._send_pins()  # the step resumed at stays until a newer one is whole (an earlier attempt's pin goes)
         return {rank: n.folder for rank, n in enumerate(self.nodes)}
+
+    def writing_part(self, step: int, rank: int) -> None:
+        """A rank took its part of ``step`` and is writing it, slowly (``cluster.protocol.SnapshotWriting``): the nodes
+        keep the other ranks' parts of that step until it is held (one step a rank: its newest)."""
+        if step in self.held and len(self.held[step]) == self._world:
+            return
+        self._writing[rank] = step
+        self._send_pins()
+
+    def _send_pins(self) -> None:
+        """Tell the nodes what to keep, when it changed: the newest step every rank's part is held of, and the steps
+        ranks are still writing newer than it."""
+        writing = tuple(sorted({s for s in self._writing.values() if self._pin is None or s > self._pin}))
+        if (self._pin, writing) == self._pinned:
+            return
+        self._pinned = (self._pin, writing)
+        for n in self.nodes:
+            n.actor.pin_snapshot.remote(n.folder, self._pin, writing)
 
     def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float) -> None:
         """A rank's part of ``step`` (captured at ``taken``) is on node ``node_rank``: noted, and copied to its
@@ -157,10 +178,11 @@ class SnapshotBook:
         self._node_of[rank] = node_rank
         if len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones waiting are skipped)
             self._waiting[rank] = max(self._waiting.get(rank, step), step)
+        if self._writing.get(rank) is not None and self._writing[rank] <= step:
+            del self._writing[rank]  # (its part of the step it was writing is held, or that write was given up)
         if len(self.held[step]) == self._world and (self._pin is None or step > self._pin):
             self._pin = step  # every rank's part is held: the nodes keep it until a newer one is whole
-            for n in self.nodes:
-                n.actor.pin_snapshot.remote(n.folder, step)
+        self._send_pins()
         self._forget_old()
         self.poll()
 
@@ -300,11 +322,34 @@ class SnapshotBook:
                 return SnapshotPlan(step, world_size, holders)
         return None
 
+    def missed(self, alive: set[str], world_size: int, after_step: int) -> tuple[MemoryMissed, str]:
+        """Why no snapshot newer than ``after_step`` is whole on the nodes ``alive`` (``choose`` found none), and
+        each rank's newest part on them, in words: none had every rank's part on any node (the commit of
+        ``after_step`` is the newest whole state), or one had, with a part only on a node not ``alive``.
+
+        >>> book = SnapshotBook("run", None, held={12: {0: {"a"}}, 14: {1: {"b"}}}, world={12: 2, 14: 2})
+        >>> book.missed({"a", "b"}, 2, 10)
+        (<MemoryMissed.NONE_NEWER: 'none_newer'>, 'rank 0: step 12, rank 1: step 14')
+        >>> book.held[14][0] = {"a"}  # (whole, with rank 1's part on node b only)
+        >>> book.missed({"a"}, 2, 10)[1]
+        'rank 0: step 14, rank 1: none; the snapshot of step 14 was whole with the nodes gone'
+        >>> book.missed({"a"}, 2, 10)[0]
+        <MemoryMissed.NODE_LOST: 'node_lost'>
+        """
+        newest = {r: max((s for s, parts in self.held.items() if s > after_step and self.world.get(s) == world_size
+                          and parts.get(r, set()) & alive), default=None) for r in range(world_size)}
+        words = ", ".join(f"rank {r}: " + ("none" if s is None else f"step {s}") for r, s in newest.items())
+        anywhere = {n for parts in self.held.values() for nodes in parts.values() for n in nodes}
+        if (lost := self.choose(anywhere, world_size, after_step)) is not None:
+            return MemoryMissed.NODE_LOST, f"{words}; the snapshot of step {lost.step} was whole with the nodes gone"
+        return MemoryMissed.NONE_NEWER, words
+
     def assemble(self, plan: SnapshotPlan, attempt: int, infos: list[Any], actors: list[Any]) -> MemoryResume:
         """Each node of the attempt (``infos``/``actors``, by node rank) puts the snapshot of ``plan`` together in its
         memory; raises when one cannot (a part pruned or its node gone meanwhile: the caller resumes from storage)."""
         self.attach(infos, actors, plan.world_size, resumed=plan.step)  # (its parts stay pinned while read)
         by_id = {n.node_id: n for n in self.nodes}
+        plan = self._verified(plan, by_id)
         calls, fetched_from = [], set()
         for node_rank, n in enumerate(self.nodes):
             missing = [r for r in range(plan.world_size) if n.node_id not in plan.holders[r]]
@@ -327,6 +372,34 @@ class SnapshotBook:
                   "memory (" + ", ".join(sorted({f"node {i}" for i, n in enumerate(self.nodes)
                                                    if n.node_id in fetched_from})) + " sent the parts others lacked)")
         return MemoryResume(plan.step, dict(enumerate(paths)), source)
+
+    def _verified(self, plan: SnapshotPlan, by_id: dict[str, _Node]) -> SnapshotPlan:
+        """``plan`` with only the holders of this attempt that still hold each part (asked, not taken from the book:
+        a node prunes its peer's older copies, and a rank its own older parts, without saying so; a node the book
+        named that no longer held its part failed the whole assembly, where another node held it). Raises
+        ``FileNotFoundError`` when no node of the attempt holds a rank's part."""
+        asked = {(r, h): by_id[h].actor.snapshot_part_files.remote(by_id[h].folder, plan.step, r)
+                 for r in range(plan.world_size) for h in plan.holders[r] if h in by_id}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=ASSEMBLE_S)
+        done = set(ready)
+        holders: dict[int, tuple[str, ...]] = {}
+        for r in range(plan.world_size):
+            held = []
+            for h in plan.holders[r]:
+                if (ref := asked.get((r, h))) is None:
+                    continue  # (a node not of this attempt: the parts are read from this attempt's nodes)
+                try:
+                    if ref in done and ray.get(ref) is not None:
+                        held.append(h)
+                        continue
+                except Exception:  # noqa: BLE001 - that node's actor failed: not a holder
+                    pass
+                self.held.get(plan.step, {}).get(r, set()).discard(h)
+            if not held:
+                raise FileNotFoundError(f"rank {r}'s part of the snapshot of step {plan.step} is on no node of this "
+                                        "attempt any more")
+            holders[r] = tuple(held)
+        return SnapshotPlan(plan.step, plan.world_size, holders)
 
     def drop(self, group: Any) -> None:
         """Every snapshot of the run on the nodes still there (at the run's end): through the node actors of

@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 from cluster.protocol import RunStatus, decode_kind
 
 __all__ = [
-    "AttemptEnded", "AttemptStarted", "Committed", "EVENT_PREFIX", "FirstStep", "Outcome", "ProgressShown",
-    "RanksPlaced", "Reserved", "Restored", "RunEvent", "Saved", "SessionEnded", "SessionStarted", "Waiting", "Work",
-    "decode", "decode_line", "encode_line",
+    "AttemptEnded", "AttemptStarted", "Committed", "EVENT_PREFIX", "FirstStep", "MemoryMissed", "Outcome",
+    "ProgressShown", "RanksPlaced", "Reserved", "Restored", "RunEvent", "Saved", "SessionEnded", "SessionStarted",
+    "Waiting", "Work", "decode", "decode_line", "encode_line",
 ]
 
 # What starts an event's line in a job's log (a person reading raw logs sees what it is).
@@ -51,6 +51,30 @@ class Outcome(StrEnum):
     PREEMPTED = "preempted"  # ranks stopped at a checkpoint after a stop notice
     GROW = "grow"  # stopped at a committed checkpoint to grow back onto more nodes
     STOPPED = "stopped"  # Ctrl-C, SIGTERM or `raylaunch stop`
+
+
+class MemoryMissed(StrEnum):
+    """Why an attempt of a run with snapshots in memory resumed from storage (``events.jsonl`` spells each as its
+    value)."""
+
+    # No snapshot newer than the last commit had a part of every rank on any node: the commit is the newest whole
+    # state there was (a rank's snapshot is not taken while its save is being written, nor before the attempt's first
+    # save)
+    NONE_NEWER = "none_newer"
+    # One had, but some part of it only on a node lost or being drained (its copy to the peer had not arrived)
+    NODE_LOST = "node_lost"
+    # The one chosen could not be put together on the nodes (a part pruned, a node's actor failed, too slow)
+    NOT_PUT_TOGETHER = "not_put_together"
+
+    def words(self) -> str:
+        """What ``raylaunch show`` says of it.
+
+        >>> MemoryMissed.NODE_LOST.words()
+        'a newer snapshot had a part only on a node lost'
+        """
+        return {MemoryMissed.NONE_NEWER: "no newer snapshot was whole in memory",
+                MemoryMissed.NODE_LOST: "a newer snapshot had a part only on a node lost",
+                MemoryMissed.NOT_PUT_TOGETHER: "the newer snapshot could not be put together"}[self]
 
 
 @dataclass(frozen=True)
@@ -103,6 +127,12 @@ class AttemptStarted(RunEvent):
     resume_from: str | None = None
     # a snapshot's: when its state was captured, the end of the work the previous attempt kept (the goodput ledger)
     resume_state_time: float | None = None
+    # with snapshots on, a restart that resumed from storage: why not from memory (None otherwise)
+    memory_missed: MemoryMissed | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory_missed is not None:
+            object.__setattr__(self, "memory_missed", _typed(MemoryMissed, self.memory_missed))
 
 
 @dataclass(frozen=True)
