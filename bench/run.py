@@ -271,8 +271,9 @@ def save_steps(steps: int, block: int) -> list[int]:
     ``5 * steps // 6``, each moved on by whole blocks of ``block`` steps (metrics blocks; pace blocks are twice that,
     ordered paced, unpaced, unpaced, paced) until the step after it is in a kind of block (logged or not, paced or
     not) no earlier save's is. All four once came before logged and paced blocks, putting the saves' wake on the
-    logged and paced side of both ratios: 1.10x and 1.03x, where runs with the saves spread read 1.01x and 0.98x
-    (2026-12-06).
+    logged and paced side of both ratios: single cold runs at a load of about 3 (2026-12-06) read metrics every step
+    1.10x, 1.03x, 1.08x and 0.99x with the saves as they were, 1.01x, 0.99x, 1.02x and 1.00x with them spread; their
+    pace ratios (1.02-1.07 both ways) did not tell the two apart.
 
     >>> save_steps(240, 10)
     [80, 120, 170, 210]
