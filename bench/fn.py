@@ -5,10 +5,10 @@ One run measures everything a launcher is compared on:
 
 - the time of the first optimizer step (``first_step_at``);
 - steady step times (wall clock, and the rank's CPU seconds a step, which the machine's other load moves less),
-  every launcher reading each batch through the prepared dataloader, with metrics logged in alternating blocks of
-  ``log_block``
-  steps (``accelerator.log`` + ``session.log`` every step) and not at all, so the
-  cost of metrics is a ratio within one run;
+  every launcher reading each batch through the prepared dataloader, one iterator over the steps as users read it
+  (under raylaunch its defaults then run between two batches: a snapshot in memory every k steps, ``auto``'s k, the
+  count in ``snapshots``), with metrics logged in alternating blocks of ``log_block`` steps (``accelerator.log`` +
+  ``session.log`` every step) and not at all, so the cost of metrics is a ratio within one run;
 - under raylaunch, the cost of measuring each rank's pace (``cluster/rank/pace.py``) the same way:
   blocks that read the batch through the prepared dataloader (timed) and train the prepared
   DDP model (its all-reduce timed), alternating with blocks that read it through Accelerate's
@@ -113,7 +113,10 @@ def train(config: dict) -> dict:
         # median over the runs; what raylaunch attaches to the model it prepares does not.
         model, twin = twin, model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    n = accelerator.num_processes  # each rank's batch from the prepared loader is the same x and y
+    # Each rank's every batch from the prepared loader is the same x and y, one for each step: the loop reads one pass
+    # of it as users do (one iterator over the steps), so what raylaunch does between two batches of an iterator
+    # (a snapshot in memory every few steps, the stop notices' agreement: cluster/rank/pace.py) is on the step too.
+    n = accelerator.num_processes * steps
     data = torch.utils.data.TensorDataset(x.cpu().repeat(n, *[1] * (x.dim() - 1)), y.cpu().repeat(n, *[1] * (y.dim() - 1)))
     loader = torch.utils.data.DataLoader(data, batch_size=len(x))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -129,10 +132,24 @@ def train(config: dict) -> dict:
         untimed = type(loader).__iter__.__wrapped__  # Accelerate's own iterator, without the clock
 
     # Every launcher reads each step's batch through the prepared loader (the same step code everywhere, #58); under
-    # raylaunch the blocks without pace measurement read it through Accelerate's own iterator, unwrapped.
-    def batch(timed: bool):
-        for xb, yb in (loader if timed else untimed(loader)):
-            return xb, yb
+    # raylaunch the blocks without pace measurement read it through Accelerate's own iterator, unwrapped, and take
+    # the snapshots that come due in them as the wrapped iterator would (so both kinds of block pay for snapshots).
+    iterators: dict[bool, object] = {}
+
+    def batch(timed: bool, steps_taken: int):
+        if not timed:
+            from cluster.rank import pace
+
+            if steps_taken >= pace.SNAPSHOT_AT[0]:
+                pace.SNAPSHOT[0](steps_taken)
+        for _ in range(2):
+            if timed not in iterators:
+                iterators[timed] = iter(loader) if timed else untimed(loader)
+            try:
+                return next(iterators[timed])
+            except StopIteration:
+                del iterators[timed]
+        raise RuntimeError("the prepared loader yields no batch")
 
     def compute_loss(net, xb, yb):
         if config.get("model") == "digits_bert":
@@ -156,7 +173,7 @@ def train(config: dict) -> dict:
         timed = not paced or block <= 0 or (step // (2 * block)) % 4 in (0, 3)
         net, opt = (model, optimizer) if timed else (twin, twin_optimizer)
         began, cpu_began = time.perf_counter(), time.process_time()
-        loss = compute_loss(net, *batch(timed))
+        loss = compute_loss(net, *batch(timed, step - 1))
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -201,6 +218,8 @@ def train(config: dict) -> dict:
               "steady_paced_s": steady(with_pace) if paced else None,
               "steady_unpaced_s": steady(without_pace) if paced else None,
               "world_size": accelerator.num_processes, "save_s": saves, "local_save_s": local_saves,
+              # snapshots in memory this rank took (raylaunch: its default, every k optimizer steps, k its `auto`'s)
+              "snapshots": getattr(session.snapshots, "taken", None), "snapshot_every": getattr(session.snapshots, "interval", None),
               "restarted": restarted}
     if rank == 0 and config.get("result_path") and not restarted:
         with open(config["result_path"], "w") as f:
