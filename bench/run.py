@@ -440,6 +440,10 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
     ours = rows["raylaunch_cold"] + rows["raylaunch_warm"]
     figures["metrics_every_step_ratio"] = summary([r["steady_logged_s"] / r["steady_quiet_s"] for r in ours])
     figures["pace_ratio"] = summary([r["steady_paced_s"] / r["steady_unpaced_s"] for r in ours])
+    taken = [r for r in ours if r.get("snapshots") is not None]
+    if taken:  # raylaunch's default snapshots in memory, on the steady step like every other default
+        figures["snapshots_taken"] = summary([r["snapshots"] for r in taken])
+        figures["snapshot_every"] = summary([r["snapshot_every"] for r in taken])
     figures["checkpoint_stall_ratio"] = summary(
         [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ours])
     figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ours])
@@ -492,6 +496,10 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
               f"within each raylaunch run: {cell(figures['metrics_every_step_ratio'], '.3f')} x step time",
               f"- measuring each rank's pace (`data_wait`, `sync_wait`) against not, alternating blocks of 20 "
               f"steps within each raylaunch run: {cell(figures['pace_ratio'], '.3f')} x step time",
+              *([f"- snapshots in memory (raylaunch's default, `checkpoint.snapshots.every: auto`), on the steady step "
+                 f"above: a rank took {cell(figures['snapshots_taken'], '.0f')} in a run of {STEPS} steps, "
+                 f"every {cell(figures['snapshot_every'], '.0f')} optimizer steps (`auto`'s k at the end)"]
+                if "snapshots_taken" in figures else []),
               f"- checkpoint stall: `session.save` {cell(figures['checkpoint_save_s'], '.3f')} s against "
               f"Accelerate's `save_state` to local disk {cell(figures['local_save_state_s'], '.3f')} s, "
               f"in alternating order: {cell(figures['checkpoint_stall_ratio'], '.2f')} x",
