@@ -438,6 +438,7 @@ class SnapshotWriting(RankEvent):
     step: int = 0
 
 
+@dataclass(frozen=True)
 class SnapshotEvery(RankEvent):
     """``every: auto`` changed the optimizer steps between the rank's snapshots to ``every``, said at once (a part's
     ``SnapshotHeld`` says it too, but a snapshot due then may not be taken): a restart's ranks start from it."""

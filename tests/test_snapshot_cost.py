@@ -259,3 +259,16 @@ def test_a_write_shorter_than_a_step_is_not_spaced_out_by_the_steps_jitter(tmp_p
     snaps = cycles(tmp_path, monkeypatch, excess_s=0.02, quiet_s=0.05, write_s=0.001, copy_s=0.002, writer_cpu_s=0.0)
     assert list(snaps._effects)[-1][0] == pytest.approx(0.02)
     assert snaps.interval == 4 == auto_interval(0.003, 0.055, cpu_s=0.001, write_s=0.001)
+
+
+def test_a_new_interval_reaches_the_driver_as_an_event_of_its_own():
+    """``every_changed``'s event crosses to the driver as every rank event does (its first version, not a dataclass
+    of its own, failed to build, and the rank stopped its snapshots: the bench's drain resumed from storage)."""
+    from dataclasses import fields, is_dataclass
+
+    from cluster.protocol import _RANK_EVENTS, SnapshotEvery, decode_rank_event
+
+    assert decode_rank_event(SnapshotEvery(every=512).to_dict()) == SnapshotEvery(every=512)
+    for cls in _RANK_EVENTS.values():  # each kind declares its own fields
+        assert is_dataclass(cls) and "kind" not in {f.name for f in fields(cls)}, cls
+        assert decode_rank_event(cls().to_dict()) == cls()
