@@ -272,3 +272,14 @@ def test_a_new_interval_reaches_the_driver_as_an_event_of_its_own():
     for cls in _RANK_EVENTS.values():  # each kind declares its own fields
         assert is_dataclass(cls) and "kind" not in {f.name for f in fields(cls)}, cls
         assert decode_rank_event(cls().to_dict()) == cls()
+
+
+def test_the_writes_ends_kept_for_the_measure_stay_few(tmp_path):
+    """One a step for hours (the bar's case, k = 1: none measured): only the newest few writes' ends are kept."""
+    snaps, taken = snapshots(tmp_path, [True] * 20)
+    for steps in range(1, 21):
+        snaps.take(steps, lambda: None)
+        step, folder, written = taken[-1]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        written(step, folder, {}, 0.0)
+    assert sorted(snaps._ended) == list(range(13, 21))

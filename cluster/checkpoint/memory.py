@@ -40,6 +40,7 @@ SLOW_WRITE_S = COPY_WINDOW_S / 5
 # ``auto`` measures a snapshot's effect on the steps (``measured_effect``) from this interval on (two steps before its
 # mark, two after), and where its write lasts a step or more: a shorter one's few steps are within their own jitter.
 MEASURED_FROM = 4
+ENDED_KEPT = 8  # the writes' ends a rank keeps for that measure (the one measured is the newest taken)
 
 def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: float = 0.0) -> int:
     """``every: auto``: the optimizer steps between snapshots that keep each one's cost at most ``AUTO_SHARE`` of the
@@ -316,7 +317,8 @@ class MemorySnapshots:
         if self._measuring is None:
             return
         at, steps0, step = self._measuring
-        if step not in self._ended or (self._ended[step][1] and self.peers and not self._copied(step)):
+        ended = self._ended.get(step)
+        if ended is None or (ended[1] and self.peers and not self._copied(step)):
             if self._slow_writes((now - at) / max(steps - steps0, 1)):
                 self._set_interval(self.interval * 2)
 
@@ -468,6 +470,13 @@ class MemorySnapshots:
             shutil.rmtree(apart, ignore_errors=True)
         return folder, out
 
+    def _write_ended(self, step: int, at: float, copy: bool) -> None:
+        """The write's thread: this rank's part of ``step`` ended at ``at`` (``copy``: a copy to the peer follows), for
+        ``_measure``; only the newest few are kept (a snapshot every step, and none measured below ``MEASURED_FROM``)."""
+        self._ended[step] = (at, copy)
+        for old in sorted(self._ended)[:-ENDED_KEPT]:
+            self._ended.pop(old, None)
+
     def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
                  writer_cpu_s: float = 0.0) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
@@ -481,7 +490,7 @@ class MemorySnapshots:
             self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), ended - taken_at))
             self._floor = 1
         if files is None:
-            self._ended[step] = (ended, False)
+            self._write_ended(step, ended, False)
             return
         if Path(folder) == self._apart(step):
             joined, files = self._joined(step, Path(folder), files)
@@ -493,11 +502,11 @@ class MemorySnapshots:
         if self.used > self.budget:  # (the first part's size was not known before it was written) not kept
             prune_from(self.node_dir, self.rank, step)
             self.used = used_bytes(self.node_dir)
-            self._ended[step] = (ended, False)
+            self._write_ended(step, ended, False)
             self.say_once(f"raylaunch: snapshots in memory: a part of {self.last_nbytes / 2**20:.3g} MiB would pass "
                           f"their bound of {self.budget / 2**20:.3g} MiB (checkpoint.snapshots.memory_mb) on this "
                           "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
-        self._ended[step] = (ended, True)  # (before the report: the driver's copy, and its note, come after it)
+        self._write_ended(step, ended, True)  # (before the report: the driver's copy, and its note, come after it)
         self._report(step, self.last_nbytes, self.interval, taken_at)
