@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Arrived", "CheckpointInterval", "CheckpointPart", "EventKind", "FailureCause", "Joined", "Metrics", "NodePoll",
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
-    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotHeld", "SnapshotWriting", "WorkerPayload",
+    "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotEvery", "SnapshotHeld", "SnapshotWriting",
+    "WorkerPayload",
     "decode_kind", "decode_rank_event",
 ]
 
@@ -103,6 +104,7 @@ class EventKind(StrEnum):
     PREEMPTED = "preempted"  # every rank agreed to stop, and this one returned after checkpointing
     SNAPSHOT = "snapshot"  # ``step``: its part of a snapshot in memory is on its node (cluster/checkpoint/memory.py)
     SNAPSHOT_WRITING = "snapshot_writing"  # ``step``: its part of that snapshot is taken and being written, slowly
+    SNAPSHOT_EVERY = "snapshot_every"  # ``every``: ``auto`` changed its interval, before a part said so
 
 
 class NodeState(StrEnum):
@@ -436,9 +438,18 @@ class SnapshotWriting(RankEvent):
     step: int = 0
 
 
+@dataclass(frozen=True)
+class SnapshotEvery(RankEvent):
+    """``every: auto`` changed the optimizer steps between the rank's snapshots to ``every``, said at once (a part's
+    ``SnapshotHeld`` says it too, but a snapshot due then may not be taken): a restart's ranks start from it."""
+
+    kind: ClassVar[EventKind] = EventKind.SNAPSHOT_EVERY
+    every: int = 1
+
+
 _RANK_EVENTS: dict[str, type[RankEvent]] = {
     str(c.kind): c for c in (Arrived, Joined, Metrics, Resources, Pace, CheckpointPart, PreemptNotice, Preempted,
-                             RestoredPart, CheckpointInterval, SnapshotHeld, SnapshotWriting)
+                             RestoredPart, CheckpointInterval, SnapshotHeld, SnapshotWriting, SnapshotEvery)
 }
 
 

@@ -10,6 +10,8 @@ On a node, the run's snapshots live under ``<root>/<run key>/<node id>/``:
 - ``restore-<step>/``: a whole snapshot put together for a restart (links to the parts here, copies of the parts
   fetched from other nodes) with a ``manifest.json`` as a committed checkpoint has, which the ranks load and verify
   as one.
+- ``copied-rank-<r>``: the newest step whose copy of rank r's part to the peer the driver saw end, and when
+  (``note_copied``): the rank's ``every: auto`` counts its snapshot's work until then.
 
 After a stop notice a node also writes the parts it holds into a checkpoint's staging folder on the run's storage
 (``store_part``), which the driver then commits as any checkpoint.
@@ -36,8 +38,8 @@ from typing import Any, Union
 from cluster.layout import MANIFEST
 from cluster.storage_io import CheckpointError, open_uri
 
-__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "drop_run", "keep_peer_part", "node_budget_bytes", "part_files",
-           "pin", "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "store_part", "used_bytes",
+__all__ = ["COPY_WINDOW_S", "KEEP", "SnapshotPlan", "assemble", "copied", "drop_run", "keep_peer_part", "node_budget_bytes",
+           "note_copied", "part_files", "pin", "prune", "prune_from", "read_part", "snap_name", "snapshot_root", "store_part", "used_bytes",
            "write_part_json"]
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
@@ -46,6 +48,7 @@ KEEP = 2
 AUTO_MEMORY_SHARE = 0.25
 
 _PART = "rank-{rank}.json"
+_COPIED = "copied-rank-{rank}"  # ``note_copied``
 # A rank's own parts stay at least this long (within the node's bound): its peer's copies of the same step arrive
 # within it, and a snapshot is whole on the peer only with both.
 COPY_WINDOW_S = 5.0
@@ -254,6 +257,30 @@ def keep_peer_part(node_dir: str, step: int, rank: int, data: Part, budget: int)
     folder.mkdir(parents=True, exist_ok=True)
     _write_part(folder, rank, data)
     return True
+
+
+def note_copied(node_dir: str | Path, rank: int, step: int) -> None:
+    """The driver saw the copy of a rank's part of ``step`` to its peer end (kept or not): noted in the part's own
+    node's folder, with this node's time, for the rank's ``auto`` (``cluster.checkpoint.memory``: its snapshot's work
+    ends there); a newer step's note replaces an older one's.
+
+    >>> import tempfile; d = tempfile.mkdtemp(); note_copied(d, 1, 8); copied(d, 1)[0], copied(d, 0)
+    (8, None)
+    """
+    folder = Path(node_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{_COPIED.format(rank=rank)}.partial"
+    tmp.write_text(f"{step} {time.time()!r}")
+    os.replace(tmp, folder / _COPIED.format(rank=rank))
+
+
+def copied(node_dir: str | Path, rank: int) -> tuple[int, float] | None:
+    """(step, when) of the newest copy to its peer noted of a rank's part (``note_copied``); None before any."""
+    try:
+        step, at = Path(node_dir, _COPIED.format(rank=rank)).read_text().split()
+        return int(step), float(at)
+    except (OSError, ValueError):
+        return None
 
 
 def _steps(base: Path) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pyarrow import fs as pafs
 
-from cluster.checkpoint.memory import MemorySnapshots, auto_interval
+from cluster.checkpoint.memory import MemorySnapshots, auto_interval, measured_effect
 from cluster.checkpoint.writer import describe_written
 from cluster.storage_io import CheckpointError, check_manifest
 
@@ -176,3 +176,110 @@ def test_the_writer_process_s_cpu_counts_in_the_share_of_the_node_s_cores_that_w
         written(step, folder, {}, own_s, writer_s)
         clock.now += 0.4
     assert snaps.interval == interval
+
+
+@pytest.mark.parametrize("ended, excess, span", [
+    (103.0, 2.0, 3.0),  # its work ended before the mark: the 4 steps after it are quiet (1 s), those before 1.5 s
+    (107.0, None, 7.0),  # ended after the mark: those after it were not quiet; only how long it was in flight counts
+    (None, None, 10.0),  # still in flight when the next was due: the whole interval, and more
+])
+def test_the_effect_is_the_steps_before_the_mark_against_the_quiet_ones_after_it(ended, excess, span):
+    assert measured_effect((100.0, 10), (106.0, 14), (110.0, 18), ended) == (excess, 1.0, span)
+
+
+def cycles(tmp_path, monkeypatch, excess_s: float, quiet_s: float, write_s: float, copy_s: float | None,
+           peers: bool = True, count: int = 2, writer_cpu_s: float = 0.05) -> MemorySnapshots:
+    """``auto`` from k = 4 (a restart's start): ``count`` snapshots and the take after them, each written ``write_s``
+    after its capture and copied to the peer ``copy_s`` after that (the driver's note, seen from then on), the steps
+    ``quiet_s`` each but those before its mark, which take ``excess_s`` more in all: the step counts and times a rank
+    reads at its takes, marks and writes, no timing."""
+    clock, notes = Clock(), [None]
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    monkeypatch.setattr("cluster.checkpoint.memory.copied",
+                        lambda node_dir, rank: notes[0] if notes[0] and notes[0][1] <= clock.now else None)
+    monkeypatch.setattr("cluster.checkpoint.memory.read_cores", lambda: (0.0, 0.0, None, None))  # (charged whole)
+    taken: list = []
+    told: list[int] = []  # what the driver heard at once (a restart starts from it)
+
+    def save(accelerator, step, folder, written, **kwargs):
+        taken.append((step, folder, written))
+        return True
+
+    snaps = MemorySnapshots(str(tmp_path), 0, None, 1 << 30, save, say=lambda line: None, report=lambda *a: None,
+                            start=4, peers=peers, every_changed=told.append)
+    snaps.accelerator, snaps.confirmed = object(), True
+    steps = 4
+    for _ in range(count):
+        began = clock.now
+        snaps.take(steps, lambda: 0.003)
+        mark = snaps.mark_at
+        assert mark == steps + (snaps.next_due(steps) - steps) // 2
+        step, folder, written = taken[-1]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        clock.now = began + write_s
+        written(step, folder, {}, 0.001, writer_cpu_s)
+        if copy_s is not None:
+            notes[0] = (step, began + write_s + copy_s)
+        clock.now = began + (mark - steps) * quiet_s + excess_s
+        snaps.mark(mark)
+        due = snaps.next_due(mark)  # (later where the mark doubled k)
+        clock.now += (due - mark) * quiet_s
+        steps = due
+    snaps.take(steps, lambda: 0.003)
+    assert told == sorted(set(told)) and (told[-1] if told else 4) == snaps.interval
+    return snaps
+
+
+def test_auto_spaces_out_snapshots_whose_effect_on_the_steps_is_large(tmp_path, monkeypatch):
+    """The bench's case (576 MiB a rank, 2 busy cores): a hold of 3 ms and 50 ms of the writer's CPU charged, a write
+    of 1.5 s; counted as causes (``auto_interval``) they chose k = 4, where the two steps after each snapshot took
+    1.3 s against 0.5 s quiet: 1.6 s of excess a snapshot, which 2% of k quiet steps covers from k = 160 on."""
+    snaps = cycles(tmp_path, monkeypatch, excess_s=1.6, quiet_s=0.5, write_s=1.5, copy_s=1.0)
+    assert auto_interval(0.003, 0.9, cpu_s=0.051, write_s=1.5) == 4
+    assert list(snaps._effects) == [(1.6, 0.5, 5.0)] * 2  # its work ended at 2.5 s (the copy), before the mark
+    assert snaps.interval == 256
+
+
+def test_a_copy_that_ends_after_the_mark_makes_room_for_a_quiet_half(tmp_path, monkeypatch):
+    """Its copy to the peer ended 4.5 s after the capture, past the mark (2 s on): k doubles there, and the steps
+    after the mark were not quiet, so no excess is read from them (not yet noted when the next was due: 3 s, 6
+    steps); k grows to twice the steps it was in flight (16), and the next one's mark comes before its copy ends
+    again (6 s on, 7.5 s): doubled to 32, twice its 9 steps in flight (4.5 s / 0.5)."""
+    snaps = cycles(tmp_path, monkeypatch, excess_s=1.0, quiet_s=0.5, write_s=1.5, copy_s=3.0)
+    assert list(snaps._effects) == [(None, 0.5, 6.0), (None, 0.5, 9.0)]
+    assert snaps.interval == 32
+    one_node = cycles(tmp_path / "one", monkeypatch, excess_s=1.0, quiet_s=0.5, write_s=1.5, copy_s=None, peers=False)
+    assert list(one_node._effects)[-1] == (1.0, 0.5, 3.0)  # no peer: its write's end is its work's
+    assert one_node.interval == 128  # 1.0 / (0.02 x 0.5) = 100
+
+
+def test_a_write_shorter_than_a_step_is_not_spaced_out_by_the_steps_jitter(tmp_path, monkeypatch):
+    """The bar's case (307 KB, 0.05 s a step, written in 1 ms): two steps 10 ms slower than the two after the mark
+    are the steps' own jitter (read as an effect, it would choose k = 32); the hold and the CPU choose."""
+    snaps = cycles(tmp_path, monkeypatch, excess_s=0.02, quiet_s=0.05, write_s=0.001, copy_s=0.002, writer_cpu_s=0.0)
+    assert list(snaps._effects)[-1][0] == pytest.approx(0.02)
+    assert snaps.interval == 4 == auto_interval(0.003, 0.055, cpu_s=0.001, write_s=0.001)
+
+
+def test_a_new_interval_reaches_the_driver_as_an_event_of_its_own():
+    """``every_changed``'s event crosses to the driver as every rank event does (its first version, not a dataclass
+    of its own, failed to build, and the rank stopped its snapshots: the bench's drain resumed from storage)."""
+    from dataclasses import fields, is_dataclass
+
+    from cluster.protocol import _RANK_EVENTS, SnapshotEvery, decode_rank_event
+
+    assert decode_rank_event(SnapshotEvery(every=512).to_dict()) == SnapshotEvery(every=512)
+    for cls in _RANK_EVENTS.values():  # each kind declares its own fields
+        assert is_dataclass(cls) and "kind" not in {f.name for f in fields(cls)}, cls
+        assert decode_rank_event(cls().to_dict()) == cls()
+
+
+def test_the_writes_ends_kept_for_the_measure_stay_few(tmp_path):
+    """One a step for hours (the bar's case, k = 1: none measured): only the newest few writes' ends are kept."""
+    snaps, taken = snapshots(tmp_path, [True] * 20)
+    for steps in range(1, 21):
+        snaps.take(steps, lambda: None)
+        step, folder, written = taken[-1]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        written(step, folder, {}, 0.0)
+    assert sorted(snaps._ended) == list(range(13, 21))

@@ -25,18 +25,22 @@ from typing import Any, Callable
 
 from cluster.checkpoint.writer import describe_written
 from cluster.layout import SCRIPT_FOLDER
-from cluster.snapshots import COPY_WINDOW_S, KEEP, prune, prune_from, snap_name, used_bytes, write_part_json
+from cluster.snapshots import COPY_WINDOW_S, KEEP, copied, prune, prune_from, snap_name, used_bytes, write_part_json
 
-__all__ = ["AUTO_SHARE", "CodeSave", "MemorySnapshots", "SLOW_WRITE_S", "auto_interval", "busy_share", "charged_cpu_s",
-           "read_cores", "renumbered"]
+__all__ = ["AUTO_SHARE", "CodeSave", "MEASURED_FROM", "MemorySnapshots", "SLOW_WRITE_S", "auto_interval", "busy_share",
+           "charged_cpu_s", "effect_interval", "measured_effect", "read_cores", "renumbered"]
 
-# ``every: auto``: snapshots at most this share of the step time (what each costs: its hold on training and the CPU
-# its background write takes).
+# ``every: auto``: snapshots at most this share of the step time (what each costs: the time the steps took beyond
+# quiet ones while its work was in flight, ``measured_effect``; at least its hold and the CPU its write takes).
 AUTO_SHARE = 0.02
 # A rank whose writes take this long (the median of its last few; its first, not measured yet) says when it takes one
 # (``writing``), so that the other ranks' parts of that step are kept until its own is written
 # (``cluster.snapshots.pin``): well within the copy window other ranks' parts are kept anyway.
 SLOW_WRITE_S = COPY_WINDOW_S / 5
+# ``auto`` measures a snapshot's effect on the steps (``measured_effect``) from this interval on (two steps before its
+# mark, two after), and where its write lasts a step or more: a shorter one's few steps are within their own jitter.
+MEASURED_FROM = 4
+ENDED_KEPT = 8  # the writes' ends a rank keeps for that measure (the one measured is the newest taken)
 
 def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: float = 0.0) -> int:
     """``every: auto``: the optimizer steps between snapshots that keep each one's cost at most ``AUTO_SHARE`` of the
@@ -49,15 +53,60 @@ def auto_interval(held_s: float, step_s: float, cpu_s: float = 0.0, write_s: flo
     were busy: the writer runs at the lowest priority, on the node's cores, which training (other ranks, data loader
     workers, the kernel's page allocation for the snapshot's files) wants too, and shares their memory bandwidth and
     caches; on cores that were idle it takes only time no one wanted. Counting the hold alone chose a snapshot every
-    step at 576 MiB a rank and slowed steps 1.36x (``make bench-recovery``, 2 cores, their ranks computing).
+    step at 576 MiB a rank and slowed steps 1.36x (``make bench-recovery``, 2 cores, their ranks computing); counting
+    these causes chose k = 4 there, and the steps were 1.36x again (its copy to the peer, the page faults of the
+    node's memory, memory bandwidth are none of them). They are the floor of ``MemorySnapshots``' interval: what it
+    measures of the effect itself (``effect_interval``) decides above it.
 
     >>> auto_interval(0.0005, 0.05), auto_interval(0.003, 0.05), auto_interval(0.5, 0.05)
     (1, 4, 512)
     >>> auto_interval(0.003, 0.5), auto_interval(0.003, 0.5, cpu_s=0.5), auto_interval(0.003, 0.5, write_s=3.0)
     (1, 64, 8)
     """
-    need = max((held_s + cpu_s) / (AUTO_SHARE * step_s), write_s / step_s)
+    return _power_of_two(max((held_s + cpu_s) / (AUTO_SHARE * step_s), write_s / step_s))
+
+
+def _power_of_two(need: float) -> int:
     return 1 if need <= 1 else 1 << math.ceil(math.log2(need))
+
+
+def measured_effect(taken: tuple[float, int], mark: tuple[float, int], due: tuple[float, int],
+                    ended: float | None) -> tuple[float | None, float, float]:
+    """What one snapshot cost training, from the times and optimizer-step counts the rank read at three step ends:
+    when it was ``taken`` (before its capture), at the ``mark`` (half the interval on) and when the next one was
+    ``due``; ``ended``: when its work ended as far as the rank knows (its write, and its copy to the peer node: a
+    note of the driver's, ``cluster.snapshots.copied``), None while it goes on. The steps from the mark to the next
+    due are the quiet ones (none of its work in flight) when it ended before the mark; the steps before the mark then
+    took the snapshot's excess over as many quiet steps (its hold included). Returns (the excess seconds, None when
+    the steps after the mark were not quiet; the quiet step's seconds, the mark to the next due; the steps its work
+    was in flight, at that step time).
+
+    >>> measured_effect((100.0, 10), (106.0, 14), (110.0, 18), ended=103.0)   # 4 steps of 1 s, 4 of 1.5 s
+    (2.0, 1.0, 3.0)
+    >>> measured_effect((100.0, 10), (106.0, 14), (110.0, 18), ended=None)     # still in flight: not measured
+    (None, 1.0, 10.0)
+    """
+    quiet = (due[0] - mark[0]) / max(due[1] - mark[1], 1)
+    end = due[0] if ended is None else ended
+    span = (end - taken[0]) / quiet if quiet > 0 else math.inf
+    if ended is None or ended > mark[0] or quiet <= 0:
+        return None, quiet, span
+    return round((mark[0] - taken[0]) - (mark[1] - taken[1]) * quiet, 9), quiet, round(span, 9)
+
+
+def effect_interval(excess_s: float | None, quiet_s: float, span_steps: float) -> int:
+    """``every: auto`` from the effect a snapshot had on training (``measured_effect``, medians of the latest few):
+    the power of two k of optimizer steps with ``excess_s`` at most ``AUTO_SHARE`` of k quiet steps, and at least
+    twice the steps its work is in flight (``span_steps``), so that the half of the interval after the mark is quiet
+    and the next measure is one (where it is not, only the span counts).
+
+    >>> effect_interval(1.0, 0.5, 10.0), effect_interval(None, 0.5, 10.0), effect_interval(0.001, 0.5, 0.2)
+    (128, 32, 1)
+    """
+    need = 2 * span_steps
+    if excess_s is not None and quiet_s > 0:
+        need = max(need, excess_s / (AUTO_SHARE * quiet_s))
+    return _power_of_two(need)
 
 
 def charged_cpu_s(cpu_s: float, writer_cpu_s: float, busy: float | None) -> float:
@@ -190,19 +239,25 @@ class MemorySnapshots:
     """One rank's snapshots: when one is due, taking it (``take``, from the prepared loader's iteration, before the
     batch after an optimizer step is fetched), and what it costs.
 
-    ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their cost (their hold on
-    training and their write's CPU) at most ``AUTO_SHARE`` of the step time (``auto_interval``; one a step until two
-    were taken and the second measured; twice as far apart at once when one comes due while the previous one's write
-    is still in flight, which skips it). ``save`` is ``StagedCheckpoints.hold_in_memory``; ``report`` reports a part
+    ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their cost at most
+    ``AUTO_SHARE`` of the step time: what they did to the steps (``measured_effect``, read at a ``mark`` half an
+    interval after each, ``effect_interval``), and at least what their hold and their write's CPU count
+    (``auto_interval``); one a step until two were taken and the second measured; twice as far apart at once when one
+    comes due while the previous one's write is still in flight, which skips it. ``peers``: a peer node keeps a copy
+    of each part (its end, which the driver notes, ends the snapshot's work); ``every_changed(k)`` tells the driver a
+    new interval at once (a restart's ranks start from it). ``save`` is ``StagedCheckpoints.hold_in_memory``; ``report`` reports a part
     once written; ``writing(step)`` says a part was taken whose write is slow (``SLOW_WRITE_S``); ``budget``: bytes
     the node's snapshots may hold."""
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
                  report: Callable[[int, int, int, float | None], None], start: int = 1,
-                 writing: Callable[[int], None] | None = None) -> None:
+                 writing: Callable[[int], None] | None = None, peers: bool = False,
+                 every_changed: Callable[[int], None] | None = None) -> None:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
+        self.peers = peers  # a peer node keeps a copy of each part (the driver notes its end: ``snapshots.copied``)
         self._save, self._say, self._report, self._writing = save, say, report, writing
+        self._every_changed = every_changed
         self.accelerator: Any = None  # the latest Accelerator that prepared a model (``cluster.rank.prepared``)
         self.code: CodeSave | None = None  # a script's or Trainer's own format; None: a function's (session.restore)
         self.base = 0  # the step training resumed at: a snapshot's step is this plus the optimizer steps taken
@@ -213,6 +268,7 @@ class MemorySnapshots:
         self._said: set[str] = set()
         self._last: tuple[float, int] | None = None  # (perf_counter, steps) at the last snapshot taken
         self.interval = every or start  # optimizer steps from one snapshot to the next (auto: from ``start``)
+        self._told = self.interval  # the interval the driver last heard (``every_changed``, a part's report)
         self.taken = 0
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write
@@ -223,6 +279,13 @@ class MemorySnapshots:
         self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
         self._taken_at: dict[int, float] = {}  # step -> when its state was captured, until its part is written
         self._cores: tuple[float, float, float | None, float | None] | None = None  # ``read_cores`` at the last write
+        # ``auto``'s measure of the effect (``measured_effect``): the optimizer steps at which ``mark`` reads the clock
+        # (inf: none), the snapshot measured (Unix time and steps before its capture, its step), the mark's reading
+        self.mark_at: float = math.inf
+        self._measuring: tuple[float, int, int] | None = None
+        self._mark: tuple[float, int] | None = None
+        self._ended: dict[int, tuple[float, bool]] = {}  # step -> (when its write ended, a copy to the peer follows)
+        self._effects: deque[tuple[float | None, float, float]] = deque(maxlen=5)  # the latest ``measured_effect``s
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -232,7 +295,7 @@ class MemorySnapshots:
     def stop(self, why: str) -> None:
         """No more snapshots from this rank (a restart then resumes from storage), said once."""
         if self.off is None:
-            self.off = why
+            self.off, self.mark_at = why, math.inf
             self.say_once(f"raylaunch: rank {self.rank}: no more snapshots in memory: {why}")
 
     def next_due(self, steps: int) -> float:
@@ -243,6 +306,65 @@ class MemorySnapshots:
             return math.inf
         step = self.base + steps
         return steps + self.interval - step % self.interval
+
+    def mark(self, steps: int) -> None:
+        """Half an interval after a snapshot (``mark_at``, at the end of an optimizer step, as ``take``): the clock
+        read once, for ``auto``'s measure of that snapshot's effect on the steps (``measured_effect``). A slow
+        write's snapshot whose work goes on past it doubles the interval at once (the steps after it would not be
+        quiet): a run whose ranks fail often learns its k in fewer snapshots."""
+        now = time.time()
+        self._mark, self.mark_at = (now, steps), math.inf
+        if self._measuring is None:
+            return
+        at, steps0, step = self._measuring
+        ended = self._ended.get(step)
+        if ended is None or (ended[1] and self.peers and not self._copied(step)):
+            if self._slow_writes((now - at) / max(steps - steps0, 1)):
+                self._set_interval(self.interval * 2)
+
+    def _copied(self, step: int) -> float | None:
+        """When the driver saw the copy of this rank's part of ``step`` (or of a later one) to the peer end."""
+        note = copied(self.node_dir, self.rank)
+        return note[1] if note is not None and note[0] >= step else None
+
+    def _slow_writes(self, step_s: float) -> bool:
+        """This rank's writes last a step (``step_s``) or more: their effect is measured (``MEASURED_FROM``)."""
+        return bool(self._writes) and _median(w for _, w in self._writes) >= step_s
+
+    def _set_interval(self, interval: int) -> None:
+        self.interval = interval
+        if interval != self._told and self._every_changed is not None:
+            self._told = interval
+            self._every_changed(interval)
+
+    def _measure(self, now: float, steps: int) -> None:
+        """At the next snapshot's step (``now``, ``steps``): what the one measured cost the steps between, if it
+        was marked; its work ended when its write did, and (``peers``) its copy to the peer node, as the driver
+        noted (``cluster.snapshots.copied``: a note of its step or a later one)."""
+        measuring, mark, self._measuring, self._mark, self.mark_at = self._measuring, self._mark, None, None, math.inf
+        if measuring is None or mark is None or not measuring[1] < mark[1] < steps:
+            return
+        at, steps0, step = measuring
+        ended, copy = self._ended.get(step, (None, False))
+        for old in [s for s in list(self._ended) if s <= step]:
+            self._ended.pop(old, None)
+        if ended is not None and copy and self.peers:
+            copy_ended = self._copied(step)
+            ended = None if copy_ended is None else max(ended, copy_ended)
+        self._effects.append(measured_effect((at, steps0), mark, (now, steps), ended))
+        self._set_interval(max(self.interval, self._effect_interval()))  # (only up: ``take`` may bring it down)
+
+    def _effect_interval(self) -> int:
+        """``effect_interval`` of the medians of the latest measures (1 where none is, or where the writes are
+        shorter than a step: ``MEASURED_FROM``)."""
+        effects = list(self._effects)
+        if not effects or not self._writes:
+            return 1
+        quiet = _median(q for _, q, _ in effects)
+        if not self._slow_writes(quiet):
+            return 1
+        clean = [e for e, _, _ in effects if e is not None]
+        return effect_interval(_median(clean) if clean else None, quiet, _median(s for _, _, s in effects))
 
     def take(self, steps: int, hold_s: Callable[[], float | None], stopping: bool = False) -> None:
         """Take the snapshot of step ``base + steps`` (``steps``: optimizer steps this process took; a Trainer's: its
@@ -257,6 +379,9 @@ class MemorySnapshots:
             prune_from(self.node_dir, self.rank, step)
             self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
             self._cores = read_cores()
+        wall = time.time()
+        if self.every is None:
+            self._measure(wall, steps)
         now = time.perf_counter()
         # (the first snapshot's hold is not a measure: it imports and maps what the others reuse)
         if self.every is None and self._last is not None and steps > self._last[1] and self.taken >= 2:
@@ -264,9 +389,9 @@ class MemorySnapshots:
             if held is not None:  # the medians of the last few: one slow moment of a busy node moves nothing
                 self._recent.append((held, (now - self._last[0]) / (steps - self._last[1])))
                 if _median(s for _, s in self._recent) > 0:
-                    self.interval = max(self._floor, auto_interval(
+                    self._set_interval(max(self._floor, self._effect_interval(), auto_interval(
                         _median(h for h, _ in self._recent), _median(s for _, s in self._recent),
-                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes)))
+                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes))))
         self._last = (now, steps)
         used = self.used  # (read by the write's thread: no walk of the folder on the training thread)
         if used + self.last_nbytes > self.budget:  # the parts kept only for the copies' sake go first
@@ -296,6 +421,9 @@ class MemorySnapshots:
         self._taken_at[step] = time.time()
         if self._save(self.accelerator, step, str(folder), self._written, **kwargs):
             self.taken += 1
+            gap = self.next_due(steps) - steps
+            if self.every is None and gap >= MEASURED_FROM:  # its effect measured: marked half way to the next
+                self._measuring, self.mark_at = (wall, steps, step), steps + gap // 2
             if self._writing is not None and (not self._writes or _median(w for _, w in self._writes) >= SLOW_WRITE_S):
                 self._writing(step)
             return
@@ -342,18 +470,27 @@ class MemorySnapshots:
             shutil.rmtree(apart, ignore_errors=True)
         return folder, out
 
+    def _write_ended(self, step: int, at: float, copy: bool) -> None:
+        """The write's thread: this rank's part of ``step`` ended at ``at`` (``copy``: a copy to the peer follows), for
+        ``_measure``; only the newest few are kept (a snapshot every step, and none measured below ``MEASURED_FROM``)."""
+        self._ended[step] = (at, copy)
+        for old in sorted(self._ended)[:-ENDED_KEPT]:
+            self._ended.pop(old, None)
+
     def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
                  writer_cpu_s: float = 0.0) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
         ``cpu_s``, ``writer_cpu_s``: what the write cost on the rank's thread and in the writer process (for ``auto``,
         whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save)."""
         taken_at = self._taken_at.pop(step, None)
+        ended = time.time()
         cores, self._cores = self._cores, read_cores()  # how busy the node was since the last write ended
         if taken_at is not None and (files is not None or cpu_s + writer_cpu_s > 0):  # (one given up cost what it did)
             busy = None if cores is None else busy_share(cores, self._cores)
-            self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), time.time() - taken_at))
+            self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), ended - taken_at))
             self._floor = 1
         if files is None:
+            self._write_ended(step, ended, False)
             return
         if Path(folder) == self._apart(step):
             joined, files = self._joined(step, Path(folder), files)
@@ -365,9 +502,11 @@ class MemorySnapshots:
         if self.used > self.budget:  # (the first part's size was not known before it was written) not kept
             prune_from(self.node_dir, self.rank, step)
             self.used = used_bytes(self.node_dir)
+            self._write_ended(step, ended, False)
             self.say_once(f"raylaunch: snapshots in memory: a part of {self.last_nbytes / 2**20:.3g} MiB would pass "
                           f"their bound of {self.budget / 2**20:.3g} MiB (checkpoint.snapshots.memory_mb) on this "
                           "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
+        self._write_ended(step, ended, True)  # (before the report: the driver's copy, and its note, come after it)
         self._report(step, self.last_nbytes, self.interval, taken_at)

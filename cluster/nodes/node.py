@@ -417,6 +417,10 @@ class NodeActor:
                                                            memory.node_budget_bytes(memory_mb, node_dir))
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    def snapshot_part_copied(self, node_dir: str, step: int, rank: int) -> None:
+        memory.note_copied(node_dir, rank, step)
+
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def assemble_snapshot(self, node_dir: str, step: int, world_size: int, attempt: int, ranks: list[int],
                           *parts: memory.Part | None) -> str:
         """The snapshot of ``step`` whole in this node's ``restore-<step>``; ``parts``: those of ``ranks``, read from

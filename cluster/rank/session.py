@@ -275,7 +275,7 @@ class Session:
             return
         from cluster.checkpoint.memory import MemorySnapshots
         from cluster.snapshots import node_budget_bytes
-        from cluster.protocol import SnapshotHeld, SnapshotWriting
+        from cluster.protocol import SnapshotEvery, SnapshotHeld, SnapshotWriting
         from cluster.rank import pace
         from cluster.rank.prepared import after_prepare
 
@@ -286,7 +286,8 @@ class Session:
             say=lambda line: print(line, file=sys.stderr, flush=True),
             report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
                 step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
-            start=p.snapshot_start, writing=lambda step: self.emit(SnapshotWriting(step=step)))
+            start=p.snapshot_start, writing=lambda step: self.emit(SnapshotWriting(step=step)),
+            peers=p.context.num_nodes > 1, every_changed=lambda every: self.emit(SnapshotEvery(every=every)))
         self.snapshots, self._meter = snaps, meter
 
         def prepared(accelerator: Any, models: list[Any]) -> None:
@@ -327,9 +328,11 @@ class Session:
             try:
                 if steps >= snaps.next_due(steps - 1):
                     snaps.take(steps, lambda: checkpoints.last_snapshot_hold_s)
+                elif steps >= snaps.mark_at:  # half way to the next: ``auto`` reads the clock
+                    snaps.mark(steps)
             except Exception as exc:  # noqa: BLE001 - never the function's failure: storage's checkpoints remain
                 snaps.stop(f"{type(exc).__name__}: {exc}")
-            due = snaps.next_due(steps)
+            due = min(snaps.next_due(steps), snaps.mark_at)
             if self._agreement is not None:
                 due = min(due, self._agreement.next_check(steps))
             pace.SNAPSHOT_AT[0] = due

@@ -205,11 +205,13 @@ class SnapshotBook:
         if self._copies:
             done, _ = ray.wait(list(self._copies), num_returns=len(self._copies), timeout=0)
             for ref in done:
-                step, rank, peer, _ = self._copies.pop(ref)
+                step, rank, peer, source = self._copies.pop(ref)
                 try:
                     kept = ray.get(ref)
                 except Exception:  # noqa: BLE001 - a node gone meanwhile: that copy is simply not there
                     kept = False
+                src = self.nodes[source]  # its rank's snapshot's work has ended there (``auto`` measures it)
+                src.actor.snapshot_part_copied.remote(src.folder, step, rank)
                 if kept and step in self.held:
                     self.held[step].setdefault(rank, set()).add(peer)
                     self.copied += 1

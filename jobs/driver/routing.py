@@ -15,7 +15,7 @@ from cluster.layout import checkpoint_name
 from cluster.metric_rows import RowBatch, RowBatcher, keep_latest, metrics_row
 from cluster.protocol import (
     Arrived, CheckpointInterval, CheckpointPart, FailureCause, Joined, NodePoll, Pace, PreemptNotice, Preempted, RankFailure,
-    Resources, RestoredPart, SnapshotHeld, SnapshotWriting, decode_rank_event,
+    Resources, RestoredPart, SnapshotEvery, SnapshotHeld, SnapshotWriting, decode_rank_event,
 )
 from cluster.storage_io import join_uri
 from jobs.driver.memory import SnapshotBook
@@ -193,6 +193,9 @@ class AttemptRouter:
                 case SnapshotWriting():
                     if self.snapshots is not None:
                         self.snapshots.writing_part(e.step, rank)
+                case SnapshotEvery():
+                    if self.snapshots is not None:
+                        self.snapshots.every[rank] = e.every
                 case CheckpointInterval():
                     cost = (f"a save holds training {e.save_s:.2f} s" if e.measured else
                             f"a save assumed to hold training {e.save_s:.2f} s until one is measured")
