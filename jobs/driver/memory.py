@@ -122,6 +122,7 @@ class SnapshotBook:
     nodes: list[_Node] = field(default_factory=list)  # the attempt's nodes, by node rank
     roots: dict[str, str] = field(default_factory=dict)  # node id -> the run's folder on it, for every node seen
     _copies: dict[Any, tuple[int, int, str, int]] = field(default_factory=dict)  # ref -> (step, rank, peer, source)
+    _notes: list[Any] = field(default_factory=list)  # the copy notes sent (``snapshot_part_copied``), until done
     _waiting: dict[int, int] = field(default_factory=dict)  # rank -> the newest step of its part to copy
     _node_of: dict[int, int] = field(default_factory=dict)  # rank -> its node rank, this attempt
     _pin: int | None = None  # the newest step every rank's part is held of, this attempt (``cluster.snapshots.pin``)
@@ -202,6 +203,13 @@ class SnapshotBook:
 
     def poll(self) -> None:
         """Note the copies done; start the waiting ones whose node has none in flight."""
+        if self._notes:  # each read once done: a note to a node gone meanwhile fails, and is simply not there
+            done, self._notes = ray.wait(self._notes, num_returns=len(self._notes), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001
+                    pass
         if self._copies:
             done, _ = ray.wait(list(self._copies), num_returns=len(self._copies), timeout=0)
             for ref in done:
@@ -211,7 +219,7 @@ class SnapshotBook:
                 except Exception:  # noqa: BLE001 - a node gone meanwhile: that copy is simply not there
                     kept = False
                 src = self.nodes[source]  # its rank's snapshot's work has ended there (``auto`` measures it)
-                src.actor.snapshot_part_copied.remote(src.folder, step, rank)
+                self._notes.append(src.actor.snapshot_part_copied.remote(src.folder, step, rank))
                 if kept and step in self.held:
                     self.held[step].setdefault(rank, set()).add(peer)
                     self.copied += 1
