@@ -146,13 +146,15 @@ def test_a_rank_killed_after_a_commit_resumes_the_script_with_the_flag_and_ends_
 
 
 def test_a_rank_killed_between_commits_resumes_the_script_from_a_snapshot_in_memory_bitwise_equal(uninterrupted):
-    """Three epochs of 4 steps, commits at 3, 6, 9 and 12, snapshots every step: rank 1 is killed once every rank's
-    part of step 7 is held. The restart hands the script `--resume_from_checkpoint <node folder>/step_<n>` put together
-    from the nodes' memory (its save_state's files, named as it names its folders) at 7 (inside the second epoch) or 8
-    (its end); the script's own resume reads the step from the name, loads it and skips the epoch's batches seen, and
-    the weights are the uninterrupted run's."""
+    """Three epochs of 4 steps, commits at 6 and 12, snapshots every step: rank 1 is killed once every rank's part of
+    step 7 is held. The restart hands the script `--resume_from_checkpoint <node folder>/step_<n>` put together from
+    the nodes' memory (its save_state's files, named as it names its folders) at 7 to 11 (inside the second epoch, at
+    its end, or inside the third); the script's own resume reads the step from the name, loads it and skips the
+    epoch's batches seen, and the weights are the uninterrupted run's. (Commits every 3 steps left the kill 0.5 s
+    before the commit of step 9: the driver hears of a snapshot held about 1.5 s after its step on a quiet machine,
+    and a CI machine under load heard of it after that commit, so the restart rightly resumed from storage at 9.)"""
     _, tmp = uninterrupted
-    three = [*TRAIN, "--epochs", "3"]
+    three = [*TRAIN, "--epochs", "3", "--checkpointing_steps", "6"]
     topology = ["--num_machines", "2", "--num_processes", "2", "--set", "failure.max_restarts=1"]
     whole = launch([*topology, "--set", "checkpoint.snapshots.every=0", SCRIPT, *three, "--output_dir",
                     str(tmp / "out-three")], tmp / "runs", "three").run()
@@ -166,10 +168,9 @@ def test_a_rank_killed_between_commits_resumes_the_script_from_a_snapshot_in_mem
     assert result.attempts == 2 and result.restarts == 1
     events = [json.loads(line) for line in Path(result.run_dir, "events.jsonl").read_text().splitlines()]
     start = [e for e in events if e["kind"] == "attempt"][-1]
-    # (what the driver said of the snapshots: why a restart resumed from storage, on a machine under load in the
-    # fresh-clone suite at d398094, once)
-    assert start["resume_from"] == "memory" and start["resume_step"] in (7, 8), (
-        start, [line for line in said.getvalue().splitlines() if "snapshot" in line or "resum" in line])
+    # (what the driver said of the restart first: why it resumed from storage, if it did)
+    assert start["resume_from"] == "memory" and 7 <= start["resume_step"] <= 11, (
+        [line for line in said.getvalue().splitlines() if "resum" in line], start)
     assert f"/step_{start['resume_step']} (the checkpoint of step {start['resume_step']})" in said.getvalue()
     second = sorted({r["step"] for r in rows(result.run_dir) if r["attempt"] == 2 and "loss" in r})
     assert second == list(range(start["resume_step"] + 1, 13)), second
