@@ -3,7 +3,8 @@
 Each repetition runs every launcher once, in turn (A B C D A B C D ...), with the same
 training function (bench/fn.py), world size 2 on CPU with gloo: torchrun (the floor), Ray
 Train's TorchTrainer, `raylaunch run` with an embedded cluster (cold) and `raylaunch run
---address` on a running cluster (warm). One run of a launcher yields every figure it is
+--address` on a running cluster (warm), and warm again with snapshots in memory off (what the
+launcher itself puts on the step, #59's snapshots apart). One run of a launcher yields every figure it is
 compared on: time to the first step, steady step time, the cost of metrics (alternating
 blocks of steps with and without logging), the checkpoint stall (`session.save` against
 `save_state` to local disk, in alternating order) and, for Ray Train and raylaunch warm,
@@ -335,6 +336,10 @@ def main() -> int:
         "raylaunch_warm": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
                             "--quiet", "--address", f"127.0.0.1:{port}", "--set", "failure.max_restarts=1",
                             *scaling, "{set_config}"], True),
+        # the same without snapshots in memory (#59's default): what the launcher itself puts on the step (#58)
+        "raylaunch_warm_nosnap": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
+                                   "--quiet", "--address", f"127.0.0.1:{port}", "--set", "checkpoint.snapshots.every=0",
+                                   *scaling, "{set_config}"], False),
     }
     rows: dict[str, list[dict]] = {k: [] for k in launchers}
     first_job = None
@@ -428,6 +433,9 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
             "steady_cpu_ms": summary([1000 * r["steady_cpu_s"] for r in rs if r.get("steady_cpu_s")] or [float("nan")]),
             "cpu_ratio": summary([r["steady_cpu_s"] / f["steady_cpu_s"] for r, f in zip(rs, floor)
                                   if r.get("steady_cpu_s") and f.get("steady_cpu_s")] or [float("nan")]),
+            # the steady window's time a step, the saves' holds and what follows them in it (fn.py)
+            "window_ratio": summary([r["window_step_s"] / f["window_step_s"] for r, f in zip(rs, floor)
+                                     if r.get("window_step_s") and f.get("window_step_s")] or [float("nan")]),
         }
         if rs[0]["recovery_s"] is not None:
             figures[name]["recovery_s"] = summary([r["recovery_s"] for r in rs])
@@ -490,6 +498,10 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
                      f"{cell(f['steady_cpu_ms'], '.1f')} ms | "
                      f"{cell(f['cpu_ratio'], '.3f')} | {rec} | {f['peak_tree_mb']['median']:.0f} MB |")
     lines += ["",
+              "- the steady window's wall time a step, its 4 saves in it (raylaunch's `session.save` holds training for a "
+              "copy and writes beside the next steps, and its snapshots in memory begin at the first save; under "
+              "torchrun and Ray Train it is `save_state`, holding training for the write), ratio to torchrun: " + ", ".join(
+                  f"{name} {cell(figures[name]['window_ratio'], '.3f')}" for name in rows if name != "torchrun"),
               f"- raylaunch cold start against Ray Train's: {cell(figures['cold_first_step_ratio_to_ray_train'], '.2f')} x; "
               f"recovery against Ray Train's: {cell(figures['recovery_ratio_to_ray_train'], '.2f')} x",
               f"- metrics every step (`accelerator.log` + `session.log`) against none, alternating blocks of 10 steps "
