@@ -430,8 +430,9 @@ class MemorySnapshots:
         self._taken_at.pop(step, None)
         if in_flight and self._taken_at:  # skipped: its write takes longer than the interval
             self.skipped += 1
-            if self.every is None:  # (measured when that write ends: ``_written``)
-                self.interval = self._floor = self.interval * 2
+            if self.every is None:  # (measured when that write ends: ``_written``); the driver told, as any change
+                self._floor = self.interval * 2
+                self._set_interval(self._floor)
 
     def _apart(self, step: int) -> Path:
         """Where this rank's part of a script's or Trainer's snapshot of ``step`` is written before it joins the
