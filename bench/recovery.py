@@ -564,6 +564,9 @@ def report(rows: list[dict], meta: dict) -> str:
         lines.append("| each failure: last step -> resumed at | " + " | ".join(
             ", ".join(f"{f['last_step']}->{f['resumed']}" for r in tiny if r["arm"] == a for f in r["failures"])
             for a in tiny_arms) + " |")
+        # (what bounds the steps lost: `auto` keeps a snapshot's hold and charged CPU within 2% of a step)
+        lines.append("| `auto`'s k at the end (optimizer steps from one snapshot to the next) | " + " | ".join(
+            ", ".join(str(r["k"]) for r in tiny if r["arm"] == a and r.get("k")) or "-" for a in tiny_arms) + " |")
     # goals: the snapshots arm's figure; beside it, where that arm did not run, the commits arm's for reference
     def worst(case: str, arm: str, key: str) -> float | None:
         values = _of(rows, case, arm, key)
