@@ -162,15 +162,15 @@ def train(config: dict) -> dict:
         return torch.nn.functional.mse_loss(net(xb).float(), yb)
 
     logged, quiet, first_step_at, saves, local_saves, cpu = [], [], None, [], [], []
-    # the steady steps' start and end, the saves' holds between them and what runs after them (a background write,
-    # the snapshots in memory that begin at the first save) all in: the window's time a step
-    window: list[float | None] = [None, None]
+    # when the steady steps began: the window's time a step counts the saves' holds between them and what runs after
+    # them (a background write, the snapshots in memory that begin at the first save)
+    window_began: float | None = None
     with_pace, without_pace = [], []
     mark = _steady_marker(pid_dir if rank == 0 and not restarted else None)
     for step in range(1, steps + 1):
         if step == steps // 4 + 1:
             mark("begin")
-            window[0] = time.perf_counter()
+            window_began = time.perf_counter()
         log = block > 0 and (step // block) % 2 == 0
         # pace blocks of 2 x log_block steps, in the order paced, unpaced, unpaced, paced (ABBA), so a drift of the
         # machine over the run falls on both alike; each holds as many logged steps as quiet ones
@@ -211,7 +211,7 @@ def train(config: dict) -> dict:
                         local_saves.append(time.perf_counter() - t)
 
     mark("end")
-    window[1] = time.perf_counter()
+    window_s = time.perf_counter() - window_began if window_began is not None else None
 
     def steady(times: list[tuple[int, float]]) -> float | None:
         warm = [t for s, t in times if s > steps // 4]
@@ -219,7 +219,7 @@ def train(config: dict) -> dict:
 
     result = {"first_step_at": first_step_at, "steady_step_s": steady(logged + quiet), "held_mb": _held_mb(optimizer),
               "steady_cpu_s": steady(cpu),
-              "window_step_s": (window[1] - window[0]) / (steps - steps // 4) if window[0] is not None else None,
+              "window_step_s": window_s / (steps - steps // 4) if window_s is not None else None,
               "steady_logged_s": steady(logged), "steady_quiet_s": steady(quiet),
               "steady_paced_s": steady(with_pace) if paced else None,
               "steady_unpaced_s": steady(without_pace) if paced else None,

@@ -327,19 +327,17 @@ def main() -> int:
     # Ray Train and raylaunch warm restart the whole world once after a rank dies. torchrun
     # --max-restarts=1 is left out of that: on this machine (torch 2.13, gloo) its restarted
     # world failed every time, connecting to the previous round's gloo address.
+    raylaunch = [str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh", "--quiet"]
+    warm = ["--address", f"127.0.0.1:{port}"]
     launchers = {
         "torchrun": ([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={world}", "bench/fn.py",
                       "{config}"], False),
         "ray_train": ([sys.executable, "bench/raytrain.py", "{config}"], True),
-        "raylaunch_cold": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
-                            "--quiet", *scaling, "{set_config}"], False),
-        "raylaunch_warm": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
-                            "--quiet", "--address", f"127.0.0.1:{port}", "--set", "failure.max_restarts=1",
-                            *scaling, "{set_config}"], True),
+        "raylaunch_cold": ([*raylaunch, *scaling, "{set_config}"], False),
+        "raylaunch_warm": ([*raylaunch, *warm, "--set", "failure.max_restarts=1", *scaling, "{set_config}"], True),
         # the same without snapshots in memory (#59's default): what the launcher itself puts on the step (#58)
-        "raylaunch_warm_nosnap": ([str(BIN / "raylaunch"), "run", "bench/bench.yaml", "--storage", storage, "--fresh",
-                                   "--quiet", "--address", f"127.0.0.1:{port}", "--set", "checkpoint.snapshots.every=0",
-                                   *scaling, "{set_config}"], False),
+        "raylaunch_warm_nosnap": ([*raylaunch, *warm, "--set", "checkpoint.snapshots.every=0", *scaling,
+                                   "{set_config}"], False),
     }
     rows: dict[str, list[dict]] = {k: [] for k in launchers}
     first_job = None
