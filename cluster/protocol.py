@@ -26,7 +26,7 @@ __all__ = [
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
     "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotEvery", "SnapshotHeld", "SnapshotWriting",
     "WorkerPayload",
-    "decode_kind", "decode_rank_event",
+    "decode_kind", "decode_rank_event", "metrics_line",
 ]
 
 # The end of a rank's line that every rank says once (a metrics key renamed, say): the driver prints it once a run.
@@ -338,6 +338,20 @@ class Metrics(RankEvent):
     values: dict = field(default_factory=dict)
 
 
+def metrics_line(step: int | None, values: dict, at: float, rank: int) -> dict[str, Any]:
+    """A ``Metrics`` event's line object with its time and rank set, as ``Metrics(step, values).to_dict()`` gives
+    it, built without the event: a row a step is written, and the event and its walk of the fields were half of a
+    row's write (``bench/step_costs.py``, #58).
+
+    >>> metrics_line(3, {"loss": 0.5}, 1.5, 2) == {**Metrics(step=3, values={"loss": 0.5}).to_dict(), "time": 1.5,
+    ...                                              "rank": 2}
+    True
+    >>> list(metrics_line(3, {}, 1.5, 2)) == list(Metrics().to_dict())
+    True
+    """
+    return {"kind": _METRICS, "time": at, "rank": rank, "step": step, "values": values}
+
+
 @dataclass(frozen=True)
 class Resources(RankEvent):
     """The rank's peak memory so far, in MiB (GPU where CUDA is in use)."""
@@ -483,6 +497,7 @@ def decode_kind(kinds: dict[str, type], row: Any) -> Any:
         return None
 
 
+_METRICS = str(EventKind.METRICS)
 _FIELDS: dict[type, frozenset[str]] = {}  # each event class's field names (decoding runs for every event)
 _ORDER: dict[type, tuple[str, ...]] = {}  # the same, in order (encoding runs for every event too)
 

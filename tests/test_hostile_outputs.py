@@ -67,3 +67,30 @@ def test_storage_changed_under_the_driver_ends_the_run_failed_never_running(ray_
     assert recorded["status"] == "failed" and recorded["end_time"]
     assert "could not commit the checkpoint of step 5" in recorded["error"], recorded["error"]
     assert (tmp_path / "sabotaged" / "spec.yaml").exists()
+
+
+def test_rows_of_numbers_and_cpu_tensors_are_written_as_logged_whatever_the_dict_becomes_after(tmp_path):
+    # the common row takes a shorter way than the caps' walk (#58): it must write what the caps would, read when logged
+    import torch
+
+    from cluster.context import WorkerContext
+    from cluster.protocol import WorkerPayload
+    from cluster.rank.session import Session
+
+    ctx = WorkerContext(world_rank=1, local_rank=0, node_rank=0, world_size=2, local_world_size=1, num_nodes=2)
+    session = Session(WorkerPayload(context=ctx, attempt=1, train_fn="x:y", config={},
+                                    events_path=str(tmp_path / "events-rank1.jsonl"),
+                                    staging_uri=str(tmp_path / "staging"), restore_uri=None, backend="gloo"))
+    loss = torch.tensor(0.25)
+    values = {"loss": loss, "lr": 1e-3, "epoch": 2, "last": True, "none": None, "big": 2**63, "bigger": 2**64,
+              "count": torch.tensor(7)}
+    session.log(values, step=5)
+    values["lr"] = 9.0
+    loss += 1  # a running total the function keeps adding to
+    session.log({"step": 1, "loss": 0.5}, step=6)  # a row's own key: the caps' way, kept apart
+    session.write_rows()
+    rows = [json.loads(line) for line in (tmp_path / "events-rank1.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"], r["step"]) for r in rows] == [("metrics", 1, 5), ("metrics", 1, 6)]
+    assert rows[0]["values"] == {"loss": 0.25, "lr": 1e-3, "epoch": 2, "last": True, "none": None, "big": 2**63,
+                                 "bigger": 1.7976931348623157e308, "count": 7}
+    assert rows[1]["values"] == {"logged_step": 1, "loss": 0.5}

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.tracking import GeneralTracker
 
 from cluster.checkpoint.resume import init_optimizers_for_load, load_loader_states, save_loader_states
@@ -27,8 +28,9 @@ from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, LOCAL_LATEST, checkpoint_name, checkpoint_step
 from cluster.protocol import (
     SAID_ONCE, CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
+    metrics_line,
 )
-from cluster.rank.metric_caps import capped
+from cluster.rank.metric_caps import MAX_KEY_CHARS, MAX_KEYS, capped
 from cluster.rank.stops import StopCheck
 from cluster.strategy import Resolved
 
@@ -62,6 +64,35 @@ class RunnerTracker(GeneralTracker):
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         # Accelerate calls this on the main process only; Session.log is per rank.
         self._session.log(values, step)
+
+
+_RECORD_KEYS = frozenset(RECORD_KEYS)
+
+
+def _plain_row(values: Any) -> dict | None:
+    """A log call's ``values`` as its row, when it is the common one: a dict of at most ``MAX_KEYS`` names of the
+    user's own (a str of at most ``MAX_KEY_CHARS``, none a row's own key) to plain numbers (a float, an int within the
+    caps, a bool, None) or one-element tensors on the CPU (read now); None for any other (the caps' walk, or the
+    device's thread, takes it). A copy: the caller may change its dict after the call. Walking every value through
+    the caps cost a ``session.log`` on a 0.26 ms step more than the rest of it (``bench/step_costs.py``, #58).
+
+    >>> _plain_row({"loss": 0.5, "epoch": 1, "lr": None}), _plain_row({"step": 1}), _plain_row({"text": "a"})
+    ({'loss': 0.5, 'epoch': 1, 'lr': None}, None, None)
+    """
+    if type(values) is not dict or len(values) > MAX_KEYS:
+        return None
+    row = {}
+    for key, value in values.items():
+        if type(key) is not str or len(key) > MAX_KEY_CHARS or key in _RECORD_KEYS:
+            return None
+        kind = type(value)
+        if kind is torch.Tensor and value.is_cpu and value.numel() == 1:
+            value = value.item()
+            kind = type(value)
+        if not (kind is float or kind is bool or value is None or (kind is int and -2**63 <= value <= 2**63)):
+            return None
+        row[key] = value
+    return row
 
 
 def _holds_device_values(values: Any) -> bool:
@@ -216,11 +247,14 @@ class Session:
         the first such call on, every row of the rank goes through that thread, in order; the worker waits for the
         rows in it when the function returns (``flush_metrics``)."""
         at = time.time()
-        if self._device_rows is None and not _holds_device_values(values):
+        row = _plain_row(values) if self._device_rows is None else None
+        if row is None and self._device_rows is None and not _holds_device_values(values):
+            row = self._clean(values, "metrics")  # (its values read now: the caps copy them)
+        if row is not None:
             if self.payload is None:  # outside the runner, each row at once: a script may end with os._exit (CI's
-                self.emit(Metrics(step=step, values=self._clean(values, "metrics")), at=at)  # test_runner lost 135)
+                self.emit(Metrics(step=step, values=row), at=at)  # test_runner lost 135)
                 return
-            self._rows.append((step, self._clean(values, "metrics"), at))  # (its values read now: the caps copy them)
+            self._rows.append((step, row, at))
             if not self._rows_due.is_set():
                 if self._row_writer is None:
                     self._start_row_writer()
@@ -260,10 +294,15 @@ class Session:
 
     def _write_rows(self) -> None:
         """Under ``_lock``: the rows logged so far, in order, as ``emit`` writes an event's line."""
-        rows = self._rows
+        rows, dumps = self._rows, json.dumps
+        rank = self.payload.context.world_rank if self.payload is not None else 0
+        lines = []
         while rows:
             step, values, at = rows.popleft()
-            self._events.write(self._line(Metrics(step=step, values=values), at))
+            lines.append(dumps(metrics_line(step, values, at, rank)))
+        if lines:
+            lines.append("")
+            self._events.write("\n".join(lines))
 
     def start_snapshots(self, meter: Any) -> None:
         """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), taken from the prepared
