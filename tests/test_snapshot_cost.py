@@ -56,14 +56,17 @@ def test_a_set_interval_is_kept_when_a_snapshot_is_skipped(tmp_path):
     assert (snaps.skipped, snaps.interval) == (1, 4)
 
 
-def test_a_write_given_up_or_failed_is_no_longer_in_flight(tmp_path):
+def test_a_write_given_up_or_failed_is_no_longer_in_flight(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
     snaps, taken = snapshots(tmp_path, [True, False])
     snaps.take(1, lambda: None)
     step, folder, written = taken[0]
-    written(step, folder, None, 0.2)  # given up for a save (or failed): nothing reported, but its cost measured
+    written(step, folder, None, 0.002)  # given up for a save (or failed): nothing reported, but its cost measured
+    clock.now += 0.5
     snaps.take(2, lambda: None)  # a save's write in flight: not a snapshot skipped
     assert (snaps.skipped, snaps.interval) == (0, 1)
-    assert [cpu for cpu, _ in snaps._writes] == [0.2]
+    assert [cpu for cpu, _ in snaps._writes] == [0.002]
     assert not (tmp_path / "snap-00000001" / "rank-0.json").exists()
 
 
@@ -122,6 +125,42 @@ def test_auto_counts_the_write_s_cpu_and_its_time_in_flight_beside_the_hold(tmp_
         written(step, folder, {}, cpu_s)
         clock.now += 0.5 - write_s  # the next step begins 0.5 s after this one
     assert snaps.interval == interval == auto_interval(0.001, 0.5, cpu_s=cpu_s, write_s=write_s)
+
+
+def test_the_first_snapshots_write_sets_the_interval_before_the_next_is_taken(tmp_path, monkeypatch):
+    """auto waited for a third snapshot's measure: a run of 240 steps took five where the interval it settled on
+    gave three, the first few one step or two apart (#58). The first one's write (its CPU, its time in flight) says
+    the interval at the next step due; a step not due at the new one takes none."""
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True] * 3)
+    snaps.take(1, lambda: 0.001)
+    step, folder, written = taken[0]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    clock.now += 0.1
+    written(step, folder, {}, 0.5)  # 0.5 s of CPU, written 0.1 s after its capture
+    clock.now += 0.4
+    assert snaps.next_due(1) == 2
+    snaps.take(2, lambda: 0.001)
+    assert len(taken) == 1  # not taken at step 2
+    assert snaps.interval == 64 == auto_interval(0.0, 0.5, cpu_s=0.5, write_s=0.1)  # 0.5 / (0.02 x 0.5): 50, up to 64
+    assert snaps.next_due(2) == 64
+    clock.now += 31.0
+    snaps.take(64, lambda: 0.001)
+    assert [t[0] for t in taken] == [1, 64]
+
+
+def test_a_first_write_that_costs_little_leaves_one_a_step(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True] * 2)
+    snaps.take(1, lambda: 0.0002)
+    step, folder, written = taken[0]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written(step, folder, {}, 0.0003)  # the bar's case: 0.3 ms of CPU at 50 ms a step
+    clock.now += 0.05
+    snaps.take(2, lambda: 0.0002)
+    assert [t[0] for t in taken] == [1, 2] and snaps.interval == 1
 
 
 def snapshot_folder(tmp_path, snapshot: bool) -> Path:

@@ -152,7 +152,9 @@ def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, 
     spare = ray_cluster.add_node(num_cpus=2)  # losing one node leaves two
     ray_cluster.wait_for_nodes()
     try:
-        driver = Driver(spec(tmp_path, "lost"), can_grow=True)
+        # 0.05 s a step, as the rank's test above: unthrottled, the 75 steps of a few milliseconds ended once before a
+        # copy newer than the last commit was seen on the peer (CI-like load, 2026-12-06)
+        driver = Driver(spec(tmp_path, "lost", overrides=["config.throttle_s=0.05"]), can_grow=True)
         box = {}
         thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
         thread.start()
