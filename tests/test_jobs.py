@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import secrets
 import shutil
@@ -45,11 +46,18 @@ def head(tmp_path_factory):
                     f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}"],
                    env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    gcs = re.search(r"--address='([^']+)'", started.stdout)
     try:
         yield {"address": f"http://127.0.0.1:{port}", "token": token, "temp": str(temp)}
     finally:
         stop_processes_under(str(temp))
         shutil.rmtree(temp, ignore_errors=True)
+    # every process of the cluster ended, its Ray Client server too (named by the GCS address only, it was left
+    # behind, a child of init, by every `ray start --head` the tests and the benches stopped before 2026-12-06)
+    assert gcs, started.stdout[-2000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+            and f"--address={gcs.group(1)}" in (p.info["cmdline"] or [])]
+    assert not left, f"processes of the stopped cluster left: {left}"
 
 
 def cli(head, *args, token: bool = True, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -127,19 +127,26 @@ def test_auto_counts_the_write_s_cpu_and_its_time_in_flight_beside_the_hold(tmp_
     assert snaps.interval == interval == auto_interval(0.001, 0.5, cpu_s=cpu_s, write_s=write_s)
 
 
-def test_the_first_snapshots_write_sets_the_interval_before_the_next_is_taken(tmp_path, monkeypatch):
-    """auto waited for a third snapshot's measure: a run of 240 steps took five where the interval it settled on
-    gave three, the first few one step or two apart (#58). The first one's write (its CPU, its time in flight) says
-    the interval at the next step due; a step not due at the new one takes none."""
+def first_written(tmp_path, monkeypatch, cpu_s: float, write_s: float, step_s: float):
+    """A rank's snapshots under a clock told when to move: the first one taken at step 1, written ``write_s`` after
+    its capture with ``cpu_s`` of CPU, and the clock at the next step's end (``step_s`` on)."""
     clock = Clock()
     monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
     snaps, taken = snapshots(tmp_path, [True] * 3)
     snaps.take(1, lambda: 0.001)
     step, folder, written = taken[0]
     Path(folder).mkdir(parents=True, exist_ok=True)
-    clock.now += 0.1
-    written(step, folder, {}, 0.5)  # 0.5 s of CPU, written 0.1 s after its capture
-    clock.now += 0.4
+    clock.now += write_s
+    written(step, folder, {}, cpu_s)
+    clock.now += step_s - write_s
+    return snaps, taken, clock
+
+
+def test_the_first_snapshots_write_sets_the_interval_before_the_next_is_taken(tmp_path, monkeypatch):
+    """auto waited for a third snapshot's measure: a run of 240 steps took five where the interval it settled on
+    gave three, the first few one step or two apart (#58). The first one's write (its CPU, its time in flight) says
+    the interval at the next step due; a step not due at the new one takes none."""
+    snaps, taken, clock = first_written(tmp_path, monkeypatch, cpu_s=0.5, write_s=0.1, step_s=0.5)
     assert snaps.next_due(1) == 2
     snaps.take(2, lambda: 0.001)
     assert len(taken) == 1  # not taken at step 2
@@ -151,14 +158,8 @@ def test_the_first_snapshots_write_sets_the_interval_before_the_next_is_taken(tm
 
 
 def test_a_first_write_that_costs_little_leaves_one_a_step(tmp_path, monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
-    snaps, taken = snapshots(tmp_path, [True] * 2)
-    snaps.take(1, lambda: 0.0002)
-    step, folder, written = taken[0]
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    written(step, folder, {}, 0.0003)  # the bar's case: 0.3 ms of CPU at 50 ms a step
-    clock.now += 0.05
+    # the bar's case: 0.3 ms of CPU at 50 ms a step
+    snaps, taken, _ = first_written(tmp_path, monkeypatch, cpu_s=0.0003, write_s=0.0, step_s=0.05)
     snaps.take(2, lambda: 0.0002)
     assert [t[0] for t in taken] == [1, 2] and snaps.interval == 1
 

@@ -333,14 +333,22 @@ def stop_processes_under(temp_dir: str, timeout_s: float = 15.0) -> int:
     """End a `ray start --temp-dir=<temp_dir>` cluster by PID; returns how many processes.
 
     Its daemons name the temp dir on their command line; the workers they
-    started are their children. SIGTERM first, SIGKILL for what is left.
+    started are their children; the head's Ray Client server (``ray start``
+    starts one, which outlives the command as a child of init) names neither,
+    only the cluster's GCS address, which the daemons name. SIGTERM first,
+    SIGKILL for what is left.
     """
     import psutil
 
     me = psutil.Process()
     spare = {me.pid, *(p.pid for p in me.parents())}  # a caller whose own command line names the dir
-    ours = [p for p in psutil.process_iter(["cmdline"])
-            if p.pid not in spare and str(temp_dir) in " ".join(p.info["cmdline"] or [])]
+    lines = {p.pid: (p, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])
+             if p.pid not in spare}
+    ours = [p for p, line in lines.values() if str(temp_dir) in line]
+    gcs = {arg.split("=", 1)[1] for _, line in lines.values() if str(temp_dir) in line
+           for arg in line.split() if arg.startswith("--gcs-address=")}
+    ours += [p for p, line in lines.values() if "ray.util.client.server" in line and str(temp_dir) not in line
+             and any(f"--address={address}" in line.split() for address in gcs)]
     procs = {p.pid: p for p in ours}
     for p in ours:
         try:
