@@ -113,6 +113,7 @@ class Snapshot:
 
     writes: list[_Write] = field(default_factory=list)
     nbytes: int = 0  # host memory its tensors hold
+    objects: int = 0  # objects kept as their bytes (``_Serialised``) so far
     shared: bool = False
     segments: dict[int, tuple[int, int, Any]] = field(default_factory=dict)
     pool: SegmentPool | None = None  # where its segments come from and go back to
@@ -201,7 +202,9 @@ def _shared_empty(t: Any, snap: Snapshot) -> Any:
     the pool's of the same size when it has one."""
     import torch
 
-    layout = torch.empty_like(t, device="meta")  # the strides a copy of ``t`` gets
+    # the strides a copy of ``t`` gets: its own where it is contiguous (every parameter and optimizer state but a
+    # channels-last one's), else those ``empty_like`` gives (a meta tensor of its shape, which costs more)
+    layout = t if t.is_contiguous() else torch.empty_like(t, device="meta")
     nbytes = t.numel() * t.element_size()
     kept = snap.pool.take(nbytes) if snap.pool is not None else None
     fd, storage = kept if kept is not None else _new_segment(nbytes)
@@ -212,6 +215,12 @@ def _shared_empty(t: Any, snap: Snapshot) -> Any:
 
 # Values a snapshot keeps as they are (immutable, and pickled as themselves).
 _ATOMS = (type(None), bool, int, float, str, bytes)
+_ATOM_TYPES = frozenset(_ATOMS)
+
+
+def _atoms_only(values: Any) -> bool:
+    """Every item of a list or tuple is an atom: one pass in C (Python's RNG state is 625 ints)."""
+    return _ATOM_TYPES.issuperset(map(type, values))
 
 
 def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
@@ -241,11 +250,11 @@ def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
             out[k] = _copy(v, snap, cuda, path)
         return out
     if isinstance(obj, list):
-        if all(type(v) in _ATOMS for v in obj):  # (Python's RNG state is 625 ints: one pass, not 625 calls)
+        if _atoms_only(obj):  # (Python's RNG state is 625 ints: one pass, not 625 calls)
             return list(obj)
         return [_copy(v, snap, cuda, path) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        if all(type(v) in _ATOMS for v in obj):  # immutable all through: kept as it is
+        if _atoms_only(obj):  # immutable all through: kept as it is
             return obj
         return tuple(_copy(v, snap, cuda, path) for v in obj)
     if obj is None or isinstance(obj, _ATOMS):
@@ -254,6 +263,7 @@ def _copy(obj: Any, snap: Snapshot, cuda: list, path: str) -> Any:
 
     if isinstance(obj, np.ndarray):  # NumPy's RNG state
         return obj.copy()
+    snap.objects += 1
     return _Serialised(obj)  # anything else (a sampler, an object's own state) as the bytes torch.save makes now
 
 
@@ -351,16 +361,6 @@ def _memory_writer(like: Any, snap: Snapshot) -> Any:
     return _MemoryWriter()
 
 
-def _holds_objects(value: Any) -> bool:
-    if isinstance(value, _Serialised):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_objects(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_objects(v) for v in value if type(v) not in _ATOMS)
-    return False
-
-
 @contextlib.contextmanager
 def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
     import torch
@@ -383,9 +383,9 @@ def _captured(snap: Snapshot, distributed: bool) -> Iterator[None]:
     def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if not is_path(f) or args or threading.current_thread() is not _CAPTURING.thread:
             return save(obj, f, *args, **kwargs)  # a stream (DCP's own writes), or another thread's save
-        before, held, later = set(snap.segments), snap.nbytes, len(snap.deferred)
+        before, held, later, objects = set(snap.segments), snap.nbytes, len(snap.deferred), snap.objects
         kept = _copy(obj, snap, cuda, os.fspath(f))
-        if not isinstance(kept, _Serialised) and _holds_objects(kept):
+        if not isinstance(kept, _Serialised) and snap.objects > objects:  # (no walk of the copy to find them)
             kept = _Serialised(obj)  # a container with objects inside: its bytes, once
             for key in set(snap.segments) - before:  # the copies made on the way are not kept
                 os.close(snap.segments.pop(key)[0])

@@ -94,9 +94,24 @@ class WriterGone(RuntimeError):
     """The writer process is not there to answer (killed, out of memory): the rank's thread writes instead."""
 
 
-def _send(stream: BinaryIO, obj: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> None:
+class _SegmentPickler(pickle.Pickler):
+    """Pickles a request with its tensors as persistent ids naming the rank's memfd segments (``segments``: id(tensor)
+    -> (fd, nbytes, ...)); one class, not one made for every request."""
+
+    def __init__(self, file: BinaryIO, segments: dict[int, tuple]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.segments = segments
+
+    def persistent_id(self, obj: Any) -> Any:
+        seg = self.segments.get(id(obj))
+        if seg is None:
+            return None
+        return (seg[0], str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()), seg[1])
+
+
+def _send(stream: BinaryIO, obj: Any, segments: dict[int, tuple] | None = None) -> None:
     buf = io.BytesIO()
-    pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    (_SegmentPickler(buf, segments) if segments else pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)).dump(obj)
     data = buf.getvalue()
     stream.write(_LEN.pack(len(data)) + data)
     stream.flush()
@@ -174,18 +189,11 @@ class CheckpointWriter:
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise WriterGone("the checkpoint writer is not running")
 
-        class Pickler(pickle.Pickler):
-            def persistent_id(self, obj: Any) -> Any:
-                seg = segments.get(id(obj))
-                if seg is None:
-                    return None
-                return (seg[0], str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()), seg[1])
-
         with self._lock:
             try:
                 if not self._ready:  # its first word: it is ready
                     self._ready = _receive(proc.stdout) == {"ready": True}
-                _send(proc.stdin, (os.getpid(), writes, hash_files, durable), Pickler)
+                _send(proc.stdin, (os.getpid(), writes, hash_files, durable), segments)
                 answer = _receive(proc.stdout)
             except (OSError, EOFError) as exc:
                 code = proc.poll()
