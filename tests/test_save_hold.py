@@ -36,7 +36,9 @@ def slow_copies(monkeypatch):
 
 
 @pytest.fixture
-def trained(tmp_path):
+def trained(tmp_path, monkeypatch):
+    # this model's state (about 400 KB) is below the size whose copies are deferred: deferred here all the same
+    monkeypatch.setattr("cluster.checkpoint.staged.DEFER_FROM_BYTES", 0)
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
@@ -192,3 +194,16 @@ def test_a_snapshot_hands_its_write_to_the_rank_s_lanes_without_starting_a_threa
     assert [part[0] for part in parts] == [1, 2, 3, 4] and all(part[2] for part in parts)  # each written, in order
     at_4 = load_file(tmp_path / "snap-4" / "model.safetensors")
     assert all(torch.equal(at_4[k], v) for k, v in weights(model).items())
+
+
+def test_a_small_state_is_copied_during_the_save_and_its_write_starts_at_once(trained, monkeypatch, slow_copies):
+    """Below ``DEFER_FROM_BYTES`` nothing waits for the next optimizer step: the save returns with every copy made,
+    so its write (a snapshot's, too) is not a step longer in flight (#59)."""
+    accelerator, model, optimizer, checkpoints, step, rows, reports = trained
+    monkeypatch.setattr("cluster.checkpoint.staged.DEFER_FROM_BYTES", 4 << 20)
+    before = weights(model)
+    checkpoints.save(accelerator, 2)
+    assert checkpoints._copying is None  # no copy left for the next optimizer step
+    wait_for(lambda: reports, 30, "the save's report, before any further step")
+    saved = load_file(f"{checkpoints.staging_uri}/{checkpoint_name(2)}/model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in before.items())

@@ -49,6 +49,12 @@ OnSaved = Callable[..., None]
 # first optimizer step ran, divided among the node's ranks.
 PREPARE_SHARE = 0.5
 
+# A save or snapshot whose parameters and optimizer state are fewer bytes than this copies them during its capture
+# rather than beside the next forward and backward: at a few hundred KB the copy adds tens of microseconds to the
+# hold, where deferring it held the snapshot's write back until the next optimizer step, a step longer in flight (a
+# rank killed in that step lost one step more: the bar's case of ``make bench-recovery``, #59).
+DEFER_FROM_BYTES = 4 << 20
+
 
 def _on_first_optimizer_step(call: Callable[[Any], None]) -> Any:
     """``call(optimizer)`` once, after the first step of any optimizer in this process (torch's global step hook).
@@ -86,15 +92,17 @@ def _before_every_optimizer_step(owner: Any) -> Any:
 def _only_stepped(accelerator: Any) -> frozenset[int]:
     """The storages (``data_ptr``) of the CPU tensors that only an optimizer's step changes: the parameters of the
     prepared models and the state of the prepared optimizers. A save copies them after it returns, beside the next
-    forward and backward (``cluster.checkpoint.snapshot``)."""
+    forward and backward (``cluster.checkpoint.snapshot``); none below ``DEFER_FROM_BYTES`` in all."""
     import torch
 
     tensors = [p for model in getattr(accelerator, "_models", []) for p in model.parameters()]
     for optimizer in getattr(accelerator, "_optimizers", []):
         inner = getattr(optimizer, "optimizer", optimizer)
         tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return frozenset(t.untyped_storage().data_ptr() for t in tensors
-                     if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_cuda and t.numel() > 0)
+    tensors = [t for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_cuda and t.numel() > 0]
+    if sum(t.numel() * t.element_size() for t in tensors) < DEFER_FROM_BYTES:  # copied during the capture
+        return frozenset()
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
 
 @dataclass
