@@ -691,7 +691,10 @@ def digits_snapshot_during_save(config: dict) -> dict:
         real_write, real_save = snapshot_module.Snapshot.write, session.save
 
         def write(self, writer=None, hash_files=False, durable=False):
-            if hash_files == "crc32" and not gated:  # the first snapshot's files (a save's are sha256)
+            # the first snapshot's files (a save's are sha256; the snapshot written beside the save of step 20, from
+            # its capture, is not the one this gates)
+            beside_save = any(f"{os.sep}snap-00000020{os.sep}" in w.path for w in self.writes)
+            if hash_files == "crc32" and not gated and not beside_save:
                 gated.append(time.monotonic())
                 saved_40.wait(120)
                 time.sleep(max(0.0, gated[0] + write_s - time.monotonic()))
@@ -706,6 +709,30 @@ def digits_snapshot_during_save(config: dict) -> dict:
             return out
 
         snapshot_module.Snapshot.write, session.save = write, save
+    return digits_dies(config)
+
+
+def digits_dies_before_commit(config: dict) -> dict:
+    """``digits_dies``, whose rank ``die_rank`` in attempt 1 never ends writing its part of the checkpoint of step
+    ``held`` to storage (so that commit never lands) before it dies."""
+    import time
+
+    import cluster.checkpoint.snapshot as snapshot_module
+    from cluster.layout import checkpoint_name
+
+    config = dict(config)
+    held = checkpoint_name(config.pop("held"))
+    session = get_session()
+    attempt = session.payload.attempt if session.payload else 0
+    if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
+        real_write = snapshot_module.Snapshot.write
+
+        def write(self, writer=None, hash_files=False, durable=False):
+            if hash_files == "sha256" and any(f"{os.sep}{held}{os.sep}" in w.path for w in self.writes):
+                time.sleep(600)  # the save's own files; the snapshot beside it (crc32) is written first
+            return real_write(self, writer, hash_files, durable)
+
+        snapshot_module.Snapshot.write = write
     return digits_dies(config)
 
 

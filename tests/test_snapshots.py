@@ -80,6 +80,22 @@ def test_a_rank_that_dies_resumes_from_its_nodes_memory(ray_cluster, tmp_path, u
     assert books["recompute"] < 0.25 * books["training"], books
 
 
+def test_a_rank_killed_before_its_commit_lands_resumes_from_the_snapshot_beside_that_save(ray_cluster, tmp_path,
+                                                                                         uninterrupted):
+    """Snapshots every 4 steps, commits every 20; rank 1's part of the commit of step 40 is never written to storage,
+    and it dies in step 42. The save of step 40 wrote its capture into the node's memory too, as the snapshot of step
+    40 (a step a rank saves takes no snapshot of its own): the restart resumes there, from memory, not from the
+    snapshot of step 36, bitwise equal to the uninterrupted run."""
+    text = SPEC.replace("fns:digits_dies", "fns:digits_dies_before_commit").replace(
+        "die_at: {die_at}}}", "die_at: {die_at}, held: 40}}")
+    result = Driver(load_spec_text(text.format(name="beside", die_at=42, every=4, storage=tmp_path / "runs"))).run()
+    assert result.status == "succeeded", result.error
+    starts = [e for e in events(tmp_path, "beside") if e["kind"] == "attempt"]
+    assert [(e["resume_step"], e["resume_from"]) for e in starts] == [(None, None), (40, "memory")], starts
+    assert result.rank_results["0"]["restored_step"] == 40
+    assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
+
+
 def test_a_slow_snapshot_being_written_when_a_save_comes_is_kept_whole_and_resumed_from(ray_cluster, tmp_path,
                                                                                        uninterrupted):
     """Rank 0's first snapshot after the commit of step 20 is still being written when the save of step 40 comes, and

@@ -287,6 +287,9 @@ class MemorySnapshots:
         self._mark: tuple[float, int] | None = None
         self._ended: dict[int, tuple[float, bool]] = {}  # step -> (when its write ended, a copy to the peer follows)
         self._effects: deque[tuple[float | None, float, float]] = deque(maxlen=5)  # the latest ``measured_effect``s
+        # steps whose snapshot is a save's capture written beside it (``beside_save``): their writes are not a
+        # snapshot's cost (its capture and hold are the save's) and measure nothing for ``auto``
+        self._beside: set[int] = set()
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -376,10 +379,8 @@ class MemorySnapshots:
                 (code is not None and code.name is None):
             return
         step = self.base + steps if code is None or code.step is None else code.step()
-        if self.taken == 0:  # this attempt's first: an earlier attempt's parts past it are not this run's any more
-            prune_from(self.node_dir, self.rank, step)
-            self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
-            self._cores = read_cores()
+        if self.taken == 0:
+            self._first_of_attempt(step)
         wall = time.time()
         if self.every is None:
             self._measure(wall, steps)
@@ -420,6 +421,8 @@ class MemorySnapshots:
                           "older one or from storage. Raise the bound, or take them less often "
                           "(checkpoint.snapshots.every) (said once)")
             return
+        if step in self._taken_at:  # written beside the save of this step, from its capture (``beside_save``)
+            return
         folder = self.node_dir / snap_name(step)
         in_flight = bool(self._taken_at)  # a snapshot taken whose write has not ended
         kwargs: dict[str, Any] = {"saved_too": True} if stopping else {}
@@ -446,6 +449,30 @@ class MemorySnapshots:
             if self.every is None:  # (measured when that write ends: ``_written``); the driver told, as any change
                 self._floor = self.interval * 2
                 self._set_interval(self._floor)
+
+    def beside_save(self, step: int) -> tuple[str, Callable[..., None]] | None:
+        """A function's save at ``step`` (numbered as the optimizer steps count) where a snapshot is due: the save's
+        own capture is written into the node's memory too, as that step's snapshot (``StagedCheckpoints.save``'s
+        ``beside``), so a rank killed before the commit of its step lands resumes there, not a snapshot earlier (a
+        step a rank saves takes no snapshot of its own: ``take``). Returns the folder and what is called once that
+        part is written; None where no snapshot is due or one would not be kept."""
+        if self.off is not None or self.accelerator is None or not self.confirmed or self.code is not None \
+                or step % self.interval or step in self._taken_at or self._taken_at:  # (one in flight: skipped)
+            return None
+        if self.used + self.last_nbytes > self.budget:
+            return None  # (said by ``take`` when it comes to it)
+        if self.taken == 0:
+            self._first_of_attempt(step)
+        self._taken_at[step] = time.time()
+        self._beside.add(step)
+        self.taken += 1
+        return str(self.node_dir / snap_name(step)), self._written
+
+    def _first_of_attempt(self, step: int) -> None:
+        """Before this attempt's first snapshot: an earlier attempt's parts past it are not this run's any more."""
+        prune_from(self.node_dir, self.rank, step)
+        self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
+        self._cores = read_cores()
 
     def _apart(self, step: int) -> Path:
         """Where this rank's part of a script's or Trainer's snapshot of ``step`` is written before it joins the
@@ -497,9 +524,12 @@ class MemorySnapshots:
         ``cpu_s``, ``writer_cpu_s``: what the write cost on the rank's thread and in the writer process (for ``auto``,
         whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save)."""
         taken_at = self._taken_at.pop(step, None)
+        beside = step in self._beside
+        self._beside.discard(step)
         ended = time.time()
         cores, self._cores = self._cores, read_cores()  # how busy the node was since the last write ended
-        if taken_at is not None and (files is not None or cpu_s + writer_cpu_s > 0):  # (one given up cost what it did)
+        if taken_at is not None and not beside and (files is not None or cpu_s + writer_cpu_s > 0):  # (one given up
+            # cost what it did)
             busy = None if cores is None else busy_share(cores, self._cores)
             self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), ended - taken_at))
             self._floor = 1

@@ -171,6 +171,17 @@ class Snapshot:
                 files[w.path] = describe_written(w.path, durable, "sha256" if hash_files is True else hash_files)
         return [w.path for w in self.writes], files
 
+    def retargeted(self, source: str, target: str) -> "Snapshot":
+        """The same files under ``target`` instead of ``source``, from the same copies (a view: never released)."""
+        import copy
+        import dataclasses
+
+        view = copy.copy(self)
+        view.writes = [dataclasses.replace(w, path=os.path.join(target, os.path.relpath(w.path, source)))
+                       for w in self.writes]
+        view.pool = None
+        return view
+
     def release(self) -> None:
         if not self.copied.is_set():  # (a capture that failed, a write given up): nothing waits for these copies
             self.deferred.clear()

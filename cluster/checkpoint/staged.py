@@ -228,8 +228,12 @@ class StagedCheckpoints:
         self.prepared = threading.Thread(target=prepare, daemon=True, name="raylaunch-first-save")
         self.prepared.start()
 
-    def save(self, accelerator: Any, step: int, script: ScriptSave | None = None) -> str:
-        """This rank's part of the checkpoint of ``step``, into staging; ``script``: a script's ``save_state``."""
+    def save(self, accelerator: Any, step: int, script: ScriptSave | None = None,
+             beside: tuple[str, Callable[..., None]] | None = None) -> str:
+        """This rank's part of the checkpoint of ``step``, into staging; ``script``: a script's ``save_state``;
+        ``beside``: where its capture is written into the node's memory too, as the snapshot of its step
+        (``MemorySnapshots.beside_save``; only where the save is written in the background: else it is called with
+        None)."""
         requested = time.time()
         began = time.perf_counter()
         if self._first_step is not None:  # the first step's hook has fired, or never will be needed now
@@ -249,9 +253,11 @@ class StagedCheckpoints:
                            script_folder=None if script is None else script.mirror or script.folder)
 
         if self._background and _copies_in_memory(accelerator):
-            hold.host_mb = self._save_in_background(accelerator, uri, step, script, saved, hold)
+            hold.host_mb = self._save_in_background(accelerator, uri, step, script, saved, hold, beside)
         else:
             self._save_now(accelerator, uri, step, script, saved)
+            if beside is not None:
+                beside[1](step, beside[0], None)  # not taken: nothing in flight
         hold.returned = time.perf_counter()
         if hold.snap is not None and not hold.snap.copied.is_set():
             self._copying = hold  # its hold is known (and logged) once the next step has its copies
@@ -287,7 +293,8 @@ class StagedCheckpoints:
         self._log_hold(hold)
 
     def _save_in_background(self, accelerator: Any, uri: str, step: int, script: ScriptSave | None,
-                            saved: Callable[[dict[str, dict] | None], None], hold: _Hold) -> float:
+                            saved: Callable[[dict[str, dict] | None], None], hold: _Hold,
+                            beside: tuple[str, Callable[..., None]] | None = None) -> float:
         """Copy this rank's state into memory (what only an optimizer step changes: by the write, before the next
         step) and return the MiB it holds; a thread writes (and uploads) it, then reports it."""
         fs, path = open_uri(uri)
@@ -316,6 +323,8 @@ class StagedCheckpoints:
         except BaseException:
             if not is_local(fs):
                 shutil.rmtree(target, ignore_errors=True)
+            if beside is not None:
+                beside[1](step, beside[0], None)  # not taken
             raise
         if script is None and not accelerator.is_main_process:
             # Accelerate has every rank write its stateful loaders' state to one shared path (dl_state_dict.bin,
@@ -332,7 +341,7 @@ class StagedCheckpoints:
         self._upload = _Write(snap, target, None if is_local(fs) else uri, step,
                               mirror=script.mirror if script else None, on_done=saved,
                               writer=None if snap.on_gpu else writer, on_changed=self._changed_before_copied,
-                              behind=behind)
+                              behind=behind, beside=beside)
         return snap.nbytes / 2**20
 
     def _abandon_snapshot(self) -> _Write | None:
@@ -663,8 +672,12 @@ class _Write:
     def __init__(self, snap: Snapshot | None, target: str, upload_uri: str | None, step: int, *, mirror: str | None,
                  on_done: Callable[[dict[str, dict] | None], None], writer: CheckpointWriter | None = None,
                  on_changed: Callable[[int, list[str]], None] | None = None, durable: bool | None = None,
-                 snapshot: bool = False, behind: _Write | None = None) -> None:
+                 snapshot: bool = False, behind: _Write | None = None,
+                 beside: tuple[str, Callable[..., None]] | None = None) -> None:
         self.snap, self.target, self.upload_uri, self.step, self.mirror = snap, target, upload_uri, step, mirror
+        # A save's capture written into the node's memory too, before its own files, as the snapshot of its step
+        # (``MemorySnapshots.beside_save``: the folder, and what is called once that part is written or failed)
+        self.beside = beside
         # Files written into the run's storage are flushed before they are reported (their write-back at the
         # writer's priority, within the save); files bound for an upload, or a snapshot's in memory, are not.
         self.durable = upload_uri is None if durable is None else durable
@@ -722,6 +735,8 @@ class _Write:
                     self._remove_own_files()
                     return
                 self._started = True
+            if self.beside is not None and self.snap is not None:
+                self._write_beside(*self.beside)
             began = time.thread_time()
             if self.writer is not None:
                 self.writer.take_cpu_s()  # (nothing of another write counts in this one's)
@@ -749,6 +764,37 @@ class _Write:
         finally:
             self._end(files)
 
+    def _write_beside(self, folder: str, written: Callable[..., None]) -> None:
+        """The snapshot of this save's step: the same copies written into ``folder`` on the node's memory (crc32,
+        not flushed), first: it is there within the time a small state's write takes, where the commit lands only
+        once every rank's part is on storage. Its failure is said, never the save's."""
+        began = time.thread_time()
+        if self.writer is not None:
+            self.writer.take_cpu_s()
+        files: dict[str, dict] | None = None
+        try:
+            ready = self.writer is not None and self.writer.ready()
+            _, hashed = self.snap.retargeted(self.target, folder).write(self.writer if ready else None,
+                                                                        hash_files="crc32", durable=False)
+            files = {os.path.relpath(p, folder): meta for p, meta in hashed.items()}
+        except Exception as exc:  # noqa: BLE001 - the commit goes on; its step has no snapshot
+            print(f"raylaunch: the snapshot of step {self.step} beside its save was not written: {exc}",
+                  file=sys.stderr, flush=True)
+        cpu_s = time.thread_time() - began
+        writer_cpu_s = self.writer.take_cpu_s() if self.writer is not None else 0.0
+        self._beside_written(files, cpu_s, writer_cpu_s)
+
+    def _beside_written(self, files: dict[str, dict] | None, cpu_s: float = 0.0, writer_cpu_s: float = 0.0) -> None:
+        """Say once what became of the snapshot beside this save (None: not written, or not begun)."""
+        beside, self.beside = self.beside, None
+        if beside is None:
+            return
+        try:
+            beside[1](self.step, beside[0], files, cpu_s, writer_cpu_s)
+        except Exception as exc:  # noqa: BLE001 - never the save's failure
+            print(f"raylaunch: the snapshot of step {self.step} beside its save was not kept: {exc}", file=sys.stderr,
+                  flush=True)
+
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         if self.upload_uri is None:  # (before an upload the folder is this rank's own: ``_end`` removes it)
@@ -756,6 +802,7 @@ class _Write:
 
     def _end(self, files: dict[str, dict] | None) -> None:
         try:
+            self._beside_written(None)  # (a save given up, failed or changed before its copy: none beside it)
             if self.snap is not None:
                 self.snap.release()
             if self.upload_uri is not None:

@@ -604,7 +604,13 @@ class Session:
             if accelerator.is_main_process:
                 (self._local_dir / CHECKPOINTS / LOCAL_LATEST).write_text(target.name)
             return str(target)
-        return self._checkpoints.save(accelerator, step)
+        beside = None
+        if self.snapshots is not None:  # where a snapshot is due at this step, the save's capture is that snapshot too
+            try:
+                beside = self.snapshots.beside_save(step)
+            except Exception as exc:  # noqa: BLE001 - never the save's failure: storage's checkpoints remain
+                self.snapshots.stop(f"{type(exc).__name__}: {exc}")
+        return self._checkpoints.save(accelerator, step, beside=beside)
 
     def save_script_state(self, accelerator: Any, step: int, mirror: str | None, folder: str,
                           safe_serialization: bool, kwargs: dict) -> str:
