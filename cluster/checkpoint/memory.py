@@ -290,6 +290,7 @@ class MemorySnapshots:
         # steps whose snapshot is a save's capture written beside it (``beside_save``): their writes are not a
         # snapshot's cost (its capture and hold are the save's) and measure nothing for ``auto``
         self._beside: set[int] = set()
+        self._began = False  # this attempt's first snapshot was taken (``_first_of_attempt``)
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -379,7 +380,7 @@ class MemorySnapshots:
                 (code is not None and code.name is None):
             return
         step = self.base + steps if code is None or code.step is None else code.step()
-        if self.taken == 0:
+        if not self._began:
             self._first_of_attempt(step)
         wall = time.time()
         if self.every is None:
@@ -459,17 +460,20 @@ class MemorySnapshots:
         if self.off is not None or self.accelerator is None or not self.confirmed or self.code is not None \
                 or step % self.interval or step in self._taken_at or self._taken_at:  # (one in flight: skipped)
             return None
+        if self.every is None and not self._writes:  # ``auto`` before its first measure: k is 1 until then, and
+            return None  # every save would write a snapshot beside it (at 576 MiB, steps 1.44x: bench-recovery)
         if self.used + self.last_nbytes > self.budget:
             return None  # (said by ``take`` when it comes to it)
-        if self.taken == 0:
+        if not self._began:  # (not counted in ``taken``: ``auto``'s measures count the snapshots of its own)
             self._first_of_attempt(step)
         self._taken_at[step] = time.time()
         self._beside.add(step)
-        self.taken += 1
         return str(self.node_dir / snap_name(step)), self._written
 
     def _first_of_attempt(self, step: int) -> None:
-        """Before this attempt's first snapshot: an earlier attempt's parts past it are not this run's any more."""
+        """Before this attempt's first snapshot (its own, or one beside a save): an earlier attempt's parts past it
+        are not this run's any more."""
+        self._began = True
         prune_from(self.node_dir, self.rank, step)
         self._clear_apart()  # (a part an earlier attempt's rank was writing when it died)
         self._cores = read_cores()
