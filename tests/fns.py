@@ -739,8 +739,10 @@ def digits_dies_before_commit(config: dict) -> dict:
 def digits_dies(config: dict) -> dict:
     """``train_fn.digits``, whose rank ``die_rank`` kills itself (SIGKILL, as the OOM killer would) in attempt 1, in
     the middle of its optimizer step number ``die_at`` (before that step's end: the last whole step is the one
-    before)."""
+    before). With ``stall_at``, every rank of attempt 1 waits in that optimizer step until it is stopped (a test
+    acts on the cluster while no step is taken and nothing is committed)."""
     import signal
+    import time
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -750,13 +752,16 @@ def digits_dies(config: dict) -> dict:
     if config.get("uncooperative"):  # a function that never asks session.preempted: a stop notice is raylaunch's
         session.preempted = lambda accelerator: False
     attempt = session.payload.attempt if session.payload else 0
-    if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
+    dies = int(os.environ.get("RANK", "0")) == config["die_rank"]
+    if attempt == 1 and (dies or config.get("stall_at")):
         taken = [0]
 
         def hook(optimizer, args, kwargs) -> None:
             taken[0] += 1
-            if taken[0] == config["die_at"]:
+            if dies and taken[0] == config["die_at"]:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if taken[0] == config.get("stall_at"):  # every rank waits there until the attempt is stopped
+                time.sleep(300)
 
         register_optimizer_step_post_hook(hook)
-    return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank", "uncooperative")})
+    return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank", "uncooperative", "stall_at")})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import committed_step, wait_for
 from jobs.driver.driver import Driver
 from jobs.runs import format_show
 from jobs.spec import load_spec_text
@@ -168,9 +168,12 @@ def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, 
     spare = ray_cluster.add_node(num_cpus=2)  # losing one node leaves two
     ray_cluster.wait_for_nodes()
     try:
-        # 0.05 s a step, as the rank's test above: unthrottled, the 75 steps of a few milliseconds ended once before a
-        # copy newer than the last commit was seen on the peer (CI-like load, 2026-12-06)
-        driver = Driver(spec(tmp_path, "lost", overrides=["config.throttle_s=0.05"]), can_grow=True)
+        # every rank waits in step 35 of attempt 1 (snapshots begin after the first commit, of step 20), so no commit
+        # lands before the node is removed (removed as soon as a copy newer than the last commit was seen, with the
+        # steps going on, the commit of step 20 once landed in between and the restart rightly resumed from it: CI,
+        # 2026-12-06); 0.05 s a step, as the rank's test above, for snapshots that keep pace with the steps
+        driver = Driver(spec(tmp_path, "lost", overrides=["config.stall_at=35", "config.throttle_s=0.05"]),
+                        can_grow=True)
         box = {}
         thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
         thread.start()
@@ -183,23 +186,21 @@ def test_a_lost_node_resumes_from_the_copy_its_peer_kept(ray_cluster, tmp_path, 
         keeper = infos[1 - lost]
         peer = Path(keeper.snapshot_root) / driver.snapshots.key / keeper.node_id / "peer"
 
-        def copied_past_commit():
-            latest = tmp_path / "runs" / "lost" / "checkpoints" / "latest.json"
-            committed = json.loads(latest.read_text())["step"] if latest.exists() else 0
-            # a step whose copy of the lost rank's part the peer keeps beside its own rank's part (a rank whose save
-            # was being written took none at that step: the copy alone was not a whole snapshot)
+        def copied_before_the_stall():
+            # a step whose copy of the lost rank's part the peer keeps beside its own rank's part
             steps = [int(p.parent.name.split("-")[1]) for p in peer.glob(f"snap-*/rank-{lost}.json")
                      if (peer.parent / p.parent.name / f"rank-{1 - lost}.json").exists()]
-            return max(steps) if steps and max(steps) > committed and max(steps) >= 10 else None
+            return max(steps) if steps and max(steps) >= 30 else None
 
-        kept = wait_for(copied_past_commit, 120, "a whole snapshot newer than the last commit on rank 1's peer")
+        kept = wait_for(copied_before_the_stall, 120, "a snapshot of step 30 or later with its copy on rank 1's peer")
+        assert committed_step(tmp_path / "runs" / "lost") == 20
         ray_cluster.remove_node(victim)
         spare = None  # it stands in for the node lost: the shared cluster keeps its two nodes
         thread.join(240)
         result = box["result"]
         assert result.status == "succeeded", result.error
         restored = result.rank_results["0"]["restored_step"]
-        assert restored >= kept, (restored, kept)
+        assert 30 <= kept <= restored <= 35, (restored, kept)
         assert result.rank_results["0"]["weights"] == result.rank_results["1"]["weights"] == uninterrupted
         assert victim.node_id not in {n["node_id"] for n in result.nodes}
         starts = [e for e in events(tmp_path, "lost") if e["kind"] == "attempt"]
