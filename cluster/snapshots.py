@@ -4,7 +4,7 @@ what a node holds, and the parts the driver moves from node to node through the 
 On a node, the run's snapshots live under ``<root>/<run key>/<node id>/``:
 
 - ``snap-<step>/``: the files of the node's ranks' parts of the snapshot of ``step``, and ``rank-<r>.json`` per
-  rank (its files, their sizes and checksums: crc32 for the files its writer process wrote): a part is there once
+  rank (its files, their sizes and checksums: xxh3 for the files its writer process wrote): a part is there once
   its json is.
 - ``peer/snap-<step>/``: the same, for the ranks of the node this one keeps copies for (a node lost loses its own).
 - ``restore-<step>/``: a whole snapshot put together for a restart (links to the parts here, copies of the parts
@@ -30,11 +30,11 @@ import pickle
 import shutil
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from cluster.checksums import checksum_kind, hasher
 from cluster.layout import MANIFEST
 from cluster.storage_io import CheckpointError, open_uri
 
@@ -200,18 +200,19 @@ def store_part(node_dir: str, step: int, rank: int, rels: list[str], target_uri:
         dest = f"{base}/{rel}"
         if "/" in rel:
             fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
-        sha, crc, size = hashlib.sha256(), 0, 0
+        kind = checksum_kind(meta) or "sha256"
+        sha, size = hashlib.sha256(), 0
+        check = sha if kind == "sha256" else hasher(kind)  # the node's checksum of it (a snapshot's: xxh3)
         with open(folder / rel, "rb") as src, fs.open_output_stream(dest) as sink:
             while piece := src.read(_PIECE):
                 if time.time() > until:
                     raise TimeoutError(f"the deadline passed while {rel} of rank {rank}'s part was written")
                 sha.update(piece)
-                if "crc32" in meta:
-                    crc = zlib.crc32(piece, crc)
+                if check is not sha:
+                    check.update(piece)
                 size += len(piece)
                 sink.write(piece)
-        if size != meta["size"] or ("crc32" in meta and f"{crc:08x}" != meta["crc32"]) or \
-                ("crc32" not in meta and sha.hexdigest() != meta.get("sha256")):
+        if size != meta["size"] or check.hexdigest() != meta.get(kind):
             raise CheckpointError(f"{rel} of rank {rank}'s part of the snapshot of step {step} does not match its "
                                   "checksum on the node; it is not committed")
         out[rel] = {"size": size, "sha256": sha.hexdigest()}

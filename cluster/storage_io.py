@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import zlib
 from typing import Any
 
 from pyarrow import fs as pafs
@@ -25,7 +24,7 @@ from cluster.errors import RaylaunchError
 from cluster.layout import MANIFEST
 
 __all__ = [
-    "CheckpointError", "check_manifest", "crc32", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
+    "CheckpointError", "check_manifest", "checksum", "describe_files", "is_local", "join_uri", "open_uri", "sha256",
     "split_query", "storage_credentials",
 ]
 
@@ -69,13 +68,15 @@ def sha256(fs: pafs.FileSystem, path: str) -> str:
     return h.hexdigest()
 
 
-def crc32(fs: pafs.FileSystem, path: str) -> str:
-    """The file's CRC-32 as 8 hex digits (a snapshot's checksum: ``cluster.checkpoint.writer.CHECKSUMS``)."""
-    crc = 0
+def checksum(fs: pafs.FileSystem, path: str, kind: str) -> str:
+    """The file's checksum of ``kind`` in hex: sha256, or a snapshot's (``cluster.checksums.CHECKSUMS``)."""
+    from cluster.checksums import hasher
+
+    h = hasher(kind)
     with fs.open_input_stream(path) as f:
         while chunk := f.read(1 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def describe_files(fs: pafs.FileSystem, path: str, known: dict[str, dict] | None = None) -> dict[str, dict]:
@@ -97,7 +98,7 @@ def describe_files(fs: pafs.FileSystem, path: str, known: dict[str, dict] | None
 
 def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) -> None:
     """The folder holds exactly the files the manifest lists, each with its size and sha256 (a snapshot in memory's,
-``"snapshot": true``, may carry crc32 instead: ``cluster.checkpoint.writer.CHECKSUMS``).
+``"snapshot": true``, may carry xxh3 or crc32 instead: ``cluster.checksums.CHECKSUMS``).
 
     Refused, with ``CheckpointError`` naming the file: a malformed manifest, a listed path that
     leads out of the folder, a file missing or changed, a file the manifest does not list, and
@@ -106,7 +107,7 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
     whoever can write the storage can write a matching manifest too.
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    kinds = ("sha256", "crc32") if isinstance(manifest, dict) and manifest.get("snapshot") is True else ("sha256",)
+    kinds = ("sha256", "xxh3", "crc32") if isinstance(manifest, dict) and manifest.get("snapshot") is True else ("sha256",)
     if not isinstance(files, dict) or not all(
             isinstance(m, dict) and isinstance(m.get("size"), int) and any(isinstance(m.get(k), str) for k in kinds)
             for m in files.values()):
@@ -132,8 +133,8 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
             raise CheckpointError(f"{label}/{rel} is missing (listed in its manifest)")
         if info.size != meta["size"]:
             raise CheckpointError(f"{label}/{rel} has {info.size} bytes; its manifest says {meta['size']}")
-        kind = "sha256" if isinstance(meta.get("sha256"), str) else "crc32"
-        if (sha256 if kind == "sha256" else crc32)(fs, f"{path}/{rel}") != meta[kind]:
+        kind = next(k for k in kinds if isinstance(meta.get(k), str))
+        if (sha256(fs, f"{path}/{rel}") if kind == "sha256" else checksum(fs, f"{path}/{rel}", kind)) != meta[kind]:
             raise CheckpointError(f"{label}/{rel} does not match the checksum in its manifest")
 
 

@@ -681,6 +681,7 @@ def digits_snapshot_during_save(config: dict) -> dict:
     import time
 
     import cluster.checkpoint.snapshot as snapshot_module
+    from cluster.checksums import SNAPSHOT_CHECKSUM
 
     config = dict(config)
     write_s = config.pop("write_s")
@@ -694,11 +695,11 @@ def digits_snapshot_during_save(config: dict) -> dict:
             # the first snapshot's files (a save's are sha256; the snapshot written beside the save of step 20, from
             # its capture, is not the one this gates)
             beside_save = any(f"{os.sep}snap-00000020{os.sep}" in w.path for w in self.writes)
-            if hash_files == "crc32" and not gated and not beside_save:
+            if hash_files == SNAPSHOT_CHECKSUM and not gated and not beside_save:
                 gated.append(time.monotonic())
                 saved_40.wait(120)
                 time.sleep(max(0.0, gated[0] + write_s - time.monotonic()))
-            elif hash_files != "crc32" and saved_40.is_set():  # the save of step 40's
+            elif hash_files != SNAPSHOT_CHECKSUM and saved_40.is_set():  # the save of step 40's
                 time.sleep(600)
             return real_write(self, writer, hash_files, durable)
 

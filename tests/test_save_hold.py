@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import cluster.checkpoint.snapshot as snapshot_module
 from cluster.checkpoint.staged import StagedCheckpoints
+from cluster.checksums import SNAPSHOT_CHECKSUM
 from conftest import wait_for
 from cluster.context import WorkerContext
 from cluster.layout import checkpoint_name
@@ -125,7 +126,7 @@ def test_a_save_while_a_snapshot_is_being_written_keeps_that_snapshot_and_never_
     write = snapshot_module.Snapshot.write
 
     def held_up(self, writer=None, hash_files=False, durable=False):
-        if hash_files == "crc32":  # the snapshot's (a save's files are sha256)
+        if hash_files == SNAPSHOT_CHECKSUM:  # the snapshot's (a save's files are sha256)
             order.append("snapshot writing")
             release.wait(20)  # a save that waited for this would not return before it is released
             order.append("snapshot's write ended")

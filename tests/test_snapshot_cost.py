@@ -1,6 +1,6 @@
 """What a snapshot in memory costs, and how ``auto`` answers it (no processes): the interval grows with the CPU its
 background write takes and when a snapshot comes due while the previous one's write is still in flight; a snapshot's
-files carry crc32 (a committed checkpoint's stay sha256), which a restore still verifies."""
+files carry xxh3 (a committed checkpoint's stay sha256), which a restore still verifies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import xxhash
 from pyarrow import fs as pafs
 
 from cluster.checkpoint.memory import MemorySnapshots, auto_interval, measured_effect
@@ -164,20 +165,23 @@ def test_a_first_write_that_costs_little_leaves_one_a_step(tmp_path, monkeypatch
     assert [t[0] for t in taken] == [1, 2] and snaps.interval == 1
 
 
-def snapshot_folder(tmp_path, snapshot: bool) -> Path:
+def snapshot_folder(tmp_path, snapshot: bool, kind: str = "crc32") -> Path:
     folder = tmp_path / "restore-00000004"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"weights" * 1000)
-    files = {"model.safetensors": describe_written(str(folder / "model.safetensors"), checksum="crc32")}
+    files = {"model.safetensors": describe_written(str(folder / "model.safetensors"), checksum=kind)}
     (folder / "manifest.json").write_text(json.dumps({"step": 4, "files": files, "snapshot": snapshot}))
     return folder
 
 
-def test_a_snapshots_crc32_is_verified_on_restore(tmp_path):
-    folder = snapshot_folder(tmp_path, snapshot=True)
+@pytest.mark.parametrize("kind, digest", [
+    ("xxh3", xxhash.xxh3_64_hexdigest(b"weights" * 1000)),  # what a snapshot's files carry (SNAPSHOT_CHECKSUM)
+    ("crc32", f"{zlib.crc32(b'weights' * 1000):08x}"),  # what they carried before
+])
+def test_a_snapshots_checksum_is_verified_on_restore(tmp_path, kind, digest):
+    folder = snapshot_folder(tmp_path, snapshot=True, kind=kind)
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["files"]["model.safetensors"] == {"size": 7000,
-                                                      "crc32": f"{zlib.crc32(b'weights' * 1000):08x}"}
+    assert manifest["files"]["model.safetensors"] == {"size": 7000, kind: digest}
     check_manifest(pafs.LocalFileSystem(), str(folder), manifest, "snap")
     (folder / "model.safetensors").write_bytes(b"Weights" * 1000)  # same size, other bytes
     with pytest.raises(CheckpointError, match="does not match the checksum in its manifest"):

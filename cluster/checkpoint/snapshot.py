@@ -143,7 +143,7 @@ class Snapshot:
     def write(self, writer: Any = None, hash_files: bool | str = False,
               durable: bool = False) -> tuple[list[str], dict[str, dict]]:
         """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, <checksum>}}`` when
-        ``hash_files`` (True: sha256, or a kind of ``cluster.checkpoint.writer.CHECKSUMS``; ``durable``: each file
+        ``hash_files`` (True: sha256, or a kind of ``cluster.checksums.CHECKSUMS``; ``durable``: each file
         flushed to its disk before it is hashed, ``describe_written``).
         ``writer`` (a started ``cluster.checkpoint.writer.CheckpointWriter``) writes the files that hold tensors,
         from the shared segments; this thread writes the files already in bytes (no interpreter lock held while they

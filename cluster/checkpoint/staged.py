@@ -32,6 +32,7 @@ from cluster.checkpoint.resume import (init_optimizers_for_load, keep_random_sta
                                       load_loader_states, save_loader_states, seed_missing_rng)
 from cluster.checkpoint.snapshot import SegmentPool, Snapshot, capture
 from cluster.checkpoint.writer import CheckpointWriter, WriterGone
+from cluster.checksums import SNAPSHOT_CHECKSUM
 from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
 from cluster.layout import CHECKPOINTS, SCRIPT_FOLDER, checkpoint_name, run_of_staging
@@ -368,7 +369,7 @@ class StagedCheckpoints:
                        save: Callable[[str, Callable[[], None]], None] | None = None, saved_too: bool = False) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed, its files
-        checksummed with crc32 (``cluster.checkpoint.writer.CHECKSUMS``); ``written(step, folder, files, cpu_s,
+        checksummed with xxh3 (``cluster.checkpoint.writer.SNAPSHOT_CHECKSUM``); ``written(step, folder, files, cpu_s,
         writer_cpu_s)`` once it is there, or given up (``files`` None: it failed, or a save came before its write
         began), with the CPU
         seconds its write took on the rank's thread and in the writer process (``_Write.cpu_s``, ``writer_cpu_s``).
@@ -765,7 +766,7 @@ class _Write:
             self._end(files)
 
     def _write_beside(self, folder: str, written: Callable[..., None]) -> None:
-        """The snapshot of this save's step: the same copies written into ``folder`` on the node's memory (crc32,
+        """The snapshot of this save's step: the same copies written into ``folder`` on the node's memory (xxh3,
         not flushed), first: it is there within the time a small state's write takes, where the commit lands only
         once every rank's part is on storage. Its failure is said, never the save's."""
         began = time.thread_time()
@@ -775,7 +776,7 @@ class _Write:
         try:
             ready = self.writer is not None and self.writer.ready()
             _, hashed = self.snap.retargeted(self.target, folder).write(self.writer if ready else None,
-                                                                        hash_files="crc32", durable=False)
+                                                                        hash_files=SNAPSHOT_CHECKSUM, durable=False)
             files = {os.path.relpath(p, folder): meta for p, meta in hashed.items()}
         except Exception as exc:  # noqa: BLE001 - the commit goes on; its step has no snapshot
             print(f"raylaunch: the snapshot of step {self.step} beside its save was not written: {exc}",
@@ -852,9 +853,9 @@ class _Write:
 
     @property
     def _checksum(self) -> str:
-        """A save's files are hashed with sha256 (the committed manifest's contract), a snapshot's with crc32 (those the
+        """A save's files are hashed with sha256 (the committed manifest's contract), a snapshot's with xxh3 (those the
         writer process writes; the few this thread writes stay sha256, which a snapshot's manifest accepts too)."""
-        return "crc32" if self.snapshot else "sha256"
+        return SNAPSHOT_CHECKSUM if self.snapshot else "sha256"
 
     def busy(self) -> bool:
         return not self._done.is_set()
