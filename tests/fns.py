@@ -16,7 +16,10 @@ ENV_KEYS = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 
 
 def probe(config: dict) -> dict:
-    """What a rank sees: its environment, Accelerate's view of the world, a collective."""
+    """What a rank sees: its environment, Accelerate's view of the world, a collective, the objects its garbage
+    collector scans and those frozen where it forked."""
+    import gc
+
     accelerator = Accelerator(**get_session().accelerator_kwargs())
     total = accelerator.reduce(torch.tensor([float(accelerator.process_index)]), "sum").item()
     return {
@@ -31,6 +34,8 @@ def probe(config: dict) -> dict:
         "even_batches": accelerator.even_batches,
         "pid": os.getpid(),
         "ppid": os.getppid(),
+        "gc_frozen": gc.get_freeze_count(),
+        "gc_tracked": len(gc.get_objects()),
     }
 
 

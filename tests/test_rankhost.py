@@ -112,6 +112,9 @@ def _run(tmp_path: Path, name: str, site: Path, warm: bool = True, idle: float =
     assert result.status == "succeeded", result.error + out.getvalue()[-3000:]
     nodes = json.loads((tmp_path / "runs" / name / "result.json").read_text())["nodes"]
     parents = {r["ppid"] for r in result.rank_results.values()}
+    # what the rank server imported (torch, Accelerate, raylaunch; a warm host transformers too) frozen before the
+    # ranks forked: a rank's full collections scan only what it made itself (#58)
+    assert all(r["gc_frozen"] > 2 * r["gc_tracked"] for r in result.rank_results.values()), result.rank_results
     assert {n["rank_host_pid"] for n in nodes} == (parents if warm else {None}), out.getvalue()[-4000:]
     return parents
 

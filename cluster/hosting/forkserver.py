@@ -34,10 +34,11 @@ __all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "d
 # What the rank fork server imports once, before any rank starts (not CUDA: importing torch does not initialise it,
 # so forked ranks can still pick their GPU). torch._dynamo too: every torch optimizer's constructor imports it, 1.9 s
 # of a core in each rank otherwise.
+# Last, ``cluster.hosting.frozen``: what was imported is frozen before any rank forks (``gc.freeze``).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "accelerate", "cluster.hosting.ranks",
-                      "cluster.rank.worker", "cluster.rank.session", "cluster.runtime"]
+                      "cluster.rank.worker", "cluster.rank.session", "cluster.runtime", "cluster.hosting.frozen"]
 # A warm rank host imports transformers too: paid once per node, not once per job.
-HOST_PRELOAD = [*FORKSERVER_PRELOAD, "transformers"]
+HOST_PRELOAD = [*FORKSERVER_PRELOAD[:-1], "transformers", "cluster.hosting.frozen"]
 
 
 _SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
