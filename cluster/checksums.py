@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CHECKSUMS", "SNAPSHOT_CHECKSUM", "checksum_kind", "hasher", "hasher_of"]
+__all__ = ["CHECKSUMS", "SNAPSHOT_CHECKSUM", "checksum_kind", "hasher"]
 
 # The checksums a file's entry may carry (``{"size", <kind>: hex}``). Committed checkpoints are always sha256 (their
 # manifest's contract); a snapshot in memory, which never leaves the nodes' memory, carries xxh3 (XXH3-64): it still
 # finds a file cut short or changed by accident, which is what a restore's check is for, for a fraction of the CPU
 # (measured here over 16.8 MB: CRC-32 4.3 ms, xxh3 0.6 ms; over 576 MiB: sha256 0.33 s with the CPU's SHA extensions,
-# CRC-32 0.14 s; a snapshot's writes run on cores training wants, #58). crc32 is what snapshots carried before, still verified.
+# CRC-32 0.14 s; a snapshot's writes run on cores training wants, #58). crc32: what snapshots carried before, still
+# verified.
 CHECKSUMS = ("sha256", "crc32", "xxh3")
 SNAPSHOT_CHECKSUM = "xxh3"
 
@@ -35,7 +36,8 @@ def hasher(kind: str) -> Any:
 
     >>> import zlib; h = hasher("crc32"); h.update(b"raylaunch"); h.hexdigest() == f"{zlib.crc32(b'raylaunch'):08x}"
     True
-    >>> h = hasher("xxh3"); h.update(b"ray"); h.update(b"launch"); h.hexdigest() == hasher_of(b"raylaunch")
+    >>> import xxhash; h = hasher("xxh3"); h.update(b"ray"); h.update(b"launch")
+    >>> h.hexdigest() == xxhash.xxh3_64_hexdigest(b"raylaunch")
     True
     """
     if kind == "sha256":
@@ -49,13 +51,6 @@ def hasher(kind: str) -> Any:
 
         return xxhash.xxh3_64()
     raise ValueError(f"unknown checksum {kind!r} (one of {', '.join(CHECKSUMS)})")
-
-
-def hasher_of(data: bytes, kind: str = SNAPSHOT_CHECKSUM) -> str:
-    """``data``'s checksum of ``kind`` (one of ``CHECKSUMS``) in hex."""
-    h = hasher(kind)
-    h.update(data)
-    return h.hexdigest()
 
 
 def checksum_kind(meta: dict) -> str | None:

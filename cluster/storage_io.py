@@ -107,7 +107,8 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
     whoever can write the storage can write a matching manifest too.
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    kinds = ("sha256", "xxh3", "crc32") if isinstance(manifest, dict) and manifest.get("snapshot") is True else ("sha256",)
+    snapshot = isinstance(manifest, dict) and manifest.get("snapshot") is True
+    kinds = ("sha256", "xxh3", "crc32") if snapshot else ("sha256",)
     if not isinstance(files, dict) or not all(
             isinstance(m, dict) and isinstance(m.get("size"), int) and any(isinstance(m.get(k), str) for k in kinds)
             for m in files.values()):

@@ -369,7 +369,7 @@ class StagedCheckpoints:
                        save: Callable[[str, Callable[[], None]], None] | None = None, saved_too: bool = False) -> bool:
         """A snapshot (``cluster.checkpoint.memory``): this rank's part of the state of ``step`` copied as a save's
         is, written by the writer process into ``folder`` (on the node's memory) and never committed, its files
-        checksummed with xxh3 (``cluster.checkpoint.writer.SNAPSHOT_CHECKSUM``); ``written(step, folder, files, cpu_s,
+        checksummed with xxh3 (``cluster.checksums.SNAPSHOT_CHECKSUM``); ``written(step, folder, files, cpu_s,
         writer_cpu_s)`` once it is there, or given up (``files`` None: it failed, or a save came before its write
         began), with the CPU
         seconds its write took on the rank's thread and in the writer process (``_Write.cpu_s``, ``writer_cpu_s``).

@@ -7,15 +7,17 @@ operators, and a thread at a lower CPU priority that holds the lock while it wai
 A process of its own, at the lowest CPU priority, writes instead: the snapshot's tensors live in memfd segments
 (``cluster.checkpoint.snapshot``) which it maps by the rank's descriptors (no copy), and nothing it does takes the
 training thread's interpreter. The rank starts it on its first background save, from the training thread, and it
-ends with that thread (``PR_SET_PDEATHSIG``) or when the rank closes its pipe. Imports nothing from Ray (of raylaunch, ``cluster.checksums`` only).
+ends with that thread (``PR_SET_PDEATHSIG``) or when the rank closes its pipe. Imports nothing from Ray (of
+raylaunch, ``cluster.checksums`` only).
 
 Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable)``;
 a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride,
 nbytes)`` naming the rank's memfd descriptors; ``hash`` is False (no checksums), True or ``"sha256"``, or a
 snapshot's ``cluster.checksums.SNAPSHOT_CHECKSUM`` (a snapshot's ``torch.save`` files are then written without
-the zip format's own CRC-32 of each record, which its checksum covers). The answer is ``{"files": {path: {"size", <hash>}}, "cpu_s": float}`` (each file's
-checksum under the name of its kind, when asked, after a flush to the disk when ``durable``; ``cpu_s``: the CPU
-seconds, user and system, this process spent on the request, which ``auto`` snapshots budget:
+the zip format's own CRC-32 of each record, which its checksum covers). The answer is ``{"files": {path: {"size",
+<hash>}}, "cpu_s": float}`` (each file's checksum under the name of its kind, when asked, after a flush to the disk
+when ``durable``; ``cpu_s``: the CPU seconds, user and system, this process spent on the request, which ``auto``
+snapshots budget:
 ``cluster.checkpoint.memory``) or ``{"error": str, "errno": int | None, "cpu_s": float}`` (``{"error": str,
 "errno": None, "unmapped": True}`` when it could not map the segments).
 """
@@ -53,10 +55,10 @@ _BOOT = ("import importlib.util, os, sys; sys.path.insert(0, os.path.dirname(os.
 
 def describe_written(path: str, durable: bool = False, checksum: str = "sha256") -> dict[str, Any]:
     """``{"size", checksum}`` of a file this process just wrote, hashed from the page cache (``checksum``: one of
-    ``cluster.checksums.CHECKSUMS``). ``durable``: first flushed to its disk from this process, so the kernel's write-back of it runs
-    here, at this process's priority and within the save's time, rather than in the kernel's flusher threads beside
-    training up to 30 s later; its pages then leave the page cache (the next checkpoint does not evict the project's
-    own files to make room)."""
+    ``cluster.checksums.CHECKSUMS``). ``durable``: first flushed to its disk from this process, so the kernel's
+    write-back of it runs here, at this process's priority and within the save's time, rather than in the kernel's
+    flusher threads beside training up to 30 s later; its pages then leave the page cache (the next checkpoint does not
+    evict the project's own files to make room)."""
     h = hasher(checksum)
     fd = os.open(path, os.O_RDONLY)
     size = 0
@@ -176,7 +178,8 @@ class CheckpointWriter:
               durable: bool = False) -> dict[str, dict]:
         """Write ``writes`` (tensors in ``segments``: id(tensor) -> (fd, nbytes, ...)) and return what it hashed
         (``describe_written``: ``durable``, flushed to the disk first; ``hash_files``: False, True for sha256, or the
-        name of one of ``cluster.checksums.CHECKSUMS``). The writer's CPU for it adds to the calling thread's ``take_cpu_s``."""
+        name of one of ``cluster.checksums.CHECKSUMS``). The writer's CPU for it adds to the calling thread's
+        ``take_cpu_s``."""
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise WriterGone("the checkpoint writer is not running")
