@@ -238,7 +238,7 @@ def _die_with_parent(parent: int) -> None:
 def _serve(parent: int) -> None:
     import torch
     from safetensors.torch import save_file
-    from torch.utils.serialization import config
+    from torch.serialization import set_crc32_options
 
     torch.set_num_threads(1)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -258,7 +258,7 @@ def _serve(parent: int) -> None:
         checksum = "sha256" if hash_files is True else hash_files
         # A snapshot's files: the zip's CRC-32 of each record left out of torch.save's (its own checksum covers them:
         # 16.8 MB of optimizer state 11.6 -> 5.0 ms of CPU); a committed checkpoint's files keep theirs
-        config.save.compute_crc32 = checksum in ("sha256", False)
+        set_crc32_options(checksum in ("sha256", False))
         files = {}
         for path, obj, safetensors, kwargs in writes:
             os.makedirs(os.path.dirname(path), exist_ok=True)
