@@ -13,13 +13,13 @@ from that checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from typing import Any
 
 from pyarrow import fs as pafs
 
+from cluster.checksums import hasher
 from cluster.errors import RaylaunchError
 from cluster.layout import MANIFEST
 
@@ -61,17 +61,11 @@ def is_local(fs: pafs.FileSystem) -> bool:
 
 
 def sha256(fs: pafs.FileSystem, path: str) -> str:
-    h = hashlib.sha256()
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return checksum(fs, path, "sha256")
 
 
 def checksum(fs: pafs.FileSystem, path: str, kind: str) -> str:
     """The file's checksum of ``kind`` in hex: sha256, or a snapshot's (``cluster.checksums.CHECKSUMS``)."""
-    from cluster.checksums import hasher
-
     h = hasher(kind)
     with fs.open_input_stream(path) as f:
         while chunk := f.read(1 << 20):
@@ -135,7 +129,7 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
         if info.size != meta["size"]:
             raise CheckpointError(f"{label}/{rel} has {info.size} bytes; its manifest says {meta['size']}")
         kind = next(k for k in kinds if isinstance(meta.get(k), str))
-        if (sha256(fs, f"{path}/{rel}") if kind == "sha256" else checksum(fs, f"{path}/{rel}", kind)) != meta[kind]:
+        if checksum(fs, f"{path}/{rel}", kind) != meta[kind]:
             raise CheckpointError(f"{label}/{rel} does not match the checksum in its manifest")
 
 

@@ -735,7 +735,7 @@ def digits_dies_before_commit(config: dict) -> dict:
 
         def write(self, writer=None, hash_files=False, durable=False):
             if hash_files == "sha256" and any(f"{os.sep}{held}{os.sep}" in w.path for w in self.writes):
-                time.sleep(600)  # the save's own files; the snapshot beside it (crc32) is written first
+                time.sleep(600)  # the save's own files; the snapshot beside it (xxh3) is written first
             return real_write(self, writer, hash_files, durable)
 
         snapshot_module.Snapshot.write = write

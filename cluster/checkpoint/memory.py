@@ -287,9 +287,6 @@ class MemorySnapshots:
         self._mark: tuple[float, int] | None = None
         self._ended: dict[int, tuple[float, bool]] = {}  # step -> (when its write ended, a copy to the peer follows)
         self._effects: deque[tuple[float | None, float, float]] = deque(maxlen=5)  # the latest ``measured_effect``s
-        # steps whose snapshot is a save's capture written beside it (``beside_save``): their writes are not a
-        # snapshot's cost (its capture and hold are the save's) and measure nothing for ``auto``
-        self._beside: set[int] = set()
         self._began = False  # this attempt's first snapshot was taken (``_first_of_attempt``)
 
     def say_once(self, line: str) -> None:
@@ -458,7 +455,7 @@ class MemorySnapshots:
         step a rank saves takes no snapshot of its own: ``take``). Returns the folder and what is called once that
         part is written; None where no snapshot is due or one would not be kept."""
         if self.off is not None or self.accelerator is None or not self.confirmed or self.code is not None \
-                or step % self.interval or step in self._taken_at or self._taken_at:  # (one in flight: skipped)
+                or step % self.interval or self._taken_at:  # (one in flight, this step's too: skipped)
             return None
         if self.every is None and not self._writes:  # ``auto`` before its first measure: k is 1 until then, and
             return None  # every save would write a snapshot beside it (at 576 MiB, steps 1.44x: bench-recovery)
@@ -467,8 +464,7 @@ class MemorySnapshots:
         if not self._began:  # (not counted in ``taken``: ``auto``'s measures count the snapshots of its own)
             self._first_of_attempt(step)
         self._taken_at[step] = time.time()
-        self._beside.add(step)
-        return str(self.node_dir / snap_name(step)), self._written
+        return str(self.node_dir / snap_name(step)), functools.partial(self._written, beside=True)
 
     def _first_of_attempt(self, step: int) -> None:
         """Before this attempt's first snapshot (its own, or one beside a save): an earlier attempt's parts past it
@@ -523,13 +519,13 @@ class MemorySnapshots:
             self._ended.pop(old, None)
 
     def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
-                 writer_cpu_s: float = 0.0) -> None:
+                 writer_cpu_s: float = 0.0, beside: bool = False) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
         ``cpu_s``, ``writer_cpu_s``: what the write cost on the rank's thread and in the writer process (for ``auto``,
-        whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save)."""
+        whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save). ``beside``: a
+        save's capture written beside it (``beside_save``), whose write is not a snapshot's cost (its capture and hold
+        are the save's) and measures nothing for ``auto``."""
         taken_at = self._taken_at.pop(step, None)
-        beside = step in self._beside
-        self._beside.discard(step)
         ended = time.time()
         cores, self._cores = self._cores, read_cores()  # how busy the node was since the last write ended
         if taken_at is not None and not beside and (files is not None or cpu_s + writer_cpu_s > 0):  # (one given up
