@@ -158,6 +158,39 @@ def test_the_first_snapshots_write_sets_the_interval_before_the_next_is_taken(tm
     assert [t[0] for t in taken] == [1, 64]
 
 
+def test_a_functions_first_save_writes_the_first_snapshot_beside_it_and_its_write_sets_the_interval(tmp_path,
+                                                                                                      monkeypatch):
+    """auto's first snapshot was one of its own at the step after the first save, one a step until measured: the
+    bench's run of 240 steps took three snapshots where the interval it settled on gave two (#58). The first save's
+    capture is written beside it as the snapshot of its step, and that write (the same as a snapshot's) is the
+    first measure: no snapshot is taken while it is written, and none at one a step after it."""
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True] * 3)
+    folder, written = snaps.beside_save(20)
+    assert folder == str(tmp_path / "snap-00000020")
+    clock.now += 0.5
+    snaps.take(21, lambda: 0.001)  # the save's snapshot is being written: auto's first measure, none before it
+    assert taken == [] and snaps.skipped == 0
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    clock.now += 0.1
+    written(20, folder, {}, 0.5)  # 0.5 s of CPU
+    assert json.loads((Path(folder) / "rank-0.json").read_text())["step"] == 20
+    clock.now += 0.4
+    snaps.take(22, lambda: 0.001)
+    assert taken == [] and snaps.interval == 64 == auto_interval(0.0, 0.5, cpu_s=0.5, write_s=0.1)
+    assert snaps.beside_save(40) is None  # a later save: not due at 64
+    clock.now += 21.0
+    snaps.take(64, lambda: 0.001)
+    assert [t[0] for t in taken] == [64]
+
+
+def test_a_later_save_writes_no_snapshot_beside_it_before_auto_measured_one(tmp_path):
+    snaps, taken = snapshots(tmp_path, [True])
+    snaps.take(1, lambda: None)  # its own first: measured when written
+    assert snaps.beside_save(2) is None
+
+
 def test_a_first_write_that_costs_little_leaves_one_a_step(tmp_path, monkeypatch):
     # the bar's case: 0.3 ms of CPU at 50 ms a step
     snaps, taken, _ = first_written(tmp_path, monkeypatch, cpu_s=0.0003, write_s=0.0, step_s=0.05)

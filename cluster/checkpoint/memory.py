@@ -242,8 +242,9 @@ class MemorySnapshots:
     ``every``: optimizer steps between snapshots, or None (``auto``): as often as keeps their cost at most
     ``AUTO_SHARE`` of the step time: what they did to the steps (``measured_effect``, read at a ``mark`` half an
     interval after each, ``effect_interval``), and at least what their hold and their write's CPU count
-    (``auto_interval``); one a step until the first one's write is measured, then at the interval its CPU and its time
-    in flight say (its hold, not a measure, counted from the third one on); twice as far apart at once when one
+    (``auto_interval``); one a step until the first one's write is measured (a function's first is its first save's,
+    written beside it: none of its own before), then at the interval its CPU and its time in flight say (its hold,
+    not a measure, counted from the third one on); twice as far apart at once when one
     comes due while the previous one's write is still in flight, which skips it. ``peers``: a peer node keeps a copy
     of each part (its end, which the driver notes, ends the snapshot's work); ``every_changed(k)`` tells the driver a
     new interval at once (a restart's ranks start from it). ``save`` is ``StagedCheckpoints.hold_in_memory``; ``report`` reports a part
@@ -288,6 +289,7 @@ class MemorySnapshots:
         self._ended: dict[int, tuple[float, bool]] = {}  # step -> (when its write ended, a copy to the peer follows)
         self._effects: deque[tuple[float | None, float, float]] = deque(maxlen=5)  # the latest ``measured_effect``s
         self._began = False  # this attempt's first snapshot was taken (``_first_of_attempt``)
+        self._first_beside = False  # ``auto``'s first measure is of a snapshot beside a save (``beside_save``)
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -377,6 +379,8 @@ class MemorySnapshots:
                 (code is not None and code.name is None):
             return
         step = self.base + steps if code is None or code.step is None else code.step()
+        if self._first_beside and not self._writes and self._taken_at:
+            return  # ``auto``'s first measure, the snapshot beside the first save, is being written: none before it
         if not self._began:
             self._first_of_attempt(step)
         wall = time.time()
@@ -392,12 +396,13 @@ class MemorySnapshots:
                     self._set_interval(max(self._floor, self._effect_interval(), auto_interval(
                         _median(h for h, _ in self._recent), _median(s for _, s in self._recent),
                         cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes))))
-        elif self.every is None and self.taken == 1 and self._writes and not stopping and self._last is not None \
-                and now > self._last[0] and steps > self._last[1]:
+        elif self.every is None and self.taken == (0 if self._first_beside else 1) and self._writes and not stopping \
+                and self._last is not None and now > self._last[0] and steps > self._last[1]:
             # The first one's write measured: its CPU and its time in flight say the interval at once (its hold does
             # not), where waiting for the third one's measure took a run of 240 steps two snapshots more, each at
             # one step or two apart (#58: the steps after the first save ran 1.04-1.20x for 50 steps). A step not
-            # due at the new interval takes none: the next multiple of it does.
+            # due at the new interval takes none: the next multiple of it does. A function's first one is the
+            # first save's, written beside it (``beside_save``): no snapshot of its own at one a step at all.
             first = max(self._floor, auto_interval(0.0, (now - self._last[0]) / (steps - self._last[1]),
                                                    cpu_s=self._writes[0][0], write_s=self._writes[0][1]))
             if first > self.interval:
@@ -457,13 +462,17 @@ class MemorySnapshots:
         if self.off is not None or self.accelerator is None or not self.confirmed or self.code is not None \
                 or step % self.interval or self._taken_at:  # (one in flight, this step's too: skipped)
             return None
-        if self.every is None and not self._writes:  # ``auto`` before its first measure: k is 1 until then, and
-            return None  # every save would write a snapshot beside it (at 576 MiB, steps 1.44x: bench-recovery)
+        first = self.every is None and not self._writes  # ``auto`` before its first measure: this one is it
+        if first and (self.taken or self._first_beside):  # (one of its own, or an earlier save's, is being measured:
+            return None  # k is 1 until then, and every save would write one beside it: at 576 MiB, steps 1.44x)
         if self.used + self.last_nbytes > self.budget:
             return None  # (said by ``take`` when it comes to it)
         if not self._began:  # (not counted in ``taken``: ``auto``'s measures count the snapshots of its own)
             self._first_of_attempt(step)
         self._taken_at[step] = time.time()
+        if first:  # its write, the same as a snapshot's, is measured: ``take`` sets the interval from it
+            self._first_beside, self._last = True, (time.perf_counter(), step - self.base)
+            return str(self.node_dir / snap_name(step)), self._written
         return str(self.node_dir / snap_name(step)), functools.partial(self._written, beside=True)
 
     def _first_of_attempt(self, step: int) -> None:
