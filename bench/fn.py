@@ -226,6 +226,7 @@ def train(config: dict) -> dict:
               "world_size": accelerator.num_processes, "save_s": saves, "local_save_s": local_saves,
               # snapshots in memory this rank took (raylaunch: its default, every k optimizer steps, k its `auto`'s)
               "snapshots": getattr(session.snapshots, "taken", None), "snapshot_every": getattr(session.snapshots, "interval", None),
+              "snapshots_beside": getattr(session.snapshots, "beside", None),
               "restarted": restarted}
     if config.get("step_times"):  # each steady step's wall seconds, for a closer look at a save's wake
         result["step_times"] = sorted(logged + quiet)

@@ -272,6 +272,7 @@ class MemorySnapshots:
         self.interval = every or start  # optimizer steps from one snapshot to the next (auto: from ``start``)
         self._told = self.interval  # the interval the driver last heard (``every_changed``, a part's report)
         self.taken = 0
+        self.beside = 0  # snapshots written beside a save, from its capture (``beside_save``): not in ``taken``
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write
         self._recent: deque[tuple[float, float]] = deque(maxlen=5)  # (hold, step time) of the latest snapshots
@@ -470,6 +471,7 @@ class MemorySnapshots:
         if not self._began:  # (not counted in ``taken``: ``auto``'s measures count the snapshots of its own)
             self._first_of_attempt(step)
         self._taken_at[step] = time.time()
+        self.beside += 1
         if first:  # its write, the same as a snapshot's, is measured: ``take`` sets the interval from it
             self._first_beside, self._last = True, (time.perf_counter(), step - self.base)
             return str(self.node_dir / snap_name(step)), self._written
