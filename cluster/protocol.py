@@ -11,6 +11,7 @@ Nothing here imports Ray or torch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal as _signal
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,7 +27,7 @@ __all__ = [
     "NodeState", "Pace", "Preempted", "PreemptNotice", "Progress", "RankEvent", "RankFailure", "Resources",
     "RestoredPart", "RunStatus", "SAID_ONCE", "ScriptCall", "SnapshotEvery", "SnapshotHeld", "SnapshotWriting",
     "WorkerPayload",
-    "decode_kind", "decode_rank_event", "metrics_line",
+    "METRICS_ROWS", "decode_kind", "decode_rank_event", "metrics_line", "metrics_lines", "metrics_rows_line",
 ]
 
 # The end of a rank's line that every rank says once (a metrics key renamed, say): the driver prints it once a run.
@@ -350,6 +351,29 @@ def metrics_line(step: int | None, values: dict, at: float, rank: int) -> dict[s
     True
     """
     return {"kind": _METRICS, "time": at, "rank": rank, "step": step, "values": values}
+
+
+# A line of a rank's events file holding the rows it logged since its last write (``metrics_rows_line``).
+METRICS_ROWS = "metrics_rows"
+
+
+def metrics_rows_line(rows: list[tuple[int | None, float, dict]], rank: int) -> str:
+    """The metrics rows a rank logged since its last write (``(step, time, values)`` each), as one line of its events
+    file: one ``json.dumps`` of a batch of 100 rows cost 1.0 us a row where a line a row (``metrics_line``) cost 2.7
+    us, on the training process's cores (#58). ``metrics_lines`` reads it back as ``metrics_line``'s objects.
+
+    >>> line = metrics_rows_line([(3, 1.5, {"loss": 0.5}), (None, 2.0, {})], 2)
+    >>> metrics_lines(json.loads(line)) == [metrics_line(3, {"loss": 0.5}, 1.5, 2), metrics_line(None, {}, 2.0, 2)]
+    True
+    """
+    return json.dumps({"kind": METRICS_ROWS, "rank": rank, "rows": rows}) + "\n"
+
+
+def metrics_lines(line: dict) -> list[dict[str, Any]]:
+    """A ``metrics_rows_line``'s rows as ``metrics_line``'s objects (a row not of its shape is left out)."""
+    rank, rows = line.get("rank", 0), line.get("rows")
+    return [metrics_line(row[0], row[2], row[1], rank) for row in (rows if isinstance(rows, list) else ())
+            if isinstance(row, list) and len(row) == 3 and isinstance(row[2], dict)]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from cluster.hosting.ranks import LocalRanks, StoreProcess
 from cluster.hosting.tail import Tail
 from cluster.layout import attempt_dir, heartbeat_file, stack_dump_file
 from cluster.metric_rows import RowBatcher
-from cluster.protocol import EventKind, NodePoll, NodeState, WorkerPayload
+from cluster.protocol import METRICS_ROWS, EventKind, NodePoll, NodeState, WorkerPayload, metrics_lines
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack, sample_processes
 
 __all__ = ["SNAPSHOT_GROUP", "NodeActor", "NodeInfo", "RendezvousError"]
@@ -353,10 +353,15 @@ class NodeActor:
                 if stream == "event":
                     if line.strip():
                         try:
-                            out.events.append(json.loads(line))
+                            event = json.loads(line)
                         except ValueError:  # a torn line (the rank was killed mid-write)
                             out.logs.append((rank, "stderr", f"raylaunch: an unreadable event line was skipped: "
                                                              f"{line[:200]!r}"))
+                            continue
+                        if type(event) is dict and event.get("kind") == METRICS_ROWS:  # a batch of metrics rows
+                            out.events.extend(metrics_lines(event))
+                        else:
+                            out.events.append(event)
                 else:
                     out.logs.append((rank, stream, line))
 

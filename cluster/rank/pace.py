@@ -127,10 +127,9 @@ class PaceMeter:
         self._last: float | None = None  # when the previous batch was handed to the function
         self._grad_at: Any = None  # the timer's mark when this backward's latest gradient was computed
         self._pending: list[tuple[Any, Any]] = []  # marks whose time the timer could not read yet
-        # When the first batch was asked for (Unix time), until a window reports it: training began there.
+        # When the first batch was asked for (perf_counter), until a window reports it: training began there.
         self._first: float | None = None
         self._first_said = False
-        self._last_wall = 0.0  # when the latest batch was handed over (Unix time)
         self.steps = 0  # optimizer steps taken in this process (``stepped``), for good
         self.timed = 0  # backwards whose wait was read, for good
         self._reset()
@@ -149,10 +148,9 @@ class PaceMeter:
 
     def fetched(self, started: float, ended: float) -> None:
         """One batch was asked for at ``started`` and handed over at ``ended`` (perf_counter)."""
-        with self._lock:
+        with self._lock:  # (perf_counter times: made Unix times when a window reads them, not a batch)
             if self._first is None:
-                self._first = time.time() - (time.perf_counter() - started)
-            self._last_wall = time.time() - (time.perf_counter() - ended)
+                self._first = started
             self.span_s += ended - (started if self._last is None else self._last)
             self.data_s += ended - started
             self.batches += 1
@@ -205,9 +203,10 @@ class PaceMeter:
                 return None
             stepped = self.steps - self.steps_seen
             self._reset()
-            first = None if self._first_said else self._first
+            unix = time.time() - time.perf_counter()  # perf_counter to Unix time
+            first = None if self._first_said or self._first is None else self._first + unix
             self._first_said = True
-            last = self._last_wall
+            last = 0.0 if self._last is None else self._last + unix
         window = {"data_wait": round(min(data / span, 1.0), 4), "sync_wait": round(min(sync / span, 1.0), 4),
                   "batch_s": round(span / n, 4), "span_s": round(span, 4), "batches": n, "optimizer_steps": stepped,
                   "last_batch": round(last, 4)}

@@ -28,7 +28,7 @@ from cluster.context import RECORD_KEYS, WorkerContext
 from cluster.layout import CHECKPOINTS, LOCAL_LATEST, checkpoint_name, checkpoint_step
 from cluster.protocol import (
     SAID_ONCE, CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
-    metrics_line,
+    metrics_rows_line,
 )
 from cluster.rank.metric_caps import MAX_KEY_CHARS, MAX_KEYS, capped
 from cluster.rank.stops import StopCheck
@@ -294,15 +294,13 @@ class Session:
 
     def _write_rows(self) -> None:
         """Under ``_lock``: the rows logged so far, in order, as ``emit`` writes an event's line."""
-        rows, dumps = self._rows, json.dumps
-        rank = self.payload.context.world_rank if self.payload is not None else 0
-        lines = []
+        rows = self._rows
+        batch = []
         while rows:
             step, values, at = rows.popleft()
-            lines.append(dumps(metrics_line(step, values, at, rank)))
-        if lines:
-            lines.append("")
-            self._events.write("\n".join(lines))
+            batch.append((step, at, values))
+        if batch:
+            self._events.write(metrics_rows_line(batch, self.payload.context.world_rank if self.payload else 0))
 
     def start_snapshots(self, meter: Any) -> None:
         """Snapshots in memory every few optimizer steps (``cluster.checkpoint.memory``), taken from the prepared
