@@ -101,6 +101,19 @@ class CudaTimer(Timer):
         return seconds
 
 
+class _Fetched:
+    """One window's batches as the training thread counts them (``PaceMeter.fetched``), without a lock: ``window``
+    swaps in a new one, so a batch counted into the old one after the window read it is left out of both (one batch,
+    at most once a window), never counted twice."""
+
+    __slots__ = ("span_s", "data_s", "batches")
+
+    def __init__(self) -> None:
+        self.span_s = 0.0  # time covered by batches: from one batch handed over to the next
+        self.data_s = 0.0
+        self.batches = 0
+
+
 class PaceMeter:
     """Sums of one window: batches fetched, time waiting for them, time waiting in DDP's all-reduce.
 
@@ -135,10 +148,8 @@ class PaceMeter:
         self._reset()
 
     def _reset(self) -> None:
-        self.span_s = 0.0  # time covered by batches: from one batch handed over to the next
-        self.data_s = 0.0
+        self._fetched = _Fetched()
         self.sync_s = 0.0
-        self.batches = 0
         self.steps_seen = self.steps  # optimizer steps counted before this window
 
     def stepped(self, *_: Any) -> None:
@@ -147,14 +158,16 @@ class PaceMeter:
         self.steps += 1
 
     def fetched(self, started: float, ended: float) -> None:
-        """One batch was asked for at ``started`` and handed over at ``ended`` (perf_counter)."""
-        with self._lock:  # (perf_counter times: made Unix times when a window reads them, not a batch)
-            if self._first is None:
-                self._first = started
-            self.span_s += ended - (started if self._last is None else self._last)
-            self.data_s += ended - started
-            self.batches += 1
-            self._last = ended
+        """One batch was asked for at ``started`` and handed over at ``ended`` (perf_counter; made Unix times when a
+        window reads them). No lock (``_Fetched``): taking the meter's lock for each batch cost a step a few
+        microseconds, cache-cold between its kernels (``bench/step_costs.py``, #58)."""
+        counted, last = self._fetched, self._last
+        self._last = ended
+        counted.data_s += ended - started
+        counted.span_s += ended - (started if last is None else last)
+        counted.batches += 1
+        if self._first is None:
+            self._first = started
 
     def gradient_ready(self, param: Any = None) -> None:
         """A parameter's gradient is computed (a hook on the parameters computed last): the latest mark wins."""
@@ -198,7 +211,8 @@ class PaceMeter:
         window goes on, while fewer than ``min_batches`` came."""
         self._read()
         with self._lock:
-            span, data, sync, n = self.span_s, self.data_s, self.sync_s, self.batches
+            counted = self._fetched
+            span, data, sync, n = counted.span_s, counted.data_s, self.sync_s, counted.batches
             if n < max(min_batches, 1) or span <= 0:
                 return None
             stepped = self.steps - self.steps_seen
