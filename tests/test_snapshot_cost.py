@@ -185,6 +185,25 @@ def test_a_functions_first_save_writes_the_first_snapshot_beside_it_and_its_writ
     assert [t[0] for t in taken] == [64]
 
 
+def test_a_first_save_whose_snapshot_was_not_written_leaves_the_first_measure_to_a_snapshot_of_its_own(tmp_path,
+                                                                                                       monkeypatch):
+    # (checkpoint.async: false writes the save before it returns: nothing is written beside it)
+    clock = Clock()
+    monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
+    snaps, taken = snapshots(tmp_path, [True] * 3)
+    folder, written = snaps.beside_save(20)
+    written(20, folder, None)  # not taken
+    clock.now += 0.5
+    snaps.take(21, lambda: 0.001)  # one of its own at once, measured when written
+    step, folder, written = taken[0]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    clock.now += 0.1
+    written(step, folder, {}, 0.5)
+    clock.now += 0.4
+    snaps.take(22, lambda: 0.001)  # its write says the interval at once, as a first snapshot's does
+    assert [t[0] for t in taken] == [21] and snaps.interval == 64
+
+
 def test_a_later_save_writes_no_snapshot_beside_it_before_auto_measured_one(tmp_path):
     snaps, taken = snapshots(tmp_path, [True])
     snaps.take(1, lambda: None)  # its own first: measured when written

@@ -544,6 +544,8 @@ class MemorySnapshots:
             busy = None if cores is None else busy_share(cores, self._cores)
             self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), ended - taken_at))
             self._floor = 1
+        elif not beside and self.taken == 0:  # the first save's, not written (a save written before it returned):
+            self._first_beside = False  # no measure; ``take``'s first snapshot of its own is it
         if files is None:
             self._write_ended(step, ended, False)
             return
