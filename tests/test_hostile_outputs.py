@@ -74,7 +74,7 @@ def test_rows_of_numbers_and_cpu_tensors_are_written_as_logged_whatever_the_dict
     import torch
 
     from cluster.context import WorkerContext
-    from cluster.protocol import WorkerPayload
+    from cluster.protocol import METRICS_ROWS, WorkerPayload, metrics_lines
     from cluster.rank.session import Session
 
     ctx = WorkerContext(world_rank=1, local_rank=0, node_rank=0, world_size=2, local_world_size=1, num_nodes=2)
@@ -89,7 +89,10 @@ def test_rows_of_numbers_and_cpu_tensors_are_written_as_logged_whatever_the_dict
     loss += 1  # a running total the function keeps adding to
     session.log({"step": 1, "loss": 0.5}, step=6)  # a row's own key: the caps' way, kept apart
     session.write_rows()
-    rows = [json.loads(line) for line in (tmp_path / "events-rank1.jsonl").read_text().splitlines()]
+    # as the node reads them: the rows of a batch are one line (cluster.protocol.metrics_rows_line)
+    lines = [json.loads(line) for line in (tmp_path / "events-rank1.jsonl").read_text().splitlines()]
+    assert [line["kind"] for line in lines] == [METRICS_ROWS]
+    rows = metrics_lines(lines[0])
     assert [(r["kind"], r["rank"], r["step"]) for r in rows] == [("metrics", 1, 5), ("metrics", 1, 6)]
     assert rows[0]["values"] == {"loss": 0.25, "lr": 1e-3, "epoch": 2, "last": True, "none": None, "big": 2**63,
                                  "bigger": 1.7976931348623157e308, "count": 7}
