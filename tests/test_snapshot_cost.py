@@ -174,8 +174,9 @@ def test_a_functions_first_save_writes_the_first_snapshot_beside_it_and_its_writ
     assert taken == [] and snaps.skipped == 0
     Path(folder).mkdir(parents=True, exist_ok=True)
     clock.now += 0.1
+    assert snaps.beside == 0
     written(20, folder, {}, 0.5)  # 0.5 s of CPU
-    assert json.loads((Path(folder) / "rank-0.json").read_text())["step"] == 20
+    assert json.loads((Path(folder) / "rank-0.json").read_text())["step"] == 20 and snaps.beside == 1
     clock.now += 0.4
     snaps.take(22, lambda: 0.001)
     assert taken == [] and snaps.interval == 64 == auto_interval(0.0, 0.5, cpu_s=0.5, write_s=0.1)
@@ -193,6 +194,8 @@ def test_a_first_save_whose_snapshot_was_not_written_leaves_the_first_measure_to
     snaps, taken = snapshots(tmp_path, [True] * 3)
     folder, written = snaps.beside_save(20)
     written(20, folder, None)  # not taken
+    written(20, folder, {}, 0.5)  # (said once: a save that failed after its write said so says it again, unheard)
+    assert snaps.beside == 0 and not snaps._writes
     clock.now += 0.5
     snaps.take(21, lambda: 0.001)  # one of its own at once, measured when written
     step, folder, written = taken[0]

@@ -229,6 +229,21 @@ class CodeSave:
     step: Callable[[], int] | None = None
 
 
+def _once(call: Callable[..., None]) -> Callable[..., None]:
+    """``call``, which only its first call calls (a save that failed says its snapshot was not taken, whether or not
+    the save's write had already said so)."""
+    token = [True]
+
+    def first(*args: Any, **kwargs: Any) -> None:
+        try:
+            token.pop()  # (atomic: two threads never both get it)
+        except IndexError:
+            return
+        call(*args, **kwargs)
+
+    return first
+
+
 def _median(values: Any) -> float:
     """The median of ``values`` (0.0 for none)."""
     ordered = sorted(values)
@@ -272,11 +287,12 @@ class MemorySnapshots:
         self.interval = every or start  # optimizer steps from one snapshot to the next (auto: from ``start``)
         self._told = self.interval  # the interval the driver last heard (``every_changed``, a part's report)
         self.taken = 0
-        self.beside = 0  # snapshots written beside a save, from its capture (``beside_save``): not in ``taken``
+        self.beside = 0  # snapshots written beside a save, from its capture (``beside_save``), kept: not in ``taken``
         self.last_nbytes = 0  # the size of this rank's latest part
         self.used = 0  # bytes the node's snapshots held after this rank's latest write
         self._recent: deque[tuple[float, float]] = deque(maxlen=5)  # (hold, step time) of the latest snapshots
         # (CPU seconds training paid, capture to written) of their writes: ``charged_cpu_s``
+        # (appended by the write's thread: read through a copy, ``list(...)``, never iterated in place)
         self._writes: deque[tuple[float, float]] = deque(maxlen=5)
         self.skipped = 0  # snapshots due while the previous one's write was in flight
         self._floor = 1  # ``auto``'s interval after a skip, until the write in flight has been measured
@@ -334,7 +350,7 @@ class MemorySnapshots:
 
     def _slow_writes(self, step_s: float) -> bool:
         """This rank's writes last a step (``step_s``) or more: their effect is measured (``MEASURED_FROM``)."""
-        return bool(self._writes) and _median(w for _, w in self._writes) >= step_s
+        return bool(self._writes) and _median(w for _, w in list(self._writes)) >= step_s
 
     def _set_interval(self, interval: int) -> None:
         self.interval = interval
@@ -396,7 +412,8 @@ class MemorySnapshots:
                 if _median(s for _, s in self._recent) > 0:
                     self._set_interval(max(self._floor, self._effect_interval(), auto_interval(
                         _median(h for h, _ in self._recent), _median(s for _, s in self._recent),
-                        cpu_s=_median(c for c, _ in self._writes), write_s=_median(w for _, w in self._writes))))
+                        cpu_s=_median(c for c, _ in list(self._writes)),
+                        write_s=_median(w for _, w in list(self._writes)))))
         elif self.every is None and self.taken == (0 if self._first_beside else 1) and self._writes and not stopping \
                 and self._last is not None and now > self._last[0] and steps > self._last[1]:
             # The first one's write measured: its CPU and its time in flight say the interval at once (its hold does
@@ -444,7 +461,8 @@ class MemorySnapshots:
             gap = self.next_due(steps) - steps
             if self.every is None and gap >= MEASURED_FROM:  # its effect measured: marked half way to the next
                 self._measuring, self.mark_at = (wall, steps, step), steps + gap // 2
-            if self._writing is not None and (not self._writes or _median(w for _, w in self._writes) >= SLOW_WRITE_S):
+            if self._writing is not None and (not self._writes
+                                              or _median(w for _, w in list(self._writes)) >= SLOW_WRITE_S):
                 self._writing(step)
             return
         self._taken_at.pop(step, None)
@@ -471,11 +489,10 @@ class MemorySnapshots:
         if not self._began:  # (not counted in ``taken``: ``auto``'s measures count the snapshots of its own)
             self._first_of_attempt(step)
         self._taken_at[step] = time.time()
-        self.beside += 1
         if first:  # its write, the same as a snapshot's, is measured: ``take`` sets the interval from it
             self._first_beside, self._last = True, (time.perf_counter(), step - self.base)
-            return str(self.node_dir / snap_name(step)), self._written
-        return str(self.node_dir / snap_name(step)), functools.partial(self._written, beside=True)
+        return str(self.node_dir / snap_name(step)), _once(functools.partial(self._written, beside=True,
+                                                                             measured=first))
 
     def _first_of_attempt(self, step: int) -> None:
         """Before this attempt's first snapshot (its own, or one beside a save): an earlier attempt's parts past it
@@ -530,22 +547,24 @@ class MemorySnapshots:
             self._ended.pop(old, None)
 
     def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
-                 writer_cpu_s: float = 0.0, beside: bool = False) -> None:
+                 writer_cpu_s: float = 0.0, beside: bool = False, measured: bool = False) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
         ``cpu_s``, ``writer_cpu_s``: what the write cost on the rank's thread and in the writer process (for ``auto``,
         whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save). ``beside``: a
         save's capture written beside it (``beside_save``), whose write is not a snapshot's cost (its capture and hold
-        are the save's) and measures nothing for ``auto``."""
-        taken_at = self._taken_at.pop(step, None)
+        are the save's) and measures nothing for ``auto``, but the first save's (``measured``: ``auto``'s first
+        measure, ``beside_save``)."""
+        taken_at = self._taken_at.get(step)  # (in flight until its measure is in: ``take`` reads the two together)
         ended = time.time()
         cores, self._cores = self._cores, read_cores()  # how busy the node was since the last write ended
-        if taken_at is not None and not beside and (files is not None or cpu_s + writer_cpu_s > 0):  # (one given up
-            # cost what it did)
+        if taken_at is not None and (measured or not beside) and (files is not None or cpu_s + writer_cpu_s > 0):
+            # (one given up cost what it did)
             busy = None if cores is None else busy_share(cores, self._cores)
             self._writes.append((charged_cpu_s(cpu_s, writer_cpu_s, busy), ended - taken_at))
             self._floor = 1
-        elif not beside and self.taken == 0:  # the first save's, not written (a save written before it returned):
+        elif measured:  # the first save's, not written (a save written before it returned, or one that failed):
             self._first_beside = False  # no measure; ``take``'s first snapshot of its own is it
+        self._taken_at.pop(step, None)
         if files is None:
             self._write_ended(step, ended, False)
             return
@@ -566,4 +585,5 @@ class MemorySnapshots:
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
         self._write_ended(step, ended, True)  # (before the report: the driver's copy, and its note, come after it)
+        self.beside += beside
         self._report(step, self.last_nbytes, self.interval, taken_at)

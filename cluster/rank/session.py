@@ -608,7 +608,12 @@ class Session:
                 beside = self.snapshots.beside_save(step)
             except Exception as exc:  # noqa: BLE001 - never the save's failure: storage's checkpoints remain
                 self.snapshots.stop(f"{type(exc).__name__}: {exc}")
-        return self._checkpoints.save(accelerator, step, beside=beside)
+        try:
+            return self._checkpoints.save(accelerator, step, beside=beside)
+        except BaseException:
+            if beside is not None:  # not taken (a no-op where the save said so already): never left in flight
+                beside[1](step, beside[0], None)
+            raise
 
     def save_script_state(self, accelerator: Any, step: int, mirror: str | None, folder: str,
                           safe_serialization: bool, kwargs: dict) -> str:
