@@ -450,7 +450,7 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
     if taken:  # raylaunch's default snapshots in memory, on the steady step like every other default
         figures["snapshots_taken"] = summary([r["snapshots"] for r in taken])
         figures["snapshot_every"] = summary([r["snapshot_every"] for r in taken])
-        figures["snapshots_beside"] = summary([r.get("snapshots_beside") or 0 for r in taken])
+        figures["snapshots_beside"] = summary([r["snapshots_beside"] for r in taken])
     figures["checkpoint_stall_ratio"] = summary(
         [statistics.median(r["save_s"]) / statistics.median(r["local_save_s"]) for r in ours])
     figures["checkpoint_save_s"] = summary([statistics.median(r["save_s"]) for r in ours])
@@ -510,7 +510,7 @@ def report(rows: dict[str, list[dict]], first_job: dict | None = None) -> None:
               *([f"- snapshots in memory (raylaunch's default, `checkpoint.snapshots.every: auto`), on the steady step "
                  f"above: a rank took {cell(figures['snapshots_taken'], '.0f')} in a run of {STEPS} steps, "
                  f"every {cell(figures['snapshot_every'], '.0f')} optimizer steps (`auto`'s k at the end), and wrote "
-                 f"{cell(figures.get('snapshots_beside', summary([0])), '.0f')} beside its saves, from their capture "
+                 f"{cell(figures['snapshots_beside'], '.0f')} beside its saves, from their capture "
                  "(the first save's is `auto`'s first measure)"]
                 if "snapshots_taken" in figures else []),
               f"- checkpoint stall: `session.save` {cell(figures['checkpoint_save_s'], '.3f')} s against "

@@ -19,7 +19,7 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
-from cluster.checksums import hasher
+from cluster.checksums import CHECKSUMS, hasher
 from cluster.errors import RaylaunchError
 from cluster.layout import MANIFEST
 
@@ -102,7 +102,7 @@ def check_manifest(fs: pafs.FileSystem, path: str, manifest: Any, label: str) ->
     """
     files = manifest.get("files") if isinstance(manifest, dict) else None
     snapshot = isinstance(manifest, dict) and manifest.get("snapshot") is True
-    kinds = ("sha256", "xxh3", "crc32") if snapshot else ("sha256",)
+    kinds = CHECKSUMS if snapshot else ("sha256",)
     if not isinstance(files, dict) or not all(
             isinstance(m, dict) and isinstance(m.get("size"), int) and any(isinstance(m.get(k), str) for k in kinds)
             for m in files.values()):

@@ -35,10 +35,11 @@ __all__ = ["FORKSERVER_PRELOAD", "FORK_SERVER", "ForkServer", "HOST_PRELOAD", "d
 # so forked ranks can still pick their GPU). torch._dynamo too: every torch optimizer's constructor imports it, 1.9 s
 # of a core in each rank otherwise.
 # Last, ``cluster.hosting.frozen``: what was imported is frozen before any rank forks (``gc.freeze``).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "accelerate", "cluster.hosting.ranks",
-                      "cluster.rank.worker", "cluster.rank.session", "cluster.runtime", "cluster.hosting.frozen"]
+_IMPORTS = ["torch", "torch.distributed", "torch._dynamo", "accelerate", "cluster.hosting.ranks", "cluster.rank.worker",
+            "cluster.rank.session", "cluster.runtime"]
+FORKSERVER_PRELOAD = [*_IMPORTS, "cluster.hosting.frozen"]
 # A warm rank host imports transformers too: paid once per node, not once per job.
-HOST_PRELOAD = [*FORKSERVER_PRELOAD[:-1], "transformers", "cluster.hosting.frozen"]
+HOST_PRELOAD = [*_IMPORTS, "transformers", "cluster.hosting.frozen"]
 
 
 _SAFE_PATH_MARK = "RAYLAUNCH_SET_PYTHONSAFEPATH"
