@@ -234,13 +234,17 @@ def run_drained(ray_cluster, tmp_path: Path, name: str, overrides: list[str], no
     """The run ``name`` (a driver in a thread, its function never asking ``session.preempted``: the stop is
     raylaunch's, at a snapshot); once its commit of step 20 is there, Ray drains the node of its rank that is not on
     the head with a 30-second deadline (a cloud's preemption notice, as Ray passes it on), that node kept in
-    ``nodes["victim"]``. Returns how the run ended and the node rank drained."""
+    ``nodes["victim"]``. Returns how the run ended and the node rank drained. Its steps take 0.1 s at least: from
+    the commit of step 20 to the ranks' stop notice (Ray's drain, the driver's look at the draining nodes, the
+    SIGTERM, the ranks' next check) the unthrottled run went on 12-44 steps (stopped at 32-64 of 75, beside a busy
+    process or another test run), close to its end; the drain test failed once so (its message not kept)."""
     import time
 
     import ray
     from ray.core.generated import autoscaler_pb2
 
-    driver = Driver(spec(tmp_path, name, overrides=["config.uncooperative=true", *overrides]), can_grow=True)
+    driver = Driver(spec(tmp_path, name, overrides=["config.uncooperative=true", "config.throttle_s=0.1", *overrides]),
+                    can_grow=True)
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", driver.run()))
     thread.start()
