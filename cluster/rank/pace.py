@@ -17,13 +17,14 @@ Measured inside each rank process with no change to the training function:
 The two fractions over each window of a few seconds are reported as a ``pace`` event,
 which the driver stores beside the rank's metrics and judges (``jobs/driver/pace.py``).
 
-Costs per batch: two clock reads and a few additions; per backward: one hook call (the gradient of the parameter
-computed last), and, on the backwards that are timed, a mark there and one when the backward ends. Which parameter's
-gradient comes last is learned over the first backwards (the hooks of the others are then removed). Where backwards
-come more often than ``SYNC_SAMPLE_S`` apart, a share of them is timed (about one each ``SYNC_SAMPLE_S``, drawn at
-random so that a period of the code's own, gradient accumulation's micro-batches, is never aliased), each standing
-for the backwards since the last one timed: timing every backward cost 17 us a step (``bench/step_costs.py``, #58),
-5% of a 0.3 ms step. DDP's communication itself is untouched (no communication hook: torch's
+Costs per batch: two clock reads and a few additions; per backward: one hook that counts it in C (on a parameter
+whose gradient is computed last) and, on the backwards that are timed, a mark at each of the last gradients and one
+when the backward ends. Which parameters' gradients come last is learned over the first backwards (the hooks of the
+others are then removed). Where backwards come more often than ``SYNC_SAMPLE_S`` apart, a share of them is timed
+(about one each ``SYNC_SAMPLE_S``, drawn at random so that a period of the code's own, gradient accumulation's
+micro-batches, is never aliased), each standing for the backwards since the last one timed: a timed backward costs
+about 20 us of Python on a 0.3 ms step, cache-cold between its kernels, and one that is not costs what a no-op hook
+does, about 1 us (``bench/step_costs.py``, #58). DDP's communication itself is untouched (no communication hook: torch's
 Python ``allreduce_hook`` alone made a 2.1M-parameter MLP's step 5-20% slower on CPU).
 
 On a GPU the CPU clock cannot see the wait: the backward ends once kernels are queued, and the reduction runs
@@ -36,6 +37,7 @@ delayed readings.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import sys
@@ -55,12 +57,15 @@ REPORT_EVERY_S = 3.0
 # The fewest batches a report covers (a window with fewer goes on).
 MIN_BATCHES = 5
 # The mean seconds between two timed backwards where they come faster (every backward is timed where they do not).
-SYNC_SAMPLE_S = 0.01
+SYNC_SAMPLE_S = 0.02
 
 
 class Timer:
     """Marks on a timeline and the seconds between two of them, once both are read: the CPU's clock, or a GPU's
     stream. ``elapsed`` returns None while a mark is not yet reached (a GPU still working), and never waits."""
+
+    # Every mark is reached when it is made (the CPU's clock): the time between two is read at once, without a lock.
+    immediate = False
 
     def mark(self) -> Any:
         raise NotImplementedError
@@ -72,6 +77,7 @@ class Timer:
 class CpuTimer(Timer):
     """``time.perf_counter``: every mark is reached when it is made."""
 
+    immediate = True
     mark = staticmethod(time.perf_counter)
 
     def elapsed(self, start: float, end: float) -> float:
@@ -102,16 +108,17 @@ class CudaTimer(Timer):
 
 
 class _Fetched:
-    """One window's batches as the training thread counts them (``PaceMeter.fetched``), without a lock: ``window``
-    swaps in a new one, so a batch counted into the old one after the window read it is left out of both (one batch,
-    at most once a window), never counted twice."""
+    """One window's batches and waits as the training thread counts them (``PaceMeter.fetched``, ``backward_ended``),
+    without a lock: ``window`` swaps in a new one, so a batch or a wait counted into the old one after the window read
+    it is left out of both (one, at most once a window), never counted twice."""
 
-    __slots__ = ("span_s", "data_s", "batches")
+    __slots__ = ("span_s", "data_s", "batches", "sync_s")
 
     def __init__(self) -> None:
         self.span_s = 0.0  # time covered by batches: from one batch handed over to the next
         self.data_s = 0.0
         self.batches = 0
+        self.sync_s = 0.0  # time waited for the other ranks (the timed backwards' waits, each times what it stands for)
 
 
 class PaceMeter:
@@ -149,7 +156,6 @@ class PaceMeter:
 
     def _reset(self) -> None:
         self._fetched = _Fetched()
-        self.sync_s = 0.0
         self.steps_seen = self.steps  # optimizer steps counted before this window
 
     def stepped(self, *_: Any) -> None:
@@ -177,14 +183,20 @@ class PaceMeter:
         """The backward pass ended (``at``: the timer's mark then, made here when not given): since the last
         gradient, it waited for the gradients' reduction across ranks (DDP's all-reduce, FSDP's reduce-scatter).
         ``stands_for``: the backwards its wait is counted for (itself and those not timed since the last timed one)."""
-        if self._grad_at is None:
+        start = self._grad_at
+        if start is None:
             return
-        end = self.timer.mark() if at is None else at
+        self._grad_at = None
+        timer = self.timer
+        end = timer.mark() if at is None else at
+        if getattr(timer, "immediate", False):  # the CPU's clock: no lock, no list (a lock and a list cost a timed backward 6 us, #58)
+            self._fetched.sync_s += max(end - start, 0.0) * stands_for
+            self.timed += 1
+            return
         with self._lock:
-            self._pending.append((self._grad_at, end, stands_for))
+            self._pending.append((start, end, stands_for))
             if len(self._pending) > self.MAX_PENDING:
                 del self._pending[0]
-        self._grad_at = None
         self._read()
 
     def _read(self) -> None:
@@ -199,12 +211,16 @@ class PaceMeter:
                 self._pending.pop(0)
                 waited += max(seconds, 0.0) * stands_for
                 self.timed += 1
-            self.sync_s += waited
+            self._fetched.sync_s += waited
 
     def synced(self, seconds: float) -> None:
         """A backward waited ``seconds`` for the other ranks."""
-        with self._lock:
-            self.sync_s += seconds
+        self._fetched.sync_s += seconds
+
+    @property
+    def sync_s(self) -> float:
+        """The seconds waited for the other ranks in this window so far."""
+        return self._fetched.sync_s
 
     def window(self, min_batches: int = 1) -> dict[str, float] | None:
         """The fractions since the last window (and the mean time between batches); None, and the
@@ -212,7 +228,7 @@ class PaceMeter:
         self._read()
         with self._lock:
             counted = self._fetched
-            span, data, sync, n = counted.span_s, counted.data_s, self.sync_s, counted.batches
+            span, data, sync, n = counted.span_s, counted.data_s, counted.sync_s, counted.batches
             if n < max(min_batches, 1) or span <= 0:
                 return None
             stepped = self.steps - self.steps_seen
@@ -311,13 +327,20 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
 
 
 class _LastGradients:
-    """The gradient hooks of one prepared model: over its first ``LEARN`` backwards every parameter's hook marks the
-    time and notes which parameter came last; then only the parameters that came last keep a hook. The first hook
-    of a timed backward (every one, or about one each ``SYNC_SAMPLE_S`` where they come faster) asks torch's autograd
-    engine to call ``_ended`` when that backward ends: queued from a callback of the engine's, so it runs after every
-    callback queued during the backward (DDP's and FSDP1's, which wait for the gradients' reduction). A backward is
-    told from the next by the engine's graph task (a backward that raised never calls back, and the next is another
-    task).
+    """The gradient hooks of one prepared model. Over its first ``LEARN`` backwards every parameter's hook marks the
+    time and notes which parameter came last, and every one of them is timed. Then one parameter that came last keeps
+    a hook that only counts backwards, in C (``functools.partial(next, ...)`` over ``itertools.repeat``: no Python
+    frame, one call of the engine's, as a no-op hook costs); every ``k``-th count (``k`` about ``SYNC_SAMPLE_S`` of
+    backwards at the recent pace, drawn at random) runs ``_begin`` instead, in Python: that backward is timed, and the
+    other parameters that came last get a hook until it ends, so the latest gradient's mark wins. The timed backward
+    stands for the ``k`` counted since the last one (a model's backwards run one at a time, as training runs them). Its end is told by torch's autograd engine, which is asked to call
+    ``_ended`` then: queued from a callback of the engine's, so it runs after every callback queued during the backward
+    (DDP's and FSDP1's, which wait for the gradients' reduction). A Python hook on every backward, which returned at
+    once on the backwards not timed, cost 6-10 us a step more than a no-op hook (``bench/step_costs.py``, #58).
+
+    A backward is told from the next by the engine's graph task (a backward that raised never calls back, and the
+    next is another task). One whose counting parameter gets no gradient (a branch not used) is not counted: the waits
+    of the timed ones then stand for fewer backwards than there were, and ``sync_wait`` reads low by that share.
 
     The first hook of a backward comes from the parameters nearest the loss (a model's head), in the backward's own
     graph task. Were they inside a reentrant activation checkpoint (``use_reentrant=True``), their backward would be
@@ -330,54 +353,78 @@ class _LastGradients:
 
         self.meter = meter
         self._task_id = _current_graph_task_id  # (cluster.patches: a private read)
+        self._params = [weakref.ref(p) for p in params]  # in the model's order
         self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook) for p in params}
         self._last: int | None = None  # the latest parameter hooked in this backward (while learning)
         self._lasts: set[int] = set()
         self._learned = 0
-        self._task = -1  # the graph task of the backward the hooks saw last
-        self._timing = False  # that backward is timed
-        self._since = 0  # backwards since the last timed one
-        self._left = 0  # backwards before the next timed one
+        self._task = -1  # the graph task of the last backward timed
+        self._armed: list[Any] = []  # the hooks of the timed backward's other last parameters, until it ends
         self._timed_at: float | None = None  # (perf_counter) when the last timed one began
         self._span, self._count = 0.0, 0.0  # seconds and backwards of the recent pace
         self._stands_for = 1  # the backwards the timed one's wait is counted for (itself, those untimed before it)
+        self._k = 1  # backwards from the timed one to the next (1 while learning: every one is timed)
 
     def _hook(self, param: Any) -> None:
         task = self._task_id()
-        if task != self._task:  # a backward's first hook
-            self._task = task
-            self._since += 1
-            self._left -= 1
-            self._timing = self._left <= 0 or self._learned < self.LEARN
-            if not self._timing:
-                return
-            # The next timed one: about SYNC_SAMPLE_S of backwards on, at the pace of the last hundred or so, a count
-            # drawn at random (uniform, its mean that), independent of what the backwards wait. A time drawn instead
-            # timed the backward after a long wait more often (under accumulation's micro-batches, the one after the
-            # reduction, which waits for nothing: sync_wait read 0.68 of what was waited), as did a pace read over the
-            # last gap alone. Inline: one call fewer on a timed step (tests/test_pace.py's bound).
-            now = time.perf_counter()
-            if self._timed_at is not None:
-                self._span += now - self._timed_at
-                self._count += self._since
-                if self._count > 128:  # the older half forgotten: a pace that changes is followed
-                    self._span, self._count = self._span / 2, self._count / 2
-            self._timed_at = now
-            every = max(1, round(SYNC_SAMPLE_S * self._count / self._span)) if self._span > 0 else 1
-            self._left = 1 + random.randrange(2 * every - 1)
-            self._stands_for, self._since = self._since, 0
-            engine = _ENGINE[0] if _ENGINE else _engine()
-            engine.queue_callback(lambda: engine.queue_callback(self._ended))
-        elif not self._timing:
-            return
         if self._learned < self.LEARN:
             self._last = id(param)
+            if task != self._task:  # a backward's first hook
+                self._begin(task)
+                self._k = 1
+                return
+        elif task != self._task:
+            return  # armed for a timed backward that raised (it never ended): disarmed at the next one
         self.meter.gradient_ready()
 
+    def _begin(self, task: int) -> None:
+        """The backward of graph task ``task`` is timed: its end is asked for, the next one drawn, this gradient
+        marked."""
+        self._task = task
+        # The next timed one: about SYNC_SAMPLE_S of backwards on, at the pace of the last hundred or so, a count
+        # drawn at random (uniform, its mean that), independent of what the backwards wait. A time drawn instead
+        # timed the backward after a long wait more often (under accumulation's micro-batches, the one after the
+        # reduction, which waits for nothing: sync_wait read 0.68 of what was waited), as did a pace read over the
+        # last gap alone.
+        now = time.perf_counter()
+        if self._timed_at is not None:
+            self._span += now - self._timed_at
+            self._count += self._k
+            if self._count > 128:  # the older half forgotten: a pace that changes is followed
+                self._span, self._count = self._span / 2, self._count / 2
+        self._timed_at = now
+        every = max(1, round(SYNC_SAMPLE_S * self._count / self._span)) if self._span > 0 else 1
+        self._stands_for, self._k = self._k, 1 + random.randrange(2 * every - 1)
+        engine = _ENGINE[0] if _ENGINE else _engine()
+        engine.queue_callback(lambda: engine.queue_callback(self._ended))
+        self.meter.gradient_ready()
+
+    def _rounds(self) -> Iterator[Iterator[None]]:
+        """The counting hook's rounds (``itertools.chain.from_iterable`` reads the next when one is used up): each
+        begins with a timed backward, whose hook call runs this, and counts the ``k - 1`` after it in C. Never raises
+        into the backward: what fails stops the timing, said once."""
+        while True:
+            try:
+                for handle in self._armed:  # left armed by a timed backward that raised
+                    handle.remove()
+                self._begin(self._task_id())
+                if self._lasts:
+                    self._armed = [p.register_post_accumulate_grad_hook(self._hook)
+                                   for p in (ref() for ref in self._params) if p is not None and id(p) in self._lasts]
+            except Exception as exc:  # noqa: BLE001 (never the function's failure: unmeasured instead)
+                print(f"raylaunch: sync_wait is no longer measured for a model: {exc!r}", file=sys.stderr, flush=True)
+                yield itertools.repeat(None)
+                return
+            yield itertools.repeat(None, self._k)
+
     def _ended(self) -> None:
-        self.meter.backward_ended(stands_for=self._stands_for)
+        self.meter.backward_ended(None, self._stands_for)
         if self._learned < self.LEARN:
             self.backward_done()
+        elif self._armed:
+            for handle in self._armed:
+                handle.remove()
+            self._armed = []
 
     def backward_done(self) -> None:
         if self._learned >= self.LEARN or self._last is None:
@@ -385,11 +432,17 @@ class _LastGradients:
         self._lasts.add(self._last)
         self._last = None
         self._learned += 1
-        if self._learned == self.LEARN:
-            for key, handle in list(self._handles.items()):
-                if key not in self._lasts:
-                    handle.remove()
-                    del self._handles[key]
+        if self._learned < self.LEARN:
+            return
+        for handle in self._handles.values():
+            handle.remove()
+        # One parameter of those that came last counts the backwards (the first of them in the model's order); the
+        # others are hooked for the timed ones only (``_rounds``).
+        counter = next(p for p in (ref() for ref in self._params) if p is not None and id(p) in self._lasts)
+        rounds = itertools.chain.from_iterable(self._rounds())
+        # A post-accumulate hook returns None: each count is the None of a round's repeat.
+        self._handles = {id(counter): counter.register_post_accumulate_grad_hook(functools.partial(next, rounds))}
+        self._lasts.discard(id(counter))
 
 
 def _engine() -> Any:
