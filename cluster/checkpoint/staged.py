@@ -82,7 +82,8 @@ def _before_every_optimizer_step(owner: Any) -> Any:
 
     def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         me = ref()
-        if me is not None:
+        # Inline, what the owner's method would return at once for: nothing left to wait for (one call a step, #58)
+        if me is not None and (me._copying is not None or me._first_step is not None and me._first_fired):
             me._before_optimizer_step()
 
     handle = register_optimizer_step_pre_hook(hook)
