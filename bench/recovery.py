@@ -88,6 +88,9 @@ DRAIN = os.environ.get("RECOVERY_DRAIN", "1") != "0"  # a node drained with a de
 DRAIN_S = 30
 COMMIT = os.environ.get("RECOVERY_COMMIT", "young-daly")  # "auto": raylaunch's checkpoint.every: auto instead
 ARMS = ("snapshots", "commits", "raytrain")
+# RECOVERY_ARMS=snapshots,commits: those arms alone, their rows printed (results-recovery.md is kept: its tables need
+# every arm), for a look at one case (RECOVERY_FAILURES=0: the drain alone) with RECOVERY_KEEP_LOGS
+ONLY = tuple(a for a in os.environ.get("RECOVERY_ARMS", ",".join(ARMS)).split(",") if a)
 SETTLE_STEPS = 3  # steps of the next attempt before the next failure may come
 MAX_STEPS = 10**6  # a bound; each job is stopped through its stop file long before
 SNAPSHOTS_KEY = "checkpoint.snapshots.every"
@@ -687,7 +690,10 @@ def main() -> int:
     if unknown:
         skipped.append(f"**snapshots: skipped**: the spec does not know `{SNAPSHOTS_KEY}` yet ({unknown}); the "
                        "commits arm is the function committing on its own, with no snapshot key.")
-    arms = [a for a in ARMS if not (a == "snapshots" and unknown)]
+    if set(ONLY) - set(ARMS):
+        raise SystemExit(f"RECOVERY_ARMS: {', '.join(sorted(set(ONLY) - set(ARMS)))} is not an arm; the arms: "
+                         + ", ".join(ARMS))
+    arms = [a for a in ARMS if a in ONLY and not (a == "snapshots" and unknown)]
     mtbf_s = 2 * T / 3
     if COMMIT == "auto":  # raylaunch's own interval for its arms (Ray Train keeps the function's)
         big, every = {"state_mb": STATE_MB}, f"{{keep: 2, every: auto, mtbf_s: {mtbf_s:g}}}"
@@ -737,7 +743,7 @@ def main() -> int:
             "note": os.environ.get("RECOVERY_NOTE", ""), "skipped": skipped,
             "k": max((r["k"] for r in rows if r["arm"] == "snapshots" and r["case"] == "big" and r.get("k")),
                      default=None)}
-    if not BIG:  # the tiny case's rows alone: the report's tables need the big arms
+    if not BIG or set(ONLY) != set(ARMS):  # rows of some arms or cases alone: the report's tables need them all
         for r in rows:
             print(json.dumps({k: v for k, v in r.items() if not isinstance(v, (list, dict))}))
         return 1 if any(r.get("error") for r in rows) else 0
