@@ -84,8 +84,11 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     step_s, max_steps, batch = float(config.get("step_s", 0.0)), int(config["max_steps"]), int(config.get("batch", 8))
-    # Batches through a prepared loader, as a real function reads them: raylaunch puts its position back on a resume
-    # and takes its snapshots where the next batch is asked for after an optimizer step (cluster/rank/pace.py).
+    # Batches through a prepared loader, as a real function reads them: raylaunch puts its epoch's order back on a
+    # resume, and takes its snapshots where the next batch is asked for after an optimizer step (cluster/rank/pace.py);
+    # the function resumes its epoch past the batches trained on (``skip_first_batches``), as an Accelerate function
+    # does. (Until 2026-12-07 it began the epoch again: a resumed arm trained on its first batches twice, its loss
+    # half the uninterrupted run's at the step after a resume; steps and seconds were the same.)
     inputs = torch.randn(64 * batch * accelerator.num_processes, width, generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), batch_size=batch, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
@@ -106,8 +109,10 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
         return hooks.due(accelerator, step) or mine
 
     stop = False
+    done = progress.step % len(loader)  # batches of the resumed epoch already trained on (one a step)
+    batches = accelerator.skip_first_batches(loader, done) if done else loader
     while progress.step < max_steps and not stop:
-        for (x,) in loader:
+        for (x,) in batches:
             began = time.time()
             loss = model(x).square().mean()
             accelerator.backward(loss)
@@ -134,6 +139,7 @@ def recovery_train(config: dict, hooks: Hooks) -> dict:
             stop = bool(flag.item())
             if stop or progress.step >= max_steps:
                 break
+        batches = loader  # the next epoch whole
     accelerator.end_training()
     return {"steps": progress.step}
 
