@@ -771,3 +771,45 @@ def digits_dies(config: dict) -> dict:
 
         register_optimizer_step_post_hook(hook)
     return train({k: v for k, v in config.items() if k not in ("die_at", "die_rank", "uncooperative", "stall_at")})
+
+
+def resumes_epoch(config: dict) -> dict:
+    """A shuffled prepared loader of 24 batches a rank, a commit at step 6; in attempt 1 rank 1 fails at step 9 (the
+    commit landed: it waits for its upload first). Attempt 2 resumes the epoch as ``resume`` says: ``again`` iterates
+    the loader from its first batch (a function that forgot to skip), ``skip`` through ``skip_first_batches``,
+    ``manual`` skips the batches itself. Each rank writes the batches it trains on (their first sample's index), a
+    line each, to ``<out>/seen-<attempt>-<rank>``."""
+    import time
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    session = get_session()
+    attempt = session.payload.attempt if session.payload else 0
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    n = 24 * 4 * accelerator.num_processes
+    dl = DataLoader(TensorDataset(torch.arange(n), torch.randn(n, 4)), batch_size=4, shuffle=True)
+    model, optimizer, dl = accelerator.prepare(model, optimizer, dl)
+    step = session.restore(accelerator) or 0
+    mode = config["resume"] if step else "again"
+    batches = accelerator.skip_first_batches(dl, step) if mode == "skip" else dl
+    for i, (index, x) in enumerate(batches):
+        if mode == "manual" and i < step:
+            continue
+        accelerator.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        with open(os.path.join(config["out"], f"seen-{attempt}-{accelerator.process_index}"), "a") as f:
+            f.write(f"{int(index[0])}\n")
+        if step == 6:
+            session.save(accelerator, step)
+            session.wait_for_upload()
+        if attempt == 1 and step == 9 and accelerator.process_index == 1:
+            time.sleep(1.0)  # the driver commits step 6 (both ranks reported it)
+            raise RuntimeError("rank 1 fails at step 9 (on purpose)")
+        if step == 12:
+            break
+    return {"step": step}

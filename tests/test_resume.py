@@ -8,6 +8,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from jobs.driver.driver import Driver
 from jobs.spec import load_spec_text
 
@@ -49,3 +51,36 @@ def test_interrupted_mid_epoch_and_resumed_equals_uninterrupted(ray_cluster, tmp
     # zero tolerance: every weight identical
     assert r0["weights"] == whole.rank_results["0"]["weights"]
     assert r0["eval_accuracy"] == whole.rank_results["0"]["eval_accuracy"]
+
+
+RESUMES_EPOCH = """
+name: {name}
+train_fn: fns:resumes_epoch
+config: {{resume: {resume}, out: {out}}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+checkpoint: {{snapshots: {{every: 0}}}}
+failure: {{max_restarts: 1}}
+storage: {storage}
+"""
+
+
+@pytest.mark.parametrize("resume", ["again", "skip", "manual"])
+def test_a_function_that_begins_a_resumed_epoch_again_is_told_so(ray_cluster, tmp_path, capsys, resume):
+    """A function resumed mid-epoch whose loader begins that epoch again (no ``skip_first_batches``) trains on the
+    epoch's first batches twice, silently under ``accelerate launch``: the run says so, with the call that resumes
+    the epoch; one that skips them (through Accelerate, or itself) hears nothing."""
+    result = Driver(load_spec_text(RESUMES_EPOCH.format(name=resume, resume=resume, out=tmp_path, storage=tmp_path)),
+                    can_grow=False).run()
+    assert result.status == "succeeded" and result.restarts == 1, result.error
+    out = capsys.readouterr()
+    said = ("raylaunch: this run resumed in the middle of an epoch, where its data loader had handed over 6 batches, "
+            "and the loader began that epoch again (at its first optimizer step it had handed over 1)")
+    first, second = ([int(x) for x in (tmp_path / f"seen-{a}-0").read_text().split()] for a in (1, 2))
+    assert len(first) >= 9 and len(second) == 6  # attempt 1 trained to step 9 at least; attempt 2 steps 7-12
+    if resume == "again":
+        assert said in out.out + out.err, out.out[-3000:]
+        assert "accelerator.skip_first_batches(loader, 6)" in out.out + out.err
+        assert second == first[:6]  # the epoch's first six batches, twice
+    else:
+        assert "resumed in the middle of an epoch" not in out.out + out.err
+        assert second[:3] == first[6:9]  # the epoch went on where the checkpoint stood

@@ -13,6 +13,9 @@ writes last would send rank 0 back to the start of the stream on resume).
 
 So the session also writes each rank's state as ``dl_state_rank<R>.bin`` (``_<i>`` for the
 i-th prepared dataloader after the first) and loads it back after ``load_state``.
+
+Each rank also writes where every prepared loader stood in its epoch (``dl_order_rank<R>.bin``: the epoch, the
+batches handed over, a shuffling loader's order); a resume that begins that epoch again is said (``_check_resumed``).
 """
 
 from __future__ import annotations
@@ -76,7 +79,11 @@ def _order_failed(what: str, exc: BaseException) -> None:
 
 def epoch_begins(loader: Any) -> None:
     """Called by a prepared dataloader's ``__iter__`` (``cluster.rank.pace``) before it draws its epoch's order: the
-    state it draws from, kept for the next save."""
+    loader that reads its data now, and the state its order is drawn from, kept for the next save."""
+    try:
+        _ITERATING[id(loader.dataset)] = (int(getattr(loader, "iteration", 0) or 0), weakref.ref(loader))
+    except (AttributeError, TypeError, ValueError):  # no dataset, or an epoch that is no number: no position kept
+        pass
     gen = getattr(loader, "synchronized_generator", None)
     if gen is None:
         return
@@ -86,41 +93,101 @@ def epoch_begins(loader: Any) -> None:
         _order_failed("keeping", exc)
 
 
+# The loader that began an epoch over each dataset last (a prepared loader and those ``skip_first_batches`` makes of
+# it read one dataset), by the dataset: (that epoch, the loader). Where a resume finds its epoch (``_check_resumed``).
+_ITERATING: dict[int, tuple[int, Any]] = {}
+
+# The batches a prepared loader's current epoch has handed to the training code, set by its iteration
+# (``cluster.rank.pace``) on the loader: one attribute a batch.
+HANDED = "_raylaunch_handed"
+
+
+def handed(loader: Any) -> int:
+    """Where a loader stands in its epoch: the batches handed over, those it skipped at its start included."""
+    skipped = max([getattr(part, "skip_batches", 0) or 0 for part in (loader, getattr(loader, "batch_sampler", None))])
+    return skipped + getattr(loader, HANDED, 0)
+
+
 def _save_orders(accelerator: Any, path: str) -> None:
-    """Each prepared shuffling loader's order: where its epoch's was drawn from, where the next one's will be, and
-    whether its epoch had ended (its last batch handed over)."""
+    """Each prepared loader's place: the epoch it reads, the batches of it handed over, whether it had ended (its last
+    batch handed over); for a shuffling loader also where its epoch's order was drawn from and where the next one's
+    will be."""
     import torch
 
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
+        reading = _ITERATING.get(id(getattr(dl, "dataset", None)))
+        loader = reading[1]() if reading is not None else None
+        if loader is None:
+            continue
+        place = {"epoch": reading[0], "handed": handed(loader), "ended": bool(getattr(loader, "end_of_dataloader", False)),
+                 "world": accelerator.num_processes}
         gen = getattr(dl, "synchronized_generator", None)
         began = _EPOCH_BEGAN.get(id(gen)) if gen is not None else None
         if began is not None:
-            loader = began[2]()
-            torch.save({"epoch": began[0], "began": began[1], "now": gen.get_state(),
-                        "ended": bool(getattr(loader, "end_of_dataloader", False))},
-                       _order_file(path, i, accelerator.process_index))
+            place.update(epoch=began[0], began=began[1], now=gen.get_state())
+        torch.save(place, _order_file(path, i, accelerator.process_index))
+
+
+def _check_resumed(accelerator: Any, resumed: dict[int, tuple[int, int]]) -> None:
+    """At the first optimizer step after a resume saved mid-epoch (``resumed``: dataset -> (the epoch, the batches of
+    it its loader had handed over)): a loader of that epoch that stands before that point began the epoch again (no
+    ``skip_first_batches``, no skipping of its own), so the resumed run trains on those batches twice and does not
+    end as the uninterrupted run would. Said once, on the main process; never stops training."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    said: list[bool] = []
+
+    def check(*_: Any) -> None:
+        if said:
+            return
+        said.append(True)
+        at_next_batch(lambda _loader: handle.remove())  # (not from inside torch's loop over the hooks)
+        for key, (epoch, saved) in resumed.items():
+            reading = _ITERATING.get(key)
+            loader = reading[1]() if reading is not None else None
+            if loader is None or reading[0] != epoch or (now := handed(loader)) >= saved:
+                continue
+            print(f"raylaunch: this run resumed in the middle of an epoch, where its data loader had handed over "
+                  f"{saved} batches, and the loader began that epoch again (at its first optimizer step it had "
+                  f"handed over {now}): the resumed run trains on those batches twice and will not end as the "
+                  "uninterrupted run would. Resume the epoch past them, as an Accelerate function does: iterate "
+                  f"accelerator.skip_first_batches(loader, {saved}) for that epoch (train_fn/digits.py shows it), or "
+                  "set accelerate.dataloader.use_stateful_dataloader: true", file=sys.stderr, flush=True)
+            return
+
+    if accelerator.is_main_process:
+        handle = register_optimizer_step_post_hook(check)
 
 
 def _load_orders(accelerator: Any, path: str) -> None:
     """After ``load_state``: each shuffling loader's generator as the saved run's was. Saved mid-epoch, at that
     epoch's start, so the code that resumes the epoch (``skip_first_batches``, or skipping batches itself) draws its
     order again; saved at an epoch's end, as it was, for the next epoch's. A rank the checkpoint has no file of takes
-    rank 0's (the generators are synchronized across ranks)."""
+    rank 0's (the generators are synchronized across ranks). Saved mid-epoch, a loader that begins that epoch again
+    is said (``_check_resumed``)."""
     import torch
 
+    resumed: dict[int, tuple[int, int]] = {}
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
         gen = getattr(dl, "synchronized_generator", None)
         found = [f for f in (_order_file(path, i, accelerator.process_index), _order_file(path, i, 0))
                  if os.path.exists(f)]
-        if gen is None or not found:
+        if not found:
             continue
         try:
             order = torch.load(found[0], weights_only=True)
             ended = bool(order.get("ended", False))
-            gen.set_state(order["now"] if ended else order["began"])
-            dl.set_epoch(int(order["epoch"]) + (1 if ended else 0))
+            # (at another world size a rank's share of the epoch differs: its place there is not this one's)
+            if not ended and order.get("handed") and order.get("world") == accelerator.num_processes and \
+                    not getattr(dl, "use_stateful_dataloader", False):
+                resumed[id(getattr(dl, "dataset", None))] = (int(order["epoch"]), int(order["handed"]))
+            if gen is not None and "began" in order:
+                gen.set_state(order["now"] if ended else order["began"])
+                dl.set_epoch(int(order["epoch"]) + (1 if ended else 0))
         except Exception as exc:  # noqa: BLE001
             _order_failed("putting back", exc)
+    if resumed:
+        _check_resumed(accelerator, resumed)
 
 
 def load_loader_states(accelerator: Any, path: str) -> None:

@@ -301,6 +301,7 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
         epoch_begins(self)  # the order it draws now: kept for a save, or a resumed epoch's drawn again
         batches = iterate(self)
         clock = time.perf_counter
+        handed = 0  # this epoch's batches handed over (read by a save: where a resume finds the epoch)
         # A snapshot is taken where a save at a step's end would be: the next batch asked of a loader that handed one
         # over before an optimizer step (not at an evaluation loader's first batch, which may come before the rest of
         # the step's code). Two reads a batch, no call, when none is due.
@@ -317,6 +318,8 @@ def _timed_iter(iterate: Callable[[Any], Iterator], meter: PaceMeter) -> Callabl
                 except StopIteration:
                     return
                 meter.fetched(started, clock())
+                handed += 1
+                self._raylaunch_handed = handed  # (cluster.checkpoint.resume.HANDED)
                 if NEXT_BATCH:  # a resume's random states to put back
                     next_batch(self)
                 yield batch
