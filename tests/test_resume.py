@@ -84,3 +84,34 @@ def test_a_function_that_begins_a_resumed_epoch_again_is_told_so(ray_cluster, tm
     else:
         assert "resumed in the middle of an epoch" not in out.out + out.err
         assert second[:3] == first[6:9]  # the epoch went on where the checkpoint stood
+
+
+def test_a_checkpoint_keeps_the_training_loaders_place_beside_an_evaluation_loader_over_the_same_data(tmp_path):
+    """Two prepared loaders over one dataset (training, shuffled; an evaluation pass over the same samples): each
+    checkpoint's place is its own loader's, not that of the loader that began an epoch over the data last."""
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cluster.checkpoint import resume
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    data = TensorDataset(torch.arange(40))
+    train, evaluate = accelerator.prepare(DataLoader(data, batch_size=4, shuffle=True), DataLoader(data, batch_size=8))
+    resume.epoch_begins(train)
+    train._raylaunch_handed = 3  # (what the prepared loader's iteration counts, cluster/rank/pace.py)
+    resume.epoch_begins(evaluate)  # then a whole evaluation pass over the same dataset
+    evaluate._raylaunch_handed = 5
+    resume._save_orders(accelerator, str(tmp_path))
+    place = torch.load(tmp_path / "dl_order_rank0.bin", weights_only=True)
+    assert place["handed"] == 3 and place["epoch"] == 0 and place["world"] == 1, place
+    assert torch.load(tmp_path / "dl_order_rank0_1.bin", weights_only=True)["handed"] == 5
+    # a loader that skip_first_batches makes of the training loader stands where the training loader does
+    skipping = accelerator.skip_first_batches(train, 3)
+    resume.epoch_begins(skipping)
+    skipping._raylaunch_handed = 1
+    resume._save_orders(accelerator, str(tmp_path))
+    assert torch.load(tmp_path / "dl_order_rank0.bin", weights_only=True)["handed"] == 4
+    AcceleratorState._reset_state(True)

@@ -81,7 +81,7 @@ def epoch_begins(loader: Any) -> None:
     """Called by a prepared dataloader's ``__iter__`` (``cluster.rank.pace``) before it draws its epoch's order: the
     loader that reads its data now, and the state its order is drawn from, kept for the next save."""
     try:
-        _ITERATING[id(loader.dataset)] = (int(getattr(loader, "iteration", 0) or 0), weakref.ref(loader))
+        _ITERATING[_source(loader)] = (int(getattr(loader, "iteration", 0) or 0), weakref.ref(loader))
     except (AttributeError, TypeError, ValueError):  # no dataset, or an epoch that is no number: no position kept
         pass
     gen = getattr(loader, "synchronized_generator", None)
@@ -93,9 +93,21 @@ def epoch_begins(loader: Any) -> None:
         _order_failed("keeping", exc)
 
 
-# The loader that began an epoch over each dataset last (a prepared loader and those ``skip_first_batches`` makes of
-# it read one dataset), by the dataset: (that epoch, the loader). Where a resume finds its epoch (``_check_resumed``).
+# The loader that began an epoch over each source of batches last (``_source``: a prepared loader and those
+# ``skip_first_batches`` makes of it share one), by the source: (that epoch, the loader). Where a resume finds its
+# epoch (``_check_resumed``).
 _ITERATING: dict[int, tuple[int, Any]] = {}
+
+
+def _source(loader: Any) -> int:
+    """What a prepared loader and the loaders ``skip_first_batches`` makes of it share, told from every other loader's
+    (an evaluation loader over the same dataset): the sampler under their batch samplers (``SkipBatchSampler`` wraps
+    the loader's own), else the dataset (``SkipDataLoader``, of a loader without a batch sampler)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    while getattr(sampler, "batch_sampler", None) is not None:
+        sampler = sampler.batch_sampler
+    inner = getattr(sampler, "sampler", None)
+    return id(inner) if inner is not None else id(loader.dataset)
 
 # The batches a prepared loader's current epoch has handed to the training code, set by its iteration
 # (``cluster.rank.pace``) on the loader: one attribute a batch.
@@ -115,21 +127,24 @@ def _save_orders(accelerator: Any, path: str) -> None:
     import torch
 
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
-        reading = _ITERATING.get(id(getattr(dl, "dataset", None)))
-        loader = reading[1]() if reading is not None else None
-        if loader is None:
-            continue
-        place = {"epoch": reading[0], "handed": handed(loader), "ended": bool(getattr(loader, "end_of_dataloader", False)),
-                 "world": accelerator.num_processes}
         gen = getattr(dl, "synchronized_generator", None)
         began = _EPOCH_BEGAN.get(id(gen)) if gen is not None else None
+        try:
+            reading = began[::2] if began is not None else _ITERATING.get(_source(dl))  # (epoch, loader)
+        except AttributeError:  # a loader with no dataset
+            reading = None
+        if reading is None:
+            continue
+        loader = reading[1]()
+        place = {"epoch": reading[0], "ended": bool(getattr(loader, "end_of_dataloader", False)),
+                 "handed": handed(loader) if loader is not None else 0, "world": accelerator.num_processes}
         if began is not None:
-            place.update(epoch=began[0], began=began[1], now=gen.get_state())
+            place.update(began=began[1], now=gen.get_state())
         torch.save(place, _order_file(path, i, accelerator.process_index))
 
 
 def _check_resumed(accelerator: Any, resumed: dict[int, tuple[int, int]]) -> None:
-    """At the first optimizer step after a resume saved mid-epoch (``resumed``: dataset -> (the epoch, the batches of
+    """At the first optimizer step after a resume saved mid-epoch (``resumed``: source -> (the epoch, the batches of
     it its loader had handed over)): a loader of that epoch that stands before that point began the epoch again (no
     ``skip_first_batches``, no skipping of its own), so the resumed run trains on those batches twice and does not
     end as the uninterrupted run would. Said once, on the main process; never stops training."""
@@ -145,14 +160,16 @@ def _check_resumed(accelerator: Any, resumed: dict[int, tuple[int, int]]) -> Non
         for key, (epoch, saved) in resumed.items():
             reading = _ITERATING.get(key)
             loader = reading[1]() if reading is not None else None
-            if loader is None or reading[0] != epoch or (now := handed(loader)) >= saved:
+            # (one that resumed it stands past its place by the step's batches: at it, or before, it began again)
+            if loader is None or reading[0] != epoch or (now := handed(loader)) > saved:
                 continue
             print(f"raylaunch: this run resumed in the middle of an epoch, where its data loader had handed over "
                   f"{saved} batches, and the loader began that epoch again (at its first optimizer step it had "
                   f"handed over {now}): the resumed run trains on those batches twice and will not end as the "
                   "uninterrupted run would. Resume the epoch past them, as an Accelerate function does: iterate "
                   f"accelerator.skip_first_batches(loader, {saved}) for that epoch (train_fn/digits.py shows it), or "
-                  "set accelerate.dataloader.use_stateful_dataloader: true", file=sys.stderr, flush=True)
+                  "set accelerate.dataloader.use_stateful_dataloader: true (unless its sampler or dataset keeps its "
+                  "own place and resumed it)", file=sys.stderr, flush=True)
             return
 
     if accelerator.is_main_process:
@@ -180,7 +197,7 @@ def _load_orders(accelerator: Any, path: str) -> None:
             # (at another world size a rank's share of the epoch differs: its place there is not this one's)
             if not ended and order.get("handed") and order.get("world") == accelerator.num_processes and \
                     not getattr(dl, "use_stateful_dataloader", False):
-                resumed[id(getattr(dl, "dataset", None))] = (int(order["epoch"]), int(order["handed"]))
+                resumed[_source(dl)] = (int(order["epoch"]), int(order["handed"]))
             if gen is not None and "began" in order:
                 gen.set_state(order["now"] if ended else order["began"])
                 dl.set_epoch(int(order["epoch"]) + (1 if ended else 0))

@@ -36,6 +36,7 @@ delayed readings.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -211,7 +212,8 @@ class PaceMeter:
                 self._pending.pop(0)
                 waited += max(seconds, 0.0) * stands_for
                 self.timed += 1
-            self._fetched.sync_s += waited
+            if waited:  # (from the pace thread with nothing read: no write over one the training thread adds)
+                self._fetched.sync_s += waited
 
     def synced(self, seconds: float) -> None:
         """A backward waited ``seconds`` for the other ranks."""
@@ -336,7 +338,8 @@ class _LastGradients:
     frame, one call of the engine's, as a no-op hook costs); every ``k``-th count (``k`` about ``SYNC_SAMPLE_S`` of
     backwards at the recent pace, drawn at random) runs ``_begin`` instead, in Python: that backward is timed, and the
     other parameters that came last get a hook until it ends, so the latest gradient's mark wins. The timed backward
-    stands for the ``k`` counted since the last one (a model's backwards run one at a time, as training runs them). Its end is told by torch's autograd engine, which is asked to call
+    stands for the ``k`` counted since the last one (a model's backwards run one at a time, as training runs them:
+    two at once in two threads could meet the counter's round running, which ends the timing of that model). Its end is told by torch's autograd engine, which is asked to call
     ``_ended`` then: queued from a callback of the engine's, so it runs after every callback queued during the backward
     (DDP's and FSDP1's, which wait for the gradients' reduction). A Python hook on every backward, which returned at
     once on the backwards not timed, cost 6-10 us a step more than a no-op hook (``bench/step_costs.py``, #58).
@@ -359,7 +362,8 @@ class _LastGradients:
         self._params = [weakref.ref(p) for p in params]  # in the model's order
         self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook) for p in params}
         self._last: int | None = None  # the latest parameter hooked in this backward (while learning)
-        self._lasts: set[int] = set()
+        self._lasts: collections.Counter = collections.Counter()  # parameter -> the learning backwards it came last
+        self._others: list[Any] = []  # once learned: the other parameters that came last, hooked for a timed backward
         self._learned = 0
         self._task = -1  # the graph task of the last backward timed
         self._armed: list[Any] = []  # the hooks of the timed backward's other last parameters, until it ends
@@ -411,9 +415,9 @@ class _LastGradients:
                 for handle in self._armed:  # left armed by a timed backward that raised
                     handle.remove()
                 self._begin(self._task_id())
-                if self._lasts:
+                if self._others:
                     self._armed = [p.register_post_accumulate_grad_hook(self._hook)
-                                   for p in (ref() for ref in self._params) if p is not None and id(p) in self._lasts]
+                                   for p in (ref() for ref in self._others) if p is not None]
             except Exception as exc:  # noqa: BLE001 (never the function's failure: unmeasured instead)
                 print(f"raylaunch: sync_wait is no longer measured for a model: {exc!r}", file=sys.stderr, flush=True)
                 yield itertools.repeat(None)
@@ -432,20 +436,21 @@ class _LastGradients:
     def backward_done(self) -> None:
         if self._learned >= self.LEARN or self._last is None:
             return
-        self._lasts.add(self._last)
+        self._lasts[self._last] += 1
         self._last = None
         self._learned += 1
         if self._learned < self.LEARN:
             return
         for handle in self._handles.values():
             handle.remove()
-        # One parameter of those that came last counts the backwards (the first of them in the model's order); the
-        # others are hooked for the timed ones only (``_rounds``).
-        counter = next(p for p in (ref() for ref in self._params) if p is not None and id(p) in self._lasts)
+        # One parameter of those that came last counts the backwards: the one that came last most often (the first in
+        # the model's order of those); the others are hooked for the timed ones only (``_rounds``).
+        lasts = [p for p in (ref() for ref in self._params) if p is not None and id(p) in self._lasts]
+        counter = max(lasts, key=lambda p: self._lasts[id(p)])
+        self._others = [weakref.ref(p) for p in lasts if p is not counter]
         rounds = itertools.chain.from_iterable(self._rounds())
         # A post-accumulate hook returns None: each count is the None of a round's repeat.
         self._handles = {id(counter): counter.register_post_accumulate_grad_hook(functools.partial(next, rounds))}
-        self._lasts.discard(id(counter))
 
 
 def _engine() -> Any:
