@@ -352,7 +352,7 @@ def _failure(job: Job, kind: str, rank: int, at: float, notice: float | None = N
            "to_training_s": again["first"]["began"] - at, "to_step_s": again["first"]["ended"] - at,
            "wasted_s": lost_s + again["first"]["began"] - at}
     if notice is not None:
-        out["stopped_after_notice_s"] = at - notice
+        out["stopped_after_notice_s"] = max(0.0, at - notice)  # no step ended after it: stopped at the notice
     return out
 
 

@@ -51,8 +51,8 @@ def main() -> int:
     hooked_opt = torch.optim.SGD(hooked.parameters(), lr=1e-3)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
     loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=8))
-    _LastGradients(pace.meter if isinstance(pace.meter, PaceMeter) else PaceMeter(), hooked,
-                   [p for p in hooked.parameters()])  # what prepare adds in a world of several
+    hooks = _LastGradients(pace.meter if isinstance(pace.meter, PaceMeter) else PaceMeter(), hooked,
+                           [p for p in hooked.parameters()])  # what prepare adds in a world of several
     untimed = type(loader).__iter__.__wrapped__
     folder = tempfile.mkdtemp(prefix="step-costs-")
     session = _session(folder)
@@ -70,6 +70,8 @@ def main() -> int:
 
     def block(loader_on: bool, backward_on: bool, optimizer_on: bool, log_on: bool) -> tuple[float, float]:
         model, opt = (hooked, hooked_opt) if backward_on else (plain, plain_opt)
+        if backward_on:  # the other blocks' time is no gap between its backwards: a run's come back to back (the
+            hooks._timed_at = None  # pace it samples them at is read within its blocks, or it timed twice as many)
         pre, post = dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks)
         if not optimizer_on:
             _global_optimizer_pre_hooks.clear()
