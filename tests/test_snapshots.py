@@ -497,3 +497,48 @@ def test_a_stop_notices_snapshot_that_would_not_be_committed_in_time_is_said_and
     assert len(said) == 1 and re.search(r"node 1's deadline is in [01] s, too soon to write 300.0 MiB; a restart reads "
                                         r"it from memory, a cluster lost whole resumes from the beginning$", said[0]), said
     assert driver.run_dir.checkpoints.latest() is None and not book.stored
+
+
+def test_no_copy_goes_to_a_node_being_drained(ray_cluster):
+    """A part's copy goes to the next node not being drained (the stop's snapshot of a rank on another node sent
+    576 MiB to the drained node, which goes with it, and the stop waited for it); where every other node is being
+    drained, none goes, and the part's node is told its copy ended (its rank's ``auto`` measures up to there)."""
+    import ray
+
+    from jobs.driver.memory import SnapshotBook, _Node
+
+    @ray.remote(num_cpus=0)
+    class Node:
+        def __init__(self):
+            self.calls = []
+
+        def read_snapshot_part(self, folder, step, rank):
+            self.calls.append(("read", step, rank))
+            return {"random_states_0.pkl": b"x"}
+
+        def keep_peer_part(self, folder, step, rank, data, memory_mb):
+            self.calls.append(("keep", step, rank))
+            return True
+
+        def snapshot_part_copied(self, folder, step, rank):
+            self.calls.append(("copied", step, rank))
+
+        def seen(self):
+            return self.calls
+
+    actors = [Node.remote() for _ in range(3)]
+    book = SnapshotBook("run", None, held={7: {0: {"a"}}}, world={7: 1})
+    book.nodes = [_Node(n, f"/nowhere/{n}", a) for n, a in zip("abc", actors)]
+    book.draining = {1}
+    book._copy(7, 0, 0)  # node a's part: to c, past b, which is being drained
+    book.settle(30)
+    ray.get(book._notes)
+    assert ray.get(actors[1].seen.remote()) == [] and ray.get(actors[2].seen.remote()) == [("keep", 7, 0)]
+    assert ray.get(actors[0].seen.remote()) == [("read", 7, 0), ("copied", 7, 0)] and book.held[7][0] == {"a", "c"}
+    book.nodes, book.draining = book.nodes[:2], {1}
+    book._copy(8, 0, 0)  # two nodes, the other being drained: no copy, the part's node told its copy ended
+    ray.get(book._notes)
+    assert not book._copies and ray.get(actors[1].seen.remote()) == []
+    assert ray.get(actors[0].seen.remote())[-1] == ("copied", 8, 0)
+    for actor in actors:
+        ray.kill(actor)

@@ -199,6 +199,8 @@ class Attempt:
                 continue
             deadline = draining[info.node_id] / 1000.0
             self.drained[node_rank] = deadline
+            if self.route.snapshots is not None:  # the stop's snapshot leaves it: none is copied to it
+                self.route.snapshots.draining.add(node_rank)
             left = f", its deadline in {deadline - time.time():.0f} s" if deadline else ""
             self.recorder.say(f"raylaunch: node {node_rank} ({info.hostname}, {info.ip}) is being drained by Ray"
                               f"{left}: its ranks get a stop notice; the run stops at a step every rank agrees on "

@@ -135,6 +135,7 @@ class SnapshotBook:
     said: bool = False  # what snapshots hold was said (``news``)
     stored: set[int] = field(default_factory=set)  # steps whose snapshot the driver committed to storage
     rates: list[float] = field(default_factory=list)  # bytes a second of the run's latest commits (save to commit)
+    draining: set[int] = field(default_factory=set)  # this attempt's nodes Ray is draining (node ranks): no copy to them
 
     def attach(self, infos: list[Any], actors: list[Any], world_size: int, resumed: int | None = None) -> dict[int, str]:
         """An attempt's nodes (their ``NodeInfo`` and actors, by node rank), of ``world_size`` ranks, resumed at step
@@ -148,6 +149,7 @@ class SnapshotBook:
             self.roots[n.node_id] = n.folder
         self._copies, self._waiting, self._world, self._pin, self._writing = {}, {}, world_size, resumed, {}
         self._pinned = ()
+        self.draining = set()
         self._send_pins()  # the step resumed at stays until a newer one is whole (an earlier attempt's pin goes)
         return {rank: n.folder for rank, n in enumerate(self.nodes)}
 
@@ -298,8 +300,17 @@ class SnapshotBook:
         return files
 
     def _copy(self, step: int, rank: int, source: int) -> None:
-        peer = (source + 1) % len(self.nodes)
-        src, dst = self.nodes[source], self.nodes[peer]
+        """A rank's part of ``step`` on node ``source`` copied to its peer: the next node (in node rank order) not
+        being drained. Where every other node is, none: a copy there would go with it (the snapshot a stop notice's
+        ranks take would send a 576 MiB part to the drained node and hold the stop for it), and the part's node is
+        told its copy ended."""
+        n = len(self.nodes)
+        peer = next((p for p in ((source + i) % n for i in range(1, n)) if p not in self.draining), None)
+        src = self.nodes[source]
+        if peer is None:
+            self._notes.append(src.actor.snapshot_part_copied.remote(src.folder, step, rank))
+            return
+        dst = self.nodes[peer]
         data = src.actor.read_snapshot_part.remote(src.folder, step, rank)
         ref = dst.actor.keep_peer_part.remote(dst.folder, step, rank, data, self.memory_mb)
         self._copies[ref] = (step, rank, dst.node_id, source)
