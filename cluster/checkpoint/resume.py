@@ -109,6 +109,7 @@ def _source(loader: Any) -> int:
     inner = getattr(sampler, "sampler", None)
     return id(inner) if inner is not None else id(loader.dataset)
 
+
 # The batches a prepared loader's current epoch has handed to the training code, set by its iteration
 # (``cluster.rank.pace``) on the loader: one attribute a batch.
 HANDED = "_raylaunch_handed"

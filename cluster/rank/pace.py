@@ -190,7 +190,8 @@ class PaceMeter:
         self._grad_at = None
         timer = self.timer
         end = timer.mark() if at is None else at
-        if getattr(timer, "immediate", False):  # the CPU's clock: no lock, no list (a lock and a list cost a timed backward 6 us, #58)
+        # The CPU's clock: no lock, no list (a lock and a list cost a timed backward 6 us, #58)
+        if getattr(timer, "immediate", False):
             self._fetched.sync_s += max(end - start, 0.0) * stands_for
             self.timed += 1
             return
@@ -339,9 +340,10 @@ class _LastGradients:
     backwards at the recent pace, drawn at random) runs ``_begin`` instead, in Python: that backward is timed, and the
     other parameters that came last get a hook until it ends, so the latest gradient's mark wins. The timed backward
     stands for the ``k`` counted since the last one (a model's backwards run one at a time, as training runs them:
-    two at once in two threads could meet the counter's round running, which ends the timing of that model). Its end is told by torch's autograd engine, which is asked to call
-    ``_ended`` then: queued from a callback of the engine's, so it runs after every callback queued during the backward
-    (DDP's and FSDP1's, which wait for the gradients' reduction). A Python hook on every backward, which returned at
+    two at once in two threads could meet the counter's round running, which ends the timing of that model). Its end
+    is told by torch's autograd engine, which is asked to call ``_ended`` then: queued from a callback of the
+    engine's, so it runs after every callback queued during the backward (DDP's and FSDP1's, which wait for the
+    gradients' reduction). A Python hook on every backward, which returned at
     once on the backwards not timed, cost 6-10 us a step more than a no-op hook (``bench/step_costs.py``, #58).
 
     A backward is told from the next by the engine's graph task (a backward that raised never calls back, and the

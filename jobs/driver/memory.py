@@ -135,7 +135,7 @@ class SnapshotBook:
     said: bool = False  # what snapshots hold was said (``news``)
     stored: set[int] = field(default_factory=set)  # steps whose snapshot the driver committed to storage
     rates: list[float] = field(default_factory=list)  # bytes a second of the run's latest commits (save to commit)
-    draining: set[int] = field(default_factory=set)  # this attempt's nodes Ray is draining (node ranks): no copy to them
+    draining: set[int] = field(default_factory=set)  # node ranks Ray is draining, this attempt: no copy to them
 
     def attach(self, infos: list[Any], actors: list[Any], world_size: int, resumed: int | None = None) -> dict[int, str]:
         """An attempt's nodes (their ``NodeInfo`` and actors, by node rank), of ``world_size`` ranks, resumed at step
