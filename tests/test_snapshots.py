@@ -514,9 +514,9 @@ def test_no_copy_goes_to_a_node_being_drained(ray_cluster):
         def __init__(self):
             self.calls = []
 
-        def read_snapshot_part(self, folder, step, rank):
+        def offer_snapshot_part(self, folder, step, rank):
             self.calls.append(("read", step, rank))
-            return {"random_states_0.pkl": b"x"}
+            return None
 
         def keep_peer_part(self, folder, step, rank, data, memory_mb):
             self.calls.append(("keep", step, rank))
@@ -544,3 +544,52 @@ def test_no_copy_goes_to_a_node_being_drained(ray_cluster):
     assert ray.get(actors[0].seen.remote())[-1] == ("copied", 8, 0)
     for actor in actors:
         ray.kill(actor)
+
+
+def test_a_part_goes_to_another_node_over_its_own_connection_whole_or_not_at_all(tmp_path):
+    """A part offered by its node (``offer_part``) is kept by another (``keep_peer_part``) byte for byte, its json
+    last; a connection without the offer's token gets nothing and the right one still does; a declined offer, a
+    part pruned before it is offered, and a stream cut short leave nothing behind."""
+    import socket
+    import time
+    import zlib
+
+    from cluster.snapshots import (_TOKEN_BYTES, decline, keep_peer_part, offer_part, part_files, snap_name,
+                                   write_part_json)
+
+    holder, taker = tmp_path / "holder", tmp_path / "taker"
+    folder = holder / snap_name(7)
+    (folder / "sub").mkdir(parents=True)
+    blobs = {"model.safetensors": os.urandom(9 << 20), "sub/random_states_1.pkl": b"rng", "empty.bin": b""}
+    for rel, blob in blobs.items():
+        (folder / rel).write_bytes(blob)
+    metas = {rel: {"size": len(b), "crc32": f"{zlib.crc32(b):08x}"} for rel, b in blobs.items()}
+    write_part_json(folder, 1, 7, metas)
+    threads = set(threading.enumerate())
+
+    offer = offer_part(str(holder), 7, 1, "127.0.0.1")
+    assert offer is not None and offer.nbytes > 9 << 20
+    with socket.create_connection((offer.host, offer.port)) as stranger:
+        stranger.sendall(b"x" * _TOKEN_BYTES + b"1")
+        assert stranger.recv(1) == b""  # closed on it, nothing sent
+    assert keep_peer_part(str(taker), 7, 1, offer, budget=1 << 30)
+    kept = taker / "peer" / snap_name(7)
+    assert all((kept / rel).read_bytes() == b for rel, b in blobs.items())
+    assert part_files(str(taker), 7, 1) == metas and not list(kept.rglob("*.partial"))
+
+    offer = offer_part(str(holder), 7, 1, "127.0.0.1")
+    assert not keep_peer_part(str(tmp_path / "full"), 7, 1, offer, budget=1 << 20)  # past its bound: declined
+    assert not (tmp_path / "full" / "peer" / snap_name(7)).exists()
+    decline(offer_part(str(holder), 7, 1, "127.0.0.1"))
+    assert offer_part(str(holder), 8, 1, "127.0.0.1") is None  # a step it does not hold
+
+    offer = offer_part(str(holder), 7, 1, "127.0.0.1")
+    (folder / "model.safetensors").write_bytes(b"cut")  # shorter than offered: the stream ends short
+    with pytest.raises(ConnectionError, match="ended short"):
+        keep_peer_part(str(tmp_path / "short"), 7, 1, offer, budget=1 << 30)
+    assert part_files(str(tmp_path / "short"), 7, 1) is None
+    assert not [p for p in (tmp_path / "short").rglob("*") if p.is_file()]
+    deadline = time.time() + 10
+    while set(threading.enumerate()) - threads and time.time() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - threads  # every offer's thread ended

@@ -412,14 +412,15 @@ class NodeActor:
     # --- snapshots in memory (cluster/checkpoint/memory.py): the driver moves parts from node to node through these
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def read_snapshot_part(self, node_dir: str, step: int, rank: int) -> memory.Part | None:
-        return memory.read_part(node_dir, step, rank)
+    def offer_snapshot_part(self, node_dir: str, step: int, rank: int) -> memory.PartOffer | None:
+        """A rank's part held here, offered to one other node over TCP (``cluster.snapshots.offer_part``)."""
+        return memory.offer_part(node_dir, step, rank, ray.util.get_node_ip_address())
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def keep_peer_part(self, node_dir: str, step: int, rank: int, data: memory.Part | None,
+    def keep_peer_part(self, node_dir: str, step: int, rank: int, offer: memory.PartOffer | None,
                        memory_mb: float | None) -> bool:
-        return data is not None and memory.keep_peer_part(node_dir, step, rank, data,
-                                                           memory.node_budget_bytes(memory_mb, node_dir))
+        return offer is not None and memory.keep_peer_part(node_dir, step, rank, offer,
+                                                            memory.node_budget_bytes(memory_mb, node_dir))
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def snapshot_part_copied(self, node_dir: str, step: int, rank: int) -> None:
@@ -427,10 +428,12 @@ class NodeActor:
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def assemble_snapshot(self, node_dir: str, step: int, world_size: int, attempt: int, ranks: list[int],
-                          *parts: memory.Part | None) -> str:
+                          *parts: memory.PartOffer | None) -> str:
         """The snapshot of ``step`` whole in this node's ``restore-<step>``; ``parts``: those of ``ranks``, read from
-        the nodes that hold them (resolved by Ray before this runs)."""
+        the nodes that hold them (their offers, resolved by Ray before this runs)."""
         if any(p is None for p in parts):
+            for p in parts:
+                memory.decline(p)
             raise FileNotFoundError(f"a part of the snapshot of step {step} was no longer held by its node")
         return memory.assemble(node_dir, step, world_size, attempt, dict(zip(ranks, parts)))
 

@@ -311,8 +311,8 @@ class SnapshotBook:
             self._notes.append(src.actor.snapshot_part_copied.remote(src.folder, step, rank))
             return
         dst = self.nodes[peer]
-        data = src.actor.read_snapshot_part.remote(src.folder, step, rank)
-        ref = dst.actor.keep_peer_part.remote(dst.folder, step, rank, data, self.memory_mb)
+        offer = src.actor.offer_snapshot_part.remote(src.folder, step, rank)
+        ref = dst.actor.keep_peer_part.remote(dst.folder, step, rank, offer, self.memory_mb)
         self._copies[ref] = (step, rank, dst.node_id, source)
 
     def _forget_old(self) -> None:
@@ -381,7 +381,7 @@ class SnapshotBook:
                     raise FileNotFoundError(f"rank {r}'s part of the snapshot of step {plan.step} is on no node of "
                                             "this attempt")
                 fetched_from.add(holder.node_id)
-                parts.append(holder.actor.read_snapshot_part.remote(holder.folder, plan.step, r))
+                parts.append(holder.actor.offer_snapshot_part.remote(holder.folder, plan.step, r))
             calls.append(n.actor.assemble_snapshot.remote(n.folder, plan.step, plan.world_size, attempt, missing,
                                                           *parts))
         ready, _ = ray.wait(calls, num_returns=len(calls), timeout=ASSEMBLE_S)
