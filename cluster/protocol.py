@@ -464,6 +464,7 @@ class SnapshotHeld(RankEvent):
     every: int = 1
     held_s: float | None = None
     taken: float | None = None  # when its state was captured (Unix time)
+    peer: bool = True  # copied to a peer node (False: a save's snapshot between due steps, kept on its node alone)
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,8 @@ def test_a_functions_first_save_writes_the_first_snapshot_beside_it_and_its_writ
     clock = Clock()
     monkeypatch.setattr("cluster.checkpoint.memory.time", clock)
     snaps, taken = snapshots(tmp_path, [True] * 3)
+    reports: list = []
+    snaps._report = lambda *a: reports.append(a)
     folder, written = snaps.beside_save(20)
     assert folder == str(tmp_path / "snap-00000020")
     clock.now += 0.5
@@ -180,7 +182,15 @@ def test_a_functions_first_save_writes_the_first_snapshot_beside_it_and_its_writ
     clock.now += 0.4
     snaps.take(22, lambda: 0.001)
     assert taken == [] and snaps.interval == 64 == auto_interval(0.0, 0.5, cpu_s=0.5, write_s=0.1)
-    assert snaps.beside_save(40) is None  # a later save: not due at 64
+    assert [r[0] for r in reports] == [20] and reports[0][-1] is True  # the first measure: copied to the peer
+    # A later save, at a step no snapshot is due: its capture is written beside it all the same (its commit lands
+    # seconds after it), and kept on its node alone; the snapshots of its own go on at auto's interval.
+    folder, written = snaps.beside_save(40)
+    assert folder == str(tmp_path / "snap-00000040")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written(40, folder, {}, 0.2)
+    assert reports[-1][0] == 40 and reports[-1][-1] is False and snaps.beside == 2
+    assert snaps.interval == 64  # a save's write is not a snapshot's cost: no measure of auto's
     clock.now += 21.0
     snaps.take(64, lambda: 0.001)
     assert [t[0] for t in taken] == [64]

@@ -593,3 +593,52 @@ def test_a_part_goes_to_another_node_over_its_own_connection_whole_or_not_at_all
     while set(threading.enumerate()) - threads and time.time() < deadline:
         time.sleep(0.05)
     assert not set(threading.enumerate()) - threads  # every offer's thread ended
+
+
+def test_a_saves_snapshot_between_due_steps_stays_on_its_node_and_serves_a_rank_killed_not_a_node_lost(ray_cluster):
+    """Every save's capture is written into its node's memory beside it (its commit lands seconds later); one at a
+    step no snapshot is due is not copied to the peer. A rank killed resumes from it; a node lost from the newest
+    snapshot copied to the peers."""
+    import ray
+
+    from jobs.driver.memory import SnapshotBook, _Node
+
+    @ray.remote(num_cpus=0)
+    class Node:
+        def __init__(self):
+            self.calls = []
+
+        def offer_snapshot_part(self, folder, step, rank):
+            self.calls.append(("offer", step, rank))
+            return None
+
+        def keep_peer_part(self, folder, step, rank, offer, memory_mb):
+            self.calls.append(("keep", step, rank))
+            return True
+
+        def snapshot_part_copied(self, folder, step, rank):
+            pass
+
+        def pin_snapshot(self, folder, step, writing=()):
+            pass
+
+        def seen(self):
+            return self.calls
+
+    actors = [Node.remote() for _ in range(2)]
+    book = SnapshotBook("run", None)
+    book.nodes, book._world = [_Node(n, f"/nowhere/{n}", a) for n, a in zip("ab", actors)], 2
+    for rank in (0, 1):  # the snapshot due at 32: copied to the peers
+        book.held_part(32, rank, rank, 1 << 20, 32, 100.0)
+    book.settle(30)
+    for rank in (0, 1):  # a save at 40: kept on each node alone
+        book.held_part(40, rank, rank, 1 << 20, 32, 110.0, peer=False)
+    book.settle(30)
+    assert sorted(c for a in actors for c in ray.get(a.seen.remote()) if c[0] == "keep") == [("keep", 32, 0),
+                                                                                            ("keep", 32, 1)]
+    assert book.held[40] == {0: {"a"}, 1: {"b"}} and book.held[32] == {0: {"a", "b"}, 1: {"a", "b"}}
+    assert book.choose({"a", "b"}, 2, after_step=20).step == 40  # a rank killed: its node's memory, step 40
+    assert book.choose({"a"}, 2, after_step=20).step == 32  # node b lost: the peers' copies, step 32
+    assert book.choose({"a"}, 2, after_step=32) is None  # (storage, when it committed 32)
+    for actor in actors:
+        ray.kill(actor)

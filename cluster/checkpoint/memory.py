@@ -268,7 +268,7 @@ class MemorySnapshots:
 
     def __init__(self, node_dir: str, rank: int, every: int | None, budget: int,
                  save: Callable[..., bool], say: Callable[[str], None],
-                 report: Callable[[int, int, int, float | None], None], start: int = 1,
+                 report: Callable[..., None], start: int = 1,
                  writing: Callable[[int], None] | None = None, peers: bool = False,
                  every_changed: Callable[[int], None] | None = None) -> None:
         self.node_dir, self.rank, self.every, self.budget = Path(node_dir), rank, every, budget
@@ -473,13 +473,17 @@ class MemorySnapshots:
                 self._set_interval(self._floor)
 
     def beside_save(self, step: int) -> tuple[str, Callable[..., None]] | None:
-        """A function's save at ``step`` (numbered as the optimizer steps count) where a snapshot is due: the save's
-        own capture is written into the node's memory too, as that step's snapshot (``StagedCheckpoints.save``'s
-        ``beside``), so a rank killed before the commit of its step lands resumes there, not a snapshot earlier (a
-        step a rank saves takes no snapshot of its own: ``take``). Returns the folder and what is called once that
-        part is written; None where no snapshot is due or one would not be kept."""
+        """A function's save at ``step`` (numbered as the optimizer steps count): the save's own capture is written
+        into the node's memory too, first, as that step's snapshot (``StagedCheckpoints.save``'s ``beside``), so a
+        rank killed before the commit of its step lands resumes there, not from the commit before (a step a rank saves
+        takes no snapshot of its own: ``take``). Every save, not only one at a step a snapshot is due: its commit lands
+        once every rank's part is written and flushed to storage, seconds after the save (3-9 s at 576 MiB a rank in
+        ``make bench-recovery``, where a rank killed in that time lost 12 steps back to the commit before, the
+        snapshots of its own at k = 32 none newer), and the save's hold is paid already: what it adds is a write from
+        the same copy into the node's memory and its copy to the peer. Returns the folder and what is called once that
+        part is written; None where one would not be kept."""
         if self.off is not None or self.accelerator is None or not self.confirmed or self.code is not None \
-                or step % self.interval or self._taken_at:  # (one in flight, this step's too: skipped)
+                or self._taken_at:  # (one in flight, this step's too: skipped)
             return None
         first = self.every is None and not self._writes  # ``auto`` before its first measure: this one is it
         if first and (self.taken or self._first_beside):  # (one of its own, or an earlier save's, is being measured:
@@ -584,6 +588,9 @@ class MemorySnapshots:
                           "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
-        self._write_ended(step, ended, True)  # (before the report: the driver's copy, and its note, come after it)
+        # A save's snapshot at a step no snapshot is due stays on its node (a rank killed resumes from it); the due
+        # ones go to the peer too, at ``auto``'s interval, which their cost sets (a node lost resumes from those).
+        peer = not beside or measured or step % self.interval == 0
+        self._write_ended(step, ended, peer)  # (before the report: the driver's copy, and its note, come after it)
         self.beside += beside
-        self._report(step, self.last_nbytes, self.interval, taken_at)
+        self._report(step, self.last_nbytes, self.interval, taken_at, peer)

@@ -321,8 +321,9 @@ class Session:
             p.snapshot_dir, p.context.world_rank, p.snapshot_every,
             node_budget_bytes(p.snapshot_memory_mb, p.snapshot_dir), save=checkpoints.hold_in_memory,
             say=lambda line: print(line, file=sys.stderr, flush=True),
-            report=lambda step, nbytes, every, taken: self.emit(SnapshotHeld(
-                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken)),
+            report=lambda step, nbytes, every, taken, peer=True: self.emit(SnapshotHeld(
+                step=step, nbytes=nbytes, every=every, held_s=checkpoints.last_snapshot_hold_s, taken=taken,
+                peer=peer)),
             start=p.snapshot_start, writing=lambda step: self.emit(SnapshotWriting(step=step)),
             peers=p.context.num_nodes > 1, every_changed=lambda every: self.emit(SnapshotEvery(every=every)))
         self.snapshots, self._meter = snaps, meter

@@ -171,15 +171,16 @@ class SnapshotBook:
         for n in self.nodes:
             n.actor.pin_snapshot.remote(n.folder, self._pin, writing)
 
-    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float) -> None:
+    def held_part(self, step: int, rank: int, node_rank: int, nbytes: int, every: int, taken: float,
+                  peer: bool = True) -> None:
         """A rank's part of ``step`` (captured at ``taken``) is on node ``node_rank``: noted, and copied to its
-        peer."""
+        peer (``peer`` False: a save's snapshot between due steps, which stays on its node)."""
         self.held.setdefault(step, {}).setdefault(rank, set()).add(self.nodes[node_rank].node_id)
         self.taken[step] = max(self.taken.get(step, taken), taken)
         self.world[step] = self._world
         self.nbytes[rank], self.every[rank] = nbytes, every
         self._node_of[rank] = node_rank
-        if len(self.nodes) > 1:  # every rank's newest part waits for its copy (older ones waiting are skipped)
+        if len(self.nodes) > 1 and peer:  # every rank's newest part waits for its copy (older ones waiting are skipped)
             self._waiting[rank] = max(self._waiting.get(rank, step), step)
         if self._writing.get(rank) is not None and self._writing[rank] <= step:
             del self._writing[rank]  # (its part of the step it was writing is held, or that write was given up)

@@ -187,7 +187,8 @@ class AttemptRouter:
                     self.checkpoint(e)
                 case SnapshotHeld():
                     if self.snapshots is not None:
-                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time)
+                        self.snapshots.held_part(e.step, rank, a.node_of[rank], e.nbytes, e.every, e.taken or e.time,
+                                                 peer=e.peer)
                         if line := self.snapshots.news():
                             rec.say(line)
                 case SnapshotWriting():
