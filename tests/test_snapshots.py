@@ -501,13 +501,10 @@ def test_a_stop_notices_snapshot_that_would_not_be_committed_in_time_is_said_and
     assert driver.run_dir.checkpoints.latest() is None and not book.stored
 
 
-def test_no_copy_goes_to_a_node_being_drained(ray_cluster):
-    """A part's copy goes to the next node not being drained (the stop's snapshot of a rank on another node sent
-    576 MiB to the drained node, which goes with it, and the stop waited for it); where every other node is being
-    drained, none goes, and the part's node is told its copy ended (its rank's ``auto`` measures up to there)."""
+def _recording_nodes(n: int) -> list:
+    """``n`` stand-ins for node actors that record the driver's calls moving parts (no part is held: offers are
+    None, every copy is said kept)."""
     import ray
-
-    from jobs.driver.memory import SnapshotBook, _Node
 
     @ray.remote(num_cpus=0)
     class Node:
@@ -516,19 +513,32 @@ def test_no_copy_goes_to_a_node_being_drained(ray_cluster):
 
         def offer_snapshot_part(self, folder, step, rank):
             self.calls.append(("read", step, rank))
-            return None
 
-        def keep_peer_part(self, folder, step, rank, data, memory_mb):
+        def keep_peer_part(self, folder, step, rank, offer, memory_mb):
             self.calls.append(("keep", step, rank))
             return True
 
         def snapshot_part_copied(self, folder, step, rank):
             self.calls.append(("copied", step, rank))
 
+        def pin_snapshot(self, folder, step, writing=()):
+            pass
+
         def seen(self):
             return self.calls
 
-    actors = [Node.remote() for _ in range(3)]
+    return [Node.remote() for _ in range(n)]
+
+
+def test_no_copy_goes_to_a_node_being_drained(ray_cluster):
+    """A part's copy goes to the next node not being drained (the stop's snapshot of a rank on another node sent
+    576 MiB to the drained node, which goes with it, and the stop waited for it); where every other node is being
+    drained, none goes, and the part's node is told its copy ended (its rank's ``auto`` measures up to there)."""
+    import ray
+
+    from jobs.driver.memory import SnapshotBook, _Node
+
+    actors = _recording_nodes(3)
     book = SnapshotBook("run", None, held={7: {0: {"a"}}}, world={7: 1})
     book.nodes = [_Node(n, f"/nowhere/{n}", a) for n, a in zip("abc", actors)]
     book.draining = {1}
@@ -603,29 +613,7 @@ def test_a_saves_snapshot_between_due_steps_stays_on_its_node_and_serves_a_rank_
 
     from jobs.driver.memory import SnapshotBook, _Node
 
-    @ray.remote(num_cpus=0)
-    class Node:
-        def __init__(self):
-            self.calls = []
-
-        def offer_snapshot_part(self, folder, step, rank):
-            self.calls.append(("offer", step, rank))
-            return None
-
-        def keep_peer_part(self, folder, step, rank, offer, memory_mb):
-            self.calls.append(("keep", step, rank))
-            return True
-
-        def snapshot_part_copied(self, folder, step, rank):
-            pass
-
-        def pin_snapshot(self, folder, step, writing=()):
-            pass
-
-        def seen(self):
-            return self.calls
-
-    actors = [Node.remote() for _ in range(2)]
+    actors = _recording_nodes(2)
     book = SnapshotBook("run", None)
     book.nodes, book._world = [_Node(n, f"/nowhere/{n}", a) for n, a in zip("ab", actors)], 2
     for rank in (0, 1):  # the snapshot due at 32: copied to the peers
