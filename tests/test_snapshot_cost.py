@@ -194,6 +194,16 @@ def test_a_functions_first_save_writes_the_first_snapshot_beside_it_and_its_writ
     clock.now += 21.0
     snaps.take(64, lambda: 0.001)
     assert [t[0] for t in taken] == [64]
+    # A save after a step a snapshot was due goes to the peer too, whether or not this rank took that one (a rank
+    # whose save was being written took none at 64, where a rank of a few KB did: both copy the save at 70).
+    step, folder, written = taken[0]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written(step, folder, {}, 0.2)
+    for save in (70, 80):
+        folder, written = snaps.beside_save(save)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        written(save, folder, {}, 0.2)
+    assert [(r[0], r[-1]) for r in reports[-3:]] == [(64, True), (70, True), (80, False)]
 
 
 def test_a_first_save_whose_snapshot_was_not_written_leaves_the_first_measure_to_a_snapshot_of_its_own(tmp_path,

@@ -307,6 +307,7 @@ class MemorySnapshots:
         self._effects: deque[tuple[float | None, float, float]] = deque(maxlen=5)  # the latest ``measured_effect``s
         self._began = False  # this attempt's first snapshot was taken (``_first_of_attempt``)
         self._first_beside = False  # ``auto``'s first measure is of a snapshot beside a save (``beside_save``)
+        self._last_save: int | None = None  # the step of this attempt's previous save (``beside_save``)
 
     def say_once(self, line: str) -> None:
         if line not in self._said:
@@ -480,8 +481,12 @@ class MemorySnapshots:
         once every rank's part is written and flushed to storage, seconds after the save (3-9 s at 576 MiB a rank in
         ``make bench-recovery``, where a rank killed in that time lost 12 steps back to the commit before, the
         snapshots of its own at k = 32 none newer), and the save's hold is paid already: what it adds is a write from
-        the same copy into the node's memory and its copy to the peer. Returns the folder and what is called once that
-        part is written; None where one would not be kept."""
+        the same copy into the node's memory. It is copied to the peer too where a snapshot came due since the
+        previous save (a step every rank reckons alike: a rank whose save's write was still in flight at the due step
+        took none there, where a rank whose part is a few KB did, and the newest snapshot copied to the peers was not
+        whole; a node lost then resumed from storage). Returns the folder and what is called once that part is
+        written; None where one would not be kept."""
+        since, self._last_save = self._last_save, step
         if self.off is not None or self.accelerator is None or not self.confirmed or self.code is not None \
                 or self._taken_at:  # (one in flight, this step's too: skipped)
             return None
@@ -495,8 +500,9 @@ class MemorySnapshots:
         self._taken_at[step] = time.time()
         if first:  # its write, the same as a snapshot's, is measured: ``take`` sets the interval from it
             self._first_beside, self._last = True, (time.perf_counter(), step - self.base)
+        peer = first or since is None or step // self.interval > since // self.interval
         return str(self.node_dir / snap_name(step)), _once(functools.partial(self._written, beside=True,
-                                                                             measured=first))
+                                                                             measured=first, peer=peer))
 
     def _first_of_attempt(self, step: int) -> None:
         """Before this attempt's first snapshot (its own, or one beside a save): an earlier attempt's parts past it
@@ -551,13 +557,13 @@ class MemorySnapshots:
             self._ended.pop(old, None)
 
     def _written(self, step: int, folder: str, files: dict[str, dict] | None, cpu_s: float = 0.0,
-                 writer_cpu_s: float = 0.0, beside: bool = False, measured: bool = False) -> None:
+                 writer_cpu_s: float = 0.0, beside: bool = False, measured: bool = False, peer: bool = True) -> None:
         """The write's thread: this rank's part of ``step`` is in ``folder``: its json last, then older parts go;
         ``cpu_s``, ``writer_cpu_s``: what the write cost on the rank's thread and in the writer process (for ``auto``,
         whether it was kept or not). ``files`` None: it was not written (failed, or given up for a save). ``beside``: a
         save's capture written beside it (``beside_save``), whose write is not a snapshot's cost (its capture and hold
         are the save's) and measures nothing for ``auto``, but the first save's (``measured``: ``auto``'s first
-        measure, ``beside_save``)."""
+        measure, ``beside_save``); ``peer``: copied to the peer node (False: a save's, kept on its node alone)."""
         taken_at = self._taken_at.get(step)  # (in flight until its measure is in: ``take`` reads the two together)
         ended = time.time()
         cores, self._cores = self._cores, read_cores()  # how busy the node was since the last write ended
@@ -588,9 +594,9 @@ class MemorySnapshots:
                           "node: it is not kept; a restart resumes from an older one or from storage. Raise the bound, "
                           "or take them less often (checkpoint.snapshots.every) (said once)")
             return
-        # A save's snapshot at a step no snapshot is due stays on its node (a rank killed resumes from it); the due
-        # ones go to the peer too, at ``auto``'s interval, which their cost sets (a node lost resumes from those).
-        peer = not beside or measured or step % self.interval == 0
+        # A save's snapshot with no snapshot due since the save before stays on its node (a rank killed resumes from
+        # it); the others go to the peer too, at ``auto``'s interval, which their cost sets (a node lost resumes there).
+        peer = not beside or peer
         self._write_ended(step, ended, peer)  # (before the report: the driver's copy, and its note, come after it)
         self.beside += beside
         self._report(step, self.last_nbytes, self.interval, taken_at, peer)
