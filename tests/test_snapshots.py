@@ -275,7 +275,7 @@ def test_a_node_ray_drains_stops_the_run_at_a_step_every_rank_agrees_on_and_resu
     """Ray drains one rank's node with a 30-second deadline: its ranks get a stop notice, every rank writes the
     snapshot of the step they agree on and stops; that snapshot is committed to storage before the deadline, and the
     run goes on on the node left and a spare from that very step, read from memory (no step lost, no restart used),
-    bitwise equal."""
+    bitwise equal; the spare's warm rank host was started while the run stopped."""
     spare = ray_cluster.add_node(num_cpus=2)
     ray_cluster.wait_for_nodes()
     nodes = {}
@@ -294,6 +294,9 @@ def test_a_node_ray_drains_stops_the_run_at_a_step_every_rank_agrees_on_and_resu
         assert starts[-1]["resume_from"] == expected and starts[-1]["resume_step"] == restored
         out = capsys.readouterr().out
         assert "is being drained by Ray, its deadline in " in out, out
+        # The spare's warm rank host was started while the run stopped: the restart's ranks there found it
+        restart = [line for line in out.split(" was preempted", 1)[1].splitlines() if "warm rank host" in line]
+        assert len(restart) == 2 and not [line for line in restart if line.endswith(", started")], restart
         if expected == "memory":  # committed too, and still read from memory
             assert f"committed the snapshot of step {restored} to storage before node {drained}'s deadline" in out, out
     finally:

@@ -10,14 +10,14 @@ from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose_socket_interface, rendezvous_env
 from cluster.hosting.rankhost import WarmHost
 from cluster.layout import events_file, flight_recorder_prefix
 from cluster.nodes.connect import node_environment
 from cluster.nodes.node import SNAPSHOT_GROUP, NodeActor, NodeInfo, RendezvousError
-from cluster.nodes.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement
+from cluster.nodes.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement, spare_nodes
 from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
 
@@ -126,6 +126,12 @@ def collect_stacks(actors: list, ranks: list[list[int]], timeout_s: float = SAMP
 
 # After a held poll's first answer, how long ``poll`` waits for the others' (nodes in step answer together).
 GATHER_S = 0.05
+# Nodes a restart may go to, warmed while the run stops (``prewarm``): node id -> the actor holding its warm rank host,
+# until the next group's actors are up.
+_PREWARMED: dict[str, Any] = {}
+# How long the next group waits, at most, for those actors to have claimed their hosts (they were started seconds
+# before, at the drain's notice; one not up by then leaves its node's host to that node's actor, as before).
+PREWARM_WAIT_S = 5.0
 
 
 def _get_each(refs: list) -> dict[Any, Any]:
@@ -184,6 +190,7 @@ class NodeGroup:
         env: JobEnv | None = None,
     ) -> "NodeGroup":
         """Reserve the nodes (``cluster.nodes.placement.reserve``) and start the actors, or raise ``PlacementError``."""
+        _await_prewarmed(PREWARM_WAIT_S)
         pg = reserve(placement, timeout_s=timeout_s, can_grow=can_grow, on_wait=on_wait, timeout_name=timeout_name)
         # Snapshots' parts move on a thread of their own (reading and writing hundreds of MiB takes seconds): a poll,
         # and the news of a rank's death it carries, never waits behind them. Every other call runs on the actor's
@@ -219,6 +226,7 @@ class NodeGroup:
                         "the job's runtime environment (its working directory) could not be set up")
                 raise EnvSetupError(f"{what} before any rank started: {failed}") from None
             raise
+        _release_prewarmed()  # (their warm rank hosts are this group's now, where it landed on their nodes)
         return cls(pg, actors, infos, placement, socket_ifname, env=env, actor_names=names)
 
     def start(
@@ -425,6 +433,26 @@ class NodeGroup:
         self._inflight.clear()
         return out
 
+    def prewarm(self, exclude: set[str]) -> list[str]:
+        """Start the warm rank host on every spare node a restart's ranks could go to (alive, room for a bundle, not
+        this group's, not in ``exclude``: nodes being drained), once each: a replacement node's first host imports
+        torch, Accelerate and transformers, 3.0 s of the 8.1 s from a drain's notice to training again in ``make
+        bench-recovery`` (2026-12-07), which the run's stop and its snapshot's commit now overlap. A node actor of
+        no resources claims the host there (its key, the job's, is the one the next group's actors claim) and holds
+        it until the next group's actors are up. Returns the node ids warmed now."""
+        if not self.env.warm.enabled:
+            return []
+        held = {i.node_id for i in self.infos} | set(exclude) | set(_PREWARMED)
+        started = []
+        for node_id in spare_nodes(self.placement, held):
+            remote_cls = ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1}, max_concurrency=0)(NodeActor)
+            _PREWARMED[node_id] = remote_cls.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                namespace=ACTOR_NAMESPACE, runtime_env=self.env.actor_runtime_env(),
+            ).remote(-1, self.env.warm, node_environment())
+            started.append(node_id)
+        return started
+
     def shutdown(self) -> None:
         """Stop the ranks, end the actors and release the placement group."""
         self._call_all("shutdown", 30, None)
@@ -437,3 +465,22 @@ class NodeGroup:
             remove_placement_group(self._pg)
         except Exception:
             pass
+
+
+def _await_prewarmed(timeout_s: float) -> None:
+    """Until every spare node's actor (``NodeGroup.prewarm``) has claimed its warm rank host, or ``timeout_s``."""
+    if _PREWARMED:
+        ray.wait([a.__ray_ready__.remote() for a in _PREWARMED.values()], num_returns=len(_PREWARMED),
+                 timeout=timeout_s)
+
+
+def _release_prewarmed() -> None:
+    """End the actors that held spare nodes' warm rank hosts (``NodeGroup.prewarm``): each host stays warm for
+    ``env.warm_host_idle_s``."""
+    for actor in list(_PREWARMED.values()):
+        try:
+            actor.shutdown.remote()
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+    _PREWARMED.clear()

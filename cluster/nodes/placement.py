@@ -73,6 +73,18 @@ def fitting_nodes(placement: "Placement", held: Collection[str] = ()) -> int:
     return count
 
 
+def spare_nodes(placement: "Placement", exclude: Collection[str]) -> list[str]:
+    """The alive nodes, but those in ``exclude`` (node ids), whose free resources fit one of ``placement``'s bundles
+    now: where a restart's ranks can go."""
+    try:
+        from ray._private.state import available_resources_per_node
+        free = available_resources_per_node()
+    except Exception:  # noqa: BLE001 - an internal API that may move: the totals then
+        free = None
+    return [n["NodeID"] for n in _alive_nodes() if n.get("NodeID") not in exclude
+            and _fits(n.get("Resources", {}) if free is None else free.get(n.get("NodeID"), {}), placement.bundle)]
+
+
 def _describe_resources(resources: Sequence[Mapping[str, float]]) -> str:
     parts = ["{" + ", ".join(f"{k}: {r[k]:g}" for k in ("CPU", "GPU") if k in r) + "}" for r in resources]
     return ", ".join(parts) if parts else "none"
