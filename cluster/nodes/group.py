@@ -413,6 +413,12 @@ class NodeGroup:
 
     def stop(self) -> list[NodePoll]:
         """Stop every rank on every node; return what they left to read."""
+        for i, a in enumerate(self.actors):
+            if i in self._inflight and i not in self._lost:  # its held poll answers now, not at the end of its hold
+                try:
+                    a.wake.remote()
+                except Exception:  # noqa: BLE001 - known dead already
+                    pass
         earlier = self._finish_polls(timeout_s=10)
         out = []
         for i, p in enumerate(self._call_all("stop", 60, None)):

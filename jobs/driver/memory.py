@@ -147,6 +147,8 @@ class SnapshotBook:
         self.nodes = [_Node(i.node_id, f"{i.snapshot_root}/{self.key}/{i.node_id}", a) for i, a in zip(infos, actors)]
         for n in self.nodes:
             self.roots[n.node_id] = n.folder
+        self._notes.extend(self._copies)  # (an earlier attempt's copies still in flight: read once done, their errors
+        # too, which Ray would otherwise print as unhandled when their references went)
         self._copies, self._waiting, self._world, self._pin, self._writing = {}, {}, world_size, resumed, {}
         self._pinned = ()
         self.draining = set()
