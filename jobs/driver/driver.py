@@ -218,14 +218,16 @@ class Driver:
             r.live = {}
             if self._open is not None:
                 self._end_attempt(Outcome.STOPPED if r.status == RunStatus.STOPPED else Outcome.FAILED)
-            if self.snapshots is not None:  # the run is over: its snapshots leave the nodes' memory
-                try:
-                    self.snapshots.drop(self.group)
-                except Exception as exc:  # noqa: BLE001
-                    self._say(f"raylaunch: the run's snapshots could not be removed from the nodes' memory: {exc}")
             if self.group is not None:
                 self.group.shutdown()
                 self.group = None
+            # The run is over: its snapshots leave the nodes' memory, once its ranks have ended (dropped while a
+            # stopped run's ranks still trained, the snapshot they wrote next stayed in /dev/shm for good)
+            if self.snapshots is not None:
+                try:
+                    self.snapshots.drop(None)
+                except Exception as exc:  # noqa: BLE001
+                    self._say(f"raylaunch: the run's snapshots could not be removed from the nodes' memory: {exc}")
             if self.node_request is not None:
                 self.node_request.withdraw()
             rec.event(SessionEnded(time=time.time(), status=r.status))
