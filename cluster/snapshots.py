@@ -274,7 +274,8 @@ def decline(offer: PartOffer | None) -> None:
 
 def _receive_part(folder: Path, offer: PartOffer) -> None:
     """The offered part's files, received into ``folder`` straight into their pages (each whole under another name,
-    then renamed), then its json: ``_write_part``'s order. Raises ``ConnectionError`` when the stream ends short."""
+    then renamed), then its json: the part is there once its json is. Raises ``ConnectionError`` when the stream ends
+    short."""
     with _connect(offer, _TAKE) as conn:
         for rel, size in offer.sizes:
             dest = folder / rel

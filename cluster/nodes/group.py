@@ -192,11 +192,7 @@ class NodeGroup:
         """Reserve the nodes (``cluster.nodes.placement.reserve``) and start the actors, or raise ``PlacementError``."""
         _await_prewarmed(PREWARM_WAIT_S)
         pg = reserve(placement, timeout_s=timeout_s, can_grow=can_grow, on_wait=on_wait, timeout_name=timeout_name)
-        # Snapshots' parts move on a thread of their own (reading and writing hundreds of MiB takes seconds): a poll,
-        # and the news of a rank's death it carries, never waits behind them. Every other call runs on the actor's
-        # main thread (``max_concurrency=0``: no thread pool for the default group, ``cluster.nodes.node``), where a
-        # held poll keeps Ray's 10 ms signal check asleep.
-        remote_cls = ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1}, max_concurrency=0)(NodeActor)
+        remote_cls = _node_actor_class()
         # Named, so `raylaunch stacks` can reach them from another process on the cluster.
         token = secrets.token_hex(4)
         names = [f"raylaunch-{token}-node{i}" for i in range(placement.num_nodes)]
@@ -450,8 +446,8 @@ class NodeGroup:
             return []
         held = {i.node_id for i in self.infos} | set(exclude) | set(_PREWARMED)
         started = []
+        remote_cls = _node_actor_class()
         for node_id in spare_nodes(self.placement, held):
-            remote_cls = ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1}, max_concurrency=0)(NodeActor)
             _PREWARMED[node_id] = remote_cls.options(
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 namespace=ACTOR_NAMESPACE, runtime_env=self.env.actor_runtime_env(),
@@ -471,6 +467,14 @@ class NodeGroup:
             remove_placement_group(self._pg)
         except Exception:
             pass
+
+
+def _node_actor_class() -> Any:
+    """``NodeActor`` as Ray starts it. Snapshots' parts move on a thread of their own (reading and writing hundreds of
+    MiB takes seconds): a poll, and the news of a rank's death it carries, never waits behind them. Every other call
+    runs on the actor's main thread (``max_concurrency=0``: no thread pool for the default group,
+    ``cluster.nodes.node``), where a held poll keeps Ray's 10 ms signal check asleep."""
+    return ray.remote(concurrency_groups={SNAPSHOT_GROUP: 1}, max_concurrency=0)(NodeActor)
 
 
 def _await_prewarmed(timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from cluster.errors import RaylaunchError
 from cluster.nodes.autoscaler import NodeType, launchable_node_types
 
 __all__ = ["Placement", "PlacementError", "cpu_beside_gpus", "cpu_by_choice", "decide_placement", "fitting_nodes",
-           "reserve", "resolve_placement", "waiting_line"]
+           "reserve", "resolve_placement", "spare_nodes", "waiting_line"]
 
 
 class PlacementError(RaylaunchError, RuntimeError):
@@ -58,6 +58,17 @@ def fitting_nodes(placement: "Placement", held: Collection[str] = ()) -> int:
     """How many alive nodes can hold one of ``placement``'s bundles now: those whose free
     resources fit it (a node other work holds does not count, though its total would), and the
     nodes in ``held`` (node ids this run's own placement group holds already)."""
+    return len(_fitting(placement, held))
+
+
+def spare_nodes(placement: "Placement", exclude: Collection[str]) -> list[str]:
+    """The alive nodes, but those in ``exclude`` (node ids), whose free resources fit one of ``placement``'s bundles
+    now: where a restart's ranks can go."""
+    return [node_id for node_id in _fitting(placement) if node_id not in exclude]
+
+
+def _fitting(placement: "Placement", held: Collection[str] = ()) -> list[str]:
+    """The alive nodes whose free resources fit one of ``placement``'s bundles, and those in ``held`` whose totals do."""
     # Ray has no public per-node view of free resources; its autoscaler reads this one. Where a
     # Ray lacks it, the totals are the fallback (a busy node then counts).
     try:
@@ -65,24 +76,13 @@ def fitting_nodes(placement: "Placement", held: Collection[str] = ()) -> int:
         free = available_resources_per_node()
     except Exception:  # noqa: BLE001 - an internal API that may move
         free = None
-    count = 0
+    out = []
     for n in _alive_nodes():
         node_id = n.get("NodeID")
         by_total = free is None or node_id in held  # the run's own node, or no view of free resources
-        count += _fits(n.get("Resources", {}) if by_total else free.get(node_id, {}), placement.bundle)
-    return count
-
-
-def spare_nodes(placement: "Placement", exclude: Collection[str]) -> list[str]:
-    """The alive nodes, but those in ``exclude`` (node ids), whose free resources fit one of ``placement``'s bundles
-    now: where a restart's ranks can go."""
-    try:
-        from ray._private.state import available_resources_per_node
-        free = available_resources_per_node()
-    except Exception:  # noqa: BLE001 - an internal API that may move: the totals then
-        free = None
-    return [n["NodeID"] for n in _alive_nodes() if n.get("NodeID") not in exclude
-            and _fits(n.get("Resources", {}) if free is None else free.get(n.get("NodeID"), {}), placement.bundle)]
+        if _fits(n.get("Resources", {}) if by_total else free.get(node_id, {}), placement.bundle):
+            out.append(node_id)
+    return out
 
 
 def _describe_resources(resources: Sequence[Mapping[str, float]]) -> str:
