@@ -724,6 +724,7 @@ def digits_dies_before_commit(config: dict) -> dict:
     import time
 
     import cluster.checkpoint.snapshot as snapshot_module
+    import cluster.checkpoint.staged as staged_module
     from cluster.layout import checkpoint_name
 
     config = dict(config)
@@ -731,14 +732,20 @@ def digits_dies_before_commit(config: dict) -> dict:
     session = get_session()
     attempt = session.payload.attempt if session.payload else 0
     if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
-        real_write = snapshot_module.Snapshot.write
+        real_write, real_commit = snapshot_module.Snapshot.write, staged_module._Write._commit_from
 
         def write(self, writer=None, hash_files=False, durable=False):
             if hash_files == "sha256" and any(f"{os.sep}{held}{os.sep}" in w.path for w in self.writes):
                 time.sleep(600)  # the save's own files; the snapshot beside it (xxh3) is written first
             return real_write(self, writer, hash_files, durable)
 
+        def commit_from(self, sources):  # the save's files copied from the snapshot beside it
+            if os.path.basename(self.target.rstrip(os.sep)) == held:
+                time.sleep(600)
+            return real_commit(self, sources)
+
         snapshot_module.Snapshot.write = write
+        staged_module._Write._commit_from = commit_from
     return digits_dies(config)
 
 

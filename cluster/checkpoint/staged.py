@@ -31,7 +31,7 @@ from cluster.checkpoint.restore import node_copy, node_verified
 from cluster.checkpoint.resume import (init_optimizers_for_load, keep_random_states_for_the_first_batch,
                                       load_loader_states, save_loader_states, seed_missing_rng)
 from cluster.checkpoint.snapshot import SegmentPool, Snapshot, capture
-from cluster.checkpoint.writer import CheckpointWriter, WriterGone
+from cluster.checkpoint.writer import CheckpointWriter, WriterGone, copy_file, describe_written
 from cluster.checksums import SNAPSHOT_CHECKSUM
 from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
@@ -175,6 +175,7 @@ class StagedCheckpoints:
         self._background = background  # checkpoint.async
         self._log = log  # this rank's metrics: how long each save held training, and its memory
         self._upload: _Write | None = None  # this rank's checkpoint write or upload in flight
+        self._older: _Write | None = None  # a save's write still in flight behind it (``_committing``)
         self._writer = CheckpointWriter()  # the process that writes the tensors of a save in the background
         self._segments = SegmentPool()  # the last save's shared memory, copied into again by the next
         # A save's, while a snapshot's write it gave up still maps the segments above (``_abandon_snapshot``): made
@@ -301,8 +302,12 @@ class StagedCheckpoints:
         step) and return the MiB it holds; a thread writes (and uploads) it, then reports it."""
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
-        behind = self._abandon_snapshot()  # a snapshot's write in flight never holds a save: it goes first
-        self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
+        if self._older is not None and not self._older.busy():  # (its failure is this save's to raise)
+            older, self._older = self._older, None
+            older.wait()
+        behind = self._abandon_snapshot() or self._committing()  # a snapshot's write in flight never holds a save
+        if behind is None:
+            self.wait_for_upload()  # at most one copy of the state in host memory: a save asked for meanwhile waits
         target = path if is_local(fs) else self._upload_folder(step)
 
         def save() -> None:
@@ -319,8 +324,9 @@ class StagedCheckpoints:
         sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
         defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
         try:
-            snap = capture(save, shared=writer is not None, pool=self._segments if behind is None else self._beside,
-                           defer=defer,
+            # (a snapshot in flight maps its segments still; a committing save's are free again, in its pool)
+            pool = self._segments if behind is None else self._beside if behind.snapshot else behind.snap.pool
+            snap = capture(save, shared=writer is not None, pool=pool, defer=defer,
                            distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         except BaseException:
             if not is_local(fs):
@@ -363,6 +369,24 @@ class StagedCheckpoints:
             return None
         upload.abandon()  # (no-op once its files are being written)
         self._upload = None
+        return upload
+
+    def _committing(self) -> _Write | None:
+        """The previous save's write, when its copies of the state are free (``_Write.freed``: its snapshot beside it
+        written, its commit copied from those files) and its commit still goes on: this save copies into them and
+        is written after it, which holds training for that snapshot's write only, not its commit too (at 576 MiB a
+        rank, ``make bench-recovery``: 2.6-3.5 s). It is waited for first: at most two saves in flight, the older
+        one's failure raised by the next save (``wait_for_upload``). None: ``wait_for_upload``'s whole wait."""
+        upload = self._upload
+        if upload is None or upload.snapshot or upload.snap is None:
+            return None
+        if self._older is not None:
+            older, self._older = self._older, None
+            older.wait()
+        upload.freed.wait()
+        if not upload.busy():
+            return None
+        self._upload, self._older = None, upload
         return upload
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
@@ -499,9 +523,14 @@ class StagedCheckpoints:
 
     def wait_for_upload(self) -> None:
         self._settle(at_step=False)
+        older, self._older = self._older, None
         upload, self._upload = self._upload, None
-        if upload is not None:
-            upload.wait()  # a snapshot's failure is said, not raised
+        try:
+            if older is not None:
+                older.wait()
+        finally:
+            if upload is not None:
+                upload.wait()  # a snapshot's failure is said, not raised
 
     def _committed(self) -> str | None:
         """The checkpoint to restore, once it is known to be a committed one of this run."""
@@ -666,6 +695,12 @@ def _copies_in_memory(accelerator: Any) -> bool:
                                                                   DistributedType.MEGATRON_LM)
 
 
+def _close_all(fds: Any) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class _Write:
     """One rank's checkpoint part, written from memory (``snap``; None: on local disk already; the tensor files by
     the rank's writer process once it is ready) and, on an object store (``upload_uri``), uploaded, all waited on
@@ -698,6 +733,9 @@ class _Write:
         self.error: BaseException | None = None
         self._on_done = on_done
         self._done = threading.Event()  # written and reported, or given up, or failed
+        # Its copies of the state are free for the next save's capture: once the snapshot beside it is written (its
+        # commit is then copied from those files, ``_commit_from``), or at its end
+        self.freed = threading.Event()
         lanes.COPY.submit(self._copy)
 
     def abandon(self) -> bool:
@@ -737,13 +775,14 @@ class _Write:
                     self._remove_own_files()
                     return
                 self._started = True
+            sources = None
             if self.beside is not None and self.snap is not None:
-                self._write_beside(*self.beside)
+                sources = self._write_beside(*self.beside)
             began = time.thread_time()
             if self.writer is not None:
                 self.writer.take_cpu_s()  # (nothing of another write counts in this one's)
             try:
-                written, hashed = self._write_files()
+                written, hashed = self._write_files() if sources is None else self._commit_from(sources)
             finally:
                 self.cpu_s = time.thread_time() - began
                 self.writer_cpu_s = self.writer.take_cpu_s() if self.writer is not None else 0.0
@@ -766,25 +805,63 @@ class _Write:
         finally:
             self._end(files)
 
-    def _write_beside(self, folder: str, written: Callable[..., None]) -> None:
+    def _write_beside(self, folder: str, written: Callable[..., None]) -> dict[str, int] | None:
         """The snapshot of this save's step: the same copies written into ``folder`` on the node's memory (xxh3,
         not flushed), first: it is there within the time a small state's write takes, where the commit lands only
-        once every rank's part is on storage. Its failure is said, never the save's."""
+        once every rank's part is on storage. Its failure is said, never the save's. Returns its files, open (each
+        of this save's own paths -> a descriptor of its twin in ``folder``: read whole even if the snapshot is
+        pruned meanwhile), from which the commit is copied; the state's copies in host memory are then released for
+        the next save (``freed``), which waited for this whole write before: the beside write and the commit
+        (2.6-3.5 s held at a save that came while the one before was written, 576 MiB a rank, ``make
+        bench-recovery``). None where it was not written: the commit is written from those copies."""
         began = time.thread_time()
         if self.writer is not None:
             self.writer.take_cpu_s()
         files: dict[str, dict] | None = None
+        sources: dict[str, int] = {}
         try:
             ready = self.writer is not None and self.writer.ready()
-            _, hashed = self.snap.retargeted(self.target, folder).write(self.writer if ready else None,
-                                                                        hash_files=SNAPSHOT_CHECKSUM, durable=False)
+            view = self.snap.retargeted(self.target, folder)
+            _, hashed = view.write(self.writer if ready else None, hash_files=SNAPSHOT_CHECKSUM, durable=False)
             files = {os.path.relpath(p, folder): meta for p, meta in hashed.items()}
+            for own, twin in zip(self.snap.writes, view.writes):
+                sources[own.path] = os.open(twin.path, os.O_RDONLY)
         except Exception as exc:  # noqa: BLE001 - the commit goes on; its step has no snapshot
             print(f"raylaunch: the snapshot of step {self.step} beside its save was not written: {exc}",
                   file=sys.stderr, flush=True)
+            _close_all(sources.values())
+            sources = {}
         cpu_s = time.thread_time() - began
         writer_cpu_s = self.writer.take_cpu_s() if self.writer is not None else 0.0
         self._beside_written(files, cpu_s, writer_cpu_s)
+        if files is None or not sources:
+            return None
+        self.snap.release()  # (the training thread's next save copies into them: ``freed``)
+        self.freed.set()
+        return sources
+
+    def _commit_from(self, sources: dict[str, int]) -> tuple[list[str], dict[str, dict]]:
+        """This save's files copied from its snapshot's (``_write_beside``: open), by the kernel, into ``target``;
+        hashed (sha256) and flushed as ``_write_files`` does. The writer process copies (the lowest priority); this
+        thread where it has none, or it failed."""
+        hashed: dict[str, dict] = {}
+        try:
+            if self.writer is not None and self.writer.ready():
+                try:
+                    hashed = self.writer.write([(path, fd, None, {}) for path, fd in sources.items()], {},
+                                               hash_files=self._checksum, durable=self.durable)
+                    return list(sources), hashed
+                except Exception as exc:  # noqa: BLE001 - the writer's failure, or the target's: this thread tries
+                    if isinstance(exc, WriterGone):
+                        self.writer.broken = str(exc)
+                    print(f"raylaunch: the checkpoint writer did not copy the checkpoint of step {self.step} ({exc}); "
+                          "this rank copies it", file=sys.stderr, flush=True)
+            for path, fd in sources.items():
+                copy_file(fd, path)
+                hashed[path] = describe_written(path, self.durable, self._checksum)
+            return list(sources), hashed
+        finally:
+            _close_all(sources.values())
 
     def _beside_written(self, files: dict[str, dict] | None, cpu_s: float = 0.0, writer_cpu_s: float = 0.0) -> None:
         """Say once what became of the snapshot beside this save (None: not written, or not begun)."""
@@ -807,6 +884,7 @@ class _Write:
             self._beside_written(None)  # (a save given up, failed or changed before its copy: none beside it)
             if self.snap is not None:
                 self.snap.release()
+            self.freed.set()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
             if self.snapshot:

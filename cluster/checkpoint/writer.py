@@ -12,7 +12,8 @@ raylaunch, ``cluster.checksums`` only).
 
 Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable)``;
 a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride,
-nbytes)`` naming the rank's memfd descriptors; ``hash`` is False (no checksums), True or ``"sha256"``, or a
+nbytes)`` naming the rank's memfd descriptors, or ``(path, fd, None, {})``: the rank's open file ``fd`` copied to
+``path`` by the kernel (``copy_file``: a save's files from its snapshot in the node's memory); ``hash`` is False (no checksums), True or ``"sha256"``, or a
 snapshot's ``cluster.checksums.SNAPSHOT_CHECKSUM`` (a snapshot's ``torch.save`` files are then written without
 the zip format's own CRC-32 of each record, which its checksum covers). The answer is ``{"files": {path: {"size",
 <hash>}}, "cpu_s": float}`` (each file's checksum under the name of its kind, when asked, after a flush to the disk
@@ -37,7 +38,7 @@ from typing import Any, BinaryIO
 
 from cluster.checksums import hasher
 
-__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "describe_written"]
+__all__ = ["CheckpointWriter", "WriteRequest", "WriterGone", "copy_file", "describe_written"]
 
 # The writer's niceness: it uses the cores training leaves, and yields them at once when training wants them.
 WRITER_NICE = 19
@@ -82,6 +83,23 @@ def describe_written(path: str, durable: bool = False, checksum: str = "sha256")
     finally:
         os.close(fd)
     return {"size": size, checksum: h.hexdigest()}
+
+
+def copy_file(source: int, path: str) -> None:
+    """The whole of the open file ``source`` (read from its start, whatever its offset) into a new file at ``path``,
+    by the kernel (``sendfile``: no copy through this process's memory, no serialising again)."""
+    size = os.fstat(source).st_size
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(out, source, offset, min(size - offset, 1 << 30))
+            if sent == 0:
+                raise OSError(f"{path}: its source ended at {offset} of {size} bytes")
+            offset += sent
+    finally:
+        os.close(out)
 
 
 class WriterGone(RuntimeError):
@@ -262,7 +280,13 @@ def _serve(parent: int) -> None:
         files = {}
         for path, obj, safetensors, kwargs in writes:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            if safetensors:
+            if safetensors is None:  # a file of the rank's, by its descriptor
+                source = os.open(f"/proc/{parent}/fd/{obj}", os.O_RDONLY)
+                try:
+                    copy_file(source, path)
+                finally:
+                    os.close(source)
+            elif safetensors:
                 save_file(obj, path, **kwargs)
             else:
                 torch.save(obj, path, **kwargs)
