@@ -53,6 +53,9 @@ __all__ = ["COPY_WINDOW_S", "KEEP", "OFFER_S", "PartOffer", "SnapshotPlan", "ass
 
 # A rank keeps this many of its newest snapshots (the newest every rank holds may be one behind its own newest).
 KEEP = 2
+# The niceness of a part's copy to its peer node, on both nodes' threads (a rank's own checkpoint writing runs at 10
+# too, ``cluster.checkpoint.lanes``): it yields the cores the nodes' ranks train on.
+PEER_COPY_NICE = 10
 # ``memory_mb: auto``: the share of the node's memory its snapshots (its own and its peer's) may hold.
 AUTO_MEMORY_SHARE = 0.25
 
@@ -183,11 +186,12 @@ def _held(node_dir: str, step: int, rank: int) -> list[tuple[Path, dict]]:
     return out
 
 
-def offer_part(node_dir: str, step: int, rank: int, host: str) -> PartOffer | None:
+def offer_part(node_dir: str, step: int, rank: int, host: str, background: bool = False) -> PartOffer | None:
     """Offer a rank's part of the snapshot of ``step`` held on this node (its own or its peer's copy) to one other node:
     its files are opened now (a prune meanwhile unlinks them, never truncates them), and a thread listening on
     ``host`` (this node's address) streams them to the first connection that brings the offer's token, or ends after
-    ``OFFER_S``. None when the node no longer holds the part whole."""
+    ``OFFER_S``; ``background``: at ``PEER_COPY_NICE`` (a copy to the peer, beside training; a restart's is not).
+    None when the node no longer holds the part whole."""
     for folder, part in _held(node_dir, step, rank):
         rels = sorted(part["files"])
         files: list[Any] = []
@@ -201,14 +205,16 @@ def offer_part(node_dir: str, step: int, rank: int, host: str) -> PartOffer | No
         listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         listener.settimeout(OFFER_S)
         token = secrets.token_bytes(_TOKEN_BYTES)
-        threading.Thread(target=_serve_part, args=(listener, token, files), daemon=True,
+        threading.Thread(target=_serve_part, args=(listener, token, files, background), daemon=True,
                          name=f"raylaunch-part-{step}-{rank}").start()
         return PartOffer(host, listener.getsockname()[1], token, rank, json.dumps(part).encode(), sizes)
     return None
 
 
-def _serve_part(listener: socket.socket, token: bytes, files: list[Any]) -> None:
+def _serve_part(listener: socket.socket, token: bytes, files: list[Any], background: bool = False) -> None:
     """The offer's thread: the first connection that sends the token (then ``_TAKE``) gets every file, in order."""
+    if background:
+        _background()
     deadline = time.monotonic() + OFFER_S
     try:
         while time.monotonic() < deadline:
@@ -372,8 +378,30 @@ def keep_peer_part(node_dir: str, step: int, rank: int, offer: PartOffer, budget
         return False
     folder = peer / snap_name(step)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_part(folder, offer)
+    failed: list[BaseException] = []
+
+    def receive() -> None:  # (a thread of its own: a thread's niceness cannot be raised again without privileges)
+        _background()
+        try:
+            _write_part(folder, offer)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True, name=f"raylaunch-peer-part-{step}-{rank}")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
     return True
+
+
+def _background() -> None:
+    """This thread at ``PEER_COPY_NICE``: a peer copy's 576 MiB stream (its page faults, its copy into the node's
+    memory) runs on the cores the node's ranks train on, and yields them (Linux: one thread's niceness)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PEER_COPY_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 def note_copied(node_dir: str | Path, rank: int, step: int) -> None:

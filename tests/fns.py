@@ -696,7 +696,7 @@ def digits_snapshot_during_save(config: dict) -> dict:
         saved_40, gated = threading.Event(), []
         real_write, real_save = snapshot_module.Snapshot.write, session.save
 
-        def write(self, writer=None, hash_files=False, durable=False):
+        def write(self, writer=None, hash_files=False, durable=False, **kw):
             # the first snapshot's files (a save's are sha256; the snapshot written beside the save of step 20, from
             # its capture, is not the one this gates)
             beside_save = any(f"{os.sep}snap-00000020{os.sep}" in w.path for w in self.writes)
@@ -706,7 +706,7 @@ def digits_snapshot_during_save(config: dict) -> dict:
                 time.sleep(max(0.0, gated[0] + write_s - time.monotonic()))
             elif hash_files != SNAPSHOT_CHECKSUM and saved_40.is_set():  # the save of step 40's
                 time.sleep(600)
-            return real_write(self, writer, hash_files, durable)
+            return real_write(self, writer, hash_files, durable, **kw)
 
         def save(accelerator, step):
             out = real_save(accelerator, step)
@@ -734,10 +734,10 @@ def digits_dies_before_commit(config: dict) -> dict:
     if attempt == 1 and int(os.environ.get("RANK", "0")) == config["die_rank"]:
         real_write, real_commit = snapshot_module.Snapshot.write, staged_module._Write._commit_from
 
-        def write(self, writer=None, hash_files=False, durable=False):
+        def write(self, writer=None, hash_files=False, durable=False, **kw):
             if hash_files == "sha256" and any(f"{os.sep}{held}{os.sep}" in w.path for w in self.writes):
                 time.sleep(600)  # the save's own files; the snapshot beside it (xxh3) is written first
-            return real_write(self, writer, hash_files, durable)
+            return real_write(self, writer, hash_files, durable, **kw)
 
         def commit_from(self, sources):  # the save's files copied from the snapshot beside it
             if os.path.basename(self.target.rstrip(os.sep)) == held:

@@ -5,8 +5,10 @@ before its copy was made is found (its version counter) and that checkpoint is n
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+import zipfile
 
 import pytest
 import torch
@@ -126,12 +128,12 @@ def test_a_save_while_a_snapshot_is_being_written_keeps_that_snapshot_and_never_
     release, order = threading.Event(), []
     write = snapshot_module.Snapshot.write
 
-    def held_up(self, writer=None, hash_files=False, durable=False):
+    def held_up(self, writer=None, hash_files=False, durable=False, **kw):
         if hash_files == SNAPSHOT_CHECKSUM:  # the snapshot's (a save's files are sha256)
             order.append("snapshot writing")
             release.wait(20)  # a save that waited for this would not return before it is released
             order.append("snapshot's write ended")
-        return write(self, writer, hash_files, durable)
+        return write(self, writer, hash_files, durable, **kw)
 
     monkeypatch.setattr(snapshot_module.Snapshot, "write", held_up)
     folder, parts = tmp_path / "snap-1", []
@@ -259,8 +261,10 @@ def test_a_save_while_the_previous_commit_is_written_waits_for_its_snapshot_only
         committed = tmp_path / "staging" / checkpoint_name(n)
         assert sorted(p.name for p in committed.iterdir()) == sorted(p.name for p in (snaps / f"snap-{n}").iterdir())
         files = reports[n - 1][0][2]
-        assert all(len(meta["sha256"]) == 64 and meta["size"] == (committed / rel).stat().st_size
-                   for rel, meta in files.items()), files
+        assert all(meta["sha256"] == hashlib.sha256((committed / rel).read_bytes()).hexdigest()
+                   and meta["size"] == (committed / rel).stat().st_size for rel, meta in files.items()), files
+        with zipfile.ZipFile(committed / "optimizer.bin") as saved_zip:  # a committed torch.save keeps its CRC-32s
+            assert saved_zip.testzip() is None
 
 
 def test_a_commit_that_fails_behind_the_next_save_is_raised_by_the_save_after(trained, tmp_path, monkeypatch):

@@ -514,7 +514,7 @@ def _recording_nodes(n: int) -> list:
         def __init__(self):
             self.calls = []
 
-        def offer_snapshot_part(self, folder, step, rank):
+        def offer_snapshot_part(self, folder, step, rank, background=False):
             self.calls.append(("read", step, rank))
 
         def keep_peer_part(self, folder, step, rank, offer, memory_mb):

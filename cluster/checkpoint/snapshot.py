@@ -141,10 +141,11 @@ class Snapshot:
         return sorted(set(changed))
 
     def write(self, writer: Any = None, hash_files: bool | str = False,
-              durable: bool = False) -> tuple[list[str], dict[str, dict]]:
+              durable: bool = False, zip_crc: bool | None = None) -> tuple[list[str], dict[str, dict]]:
         """Write every file as ``save_state`` would have; returns their paths, and ``{path: {size, <checksum>}}`` when
         ``hash_files`` (True: sha256, or a kind of ``cluster.checksums.CHECKSUMS``; ``durable``: each file
-        flushed to its disk before it is hashed, ``describe_written``).
+        flushed to its disk before it is hashed, ``describe_written``; ``zip_crc``: the writer process's
+        ``torch.save`` files with the zip's CRC-32 of each record or not, None: as their checksum's kind says).
         ``writer`` (a started ``cluster.checkpoint.writer.CheckpointWriter``) writes the files that hold tensors,
         from the shared segments; this thread writes the files already in bytes (no interpreter lock held while they
         go to disk) and any file of a snapshot off a GPU."""
@@ -155,7 +156,7 @@ class Snapshot:
         files: dict[str, dict] = {}
         if by_writer:
             files.update(writer.write([(w.path, w.obj, w.safetensors, w.kwargs) for w in by_writer], self.segments,
-                                      hash_files=hash_files, durable=durable))
+                                      hash_files=hash_files, durable=durable, zip_crc=zip_crc))
         theirs = {id(w) for w in by_writer}
         for w in self.writes:
             if id(w) in theirs:

@@ -31,7 +31,7 @@ from cluster.checkpoint.restore import node_copy, node_verified
 from cluster.checkpoint.resume import (init_optimizers_for_load, keep_random_states_for_the_first_batch,
                                       load_loader_states, save_loader_states, seed_missing_rng)
 from cluster.checkpoint.snapshot import SegmentPool, Snapshot, capture
-from cluster.checkpoint.writer import CheckpointWriter, WriterGone, copy_file, describe_written
+from cluster.checkpoint.writer import CheckpointWriter, WriterGone, copy_file, describe_copied
 from cluster.checksums import SNAPSHOT_CHECKSUM
 from cluster.context import WorkerContext
 from cluster.errors import RaylaunchError
@@ -822,7 +822,9 @@ class _Write:
         try:
             ready = self.writer is not None and self.writer.ready()
             view = self.snap.retargeted(self.target, folder)
-            _, hashed = view.write(self.writer if ready else None, hash_files=SNAPSHOT_CHECKSUM, durable=False)
+            # (its torch.save files with the zip's CRC-32 of each record, as a committed checkpoint's: it is copied)
+            _, hashed = view.write(self.writer if ready else None, hash_files=SNAPSHOT_CHECKSUM, durable=False,
+                                   zip_crc=True)
             files = {os.path.relpath(p, folder): meta for p, meta in hashed.items()}
             for own, twin in zip(self.snap.writes, view.writes):
                 sources[own.path] = os.open(twin.path, os.O_RDONLY)
@@ -858,7 +860,7 @@ class _Write:
                           "this rank copies it", file=sys.stderr, flush=True)
             for path, fd in sources.items():
                 copy_file(fd, path)
-                hashed[path] = describe_written(path, self.durable, self._checksum)
+                hashed[path] = describe_copied(fd, path, self.durable, self._checksum)
             return list(sources), hashed
         finally:
             _close_all(sources.values())

@@ -429,9 +429,11 @@ class NodeActor:
     # --- snapshots in memory (cluster/checkpoint/memory.py): the driver moves parts from node to node through these
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
-    def offer_snapshot_part(self, node_dir: str, step: int, rank: int) -> memory.PartOffer | None:
-        """A rank's part held here, offered to one other node over TCP (``cluster.snapshots.offer_part``)."""
-        return memory.offer_part(node_dir, step, rank, ray.util.get_node_ip_address())
+    def offer_snapshot_part(self, node_dir: str, step: int, rank: int,
+                            background: bool = False) -> memory.PartOffer | None:
+        """A rank's part held here, offered to one other node over TCP (``cluster.snapshots.offer_part``;
+        ``background``: a copy to its peer, beside training)."""
+        return memory.offer_part(node_dir, step, rank, ray.util.get_node_ip_address(), background)
 
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def keep_peer_part(self, node_dir: str, step: int, rank: int, offer: memory.PartOffer | None,
