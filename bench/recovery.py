@@ -46,7 +46,7 @@ paired by repetition. Median and worst case; the ratio to Ray Train's wasted sec
 Defaults: RECOVERY_STATE_MB=576 (the issue's size), RECOVERY_T=30, RECOVERY_FAILURES=3, RECOVERY_REPS=1, the drain;
 about 12 minutes on a loaded 2-core machine (RECOVERY_STATE_MB=144 and RECOVERY_DRAIN=0 for a quicker run).
 Everything (Ray's temporary folders, the runs' storage) lives in one ``tempfile.mkdtemp()`` folder under /tmp,
-removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records and the drivers' output). Writes
+removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records, the drivers' output and each run directory but its checkpoints). Writes
 bench/results-recovery.md.
 """
 
@@ -733,6 +733,10 @@ def main() -> int:
             keep.mkdir(parents=True, exist_ok=True)
             for job in work.glob("recovery-*"):
                 shutil.copytree(job, keep / job.name, ignore=shutil.ignore_patterns("scratch"), dirs_exist_ok=True)
+                run = work / "runs" / job.name  # its run directory's records and the ranks' logs, not its checkpoints
+                if run.is_dir():
+                    shutil.copytree(run, keep / job.name / "run", dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("checkpoints", "staging", "*.safetensors", "*.bin"))
             (keep / "rows.json").write_text(json.dumps(rows, indent=1))
         shutil.rmtree(work, ignore_errors=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ray": ray.__version__,

@@ -218,8 +218,9 @@ def test_a_save_while_the_previous_commit_is_written_waits_for_its_snapshot_only
                                                                                 through_writer):
     """With a snapshot beside each save (a function's, ``MemorySnapshots.beside_save``) the save's copies of the state
     are free once that snapshot is written: its commit is copied from the snapshot's files. A save asked for while
-    that commit goes on returns at once (it held training 2.6-3.5 s at 576 MiB a rank, for the whole write), is
-    written after it, and each checkpoint holds the state of its own save, bitwise; the snapshots too."""
+    that commit goes on returns at once (it held training 2.6-3.5 s at 576 MiB a rank, for the whole write), its own
+    snapshot is written meanwhile, its commit after the first, and each checkpoint holds the state of its own save,
+    bitwise; the snapshots too."""
     accelerator, model, optimizer, checkpoints, step, rows, reports = trained
     if through_writer:
         assert checkpoints._writer.ensure()
@@ -241,17 +242,24 @@ def test_a_save_while_the_previous_commit_is_written_waits_for_its_snapshot_only
     monkeypatch.setattr(staged_module._Write, "_commit_from", held_up)
     snaps, parts = tmp_path / "node", []
     states = {}
+
+    def snapshot_written(*part):
+        parts.append(part)
+        order.append(f"snapshot {part[0]}")
+
     for n in (1, 2):
         states[n] = weights(model)
-        checkpoints.save(accelerator, n, beside=(str(snaps / f"snap-{n}"), lambda *part: parts.append(part)))
+        checkpoints.save(accelerator, n, beside=(str(snaps / f"snap-{n}"), snapshot_written))
         order.append(f"save {n} returned")
         step()
         if n == 1:
             wait_for(lambda: order[-1:] == ["commit 1 began"], 30, "the commit of step 1 to begin")
+    # the second save's snapshot is written while the first save's commit goes on, not after it
+    wait_for(lambda: len(parts) == 2, 8, "the snapshot of step 2 while the commit of step 1 is held")
     release.set()
     checkpoints.wait_for_upload()
-    assert order == ["save 1 returned", "commit 1 began", "save 2 returned", "commit 1 ended", "commit 2 began",
-                     "commit 2 ended"], order
+    assert order == ["save 1 returned", "snapshot 1", "commit 1 began", "save 2 returned", "snapshot 2",
+                     "commit 1 ended", "commit 2 began", "commit 2 ended"], order
     assert [a[0] for a, _ in reports] == [1, 2]
     assert [part[0] for part in parts] == [1, 2] and all(part[2] for part in parts), parts
     for n in (1, 2):

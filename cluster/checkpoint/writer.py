@@ -13,8 +13,7 @@ raylaunch, ``cluster.checksums`` only).
 Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable,
 zip_crc)``;
 a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride,
-nbytes)`` naming the rank's memfd descriptors, or ``(path, fd, None, {})``: the rank's open file ``fd`` copied to
-``path`` by the kernel (``copy_file``: a save's files from its snapshot in the node's memory); ``hash`` is False (no checksums), True or ``"sha256"``, or a
+nbytes)`` naming the rank's memfd descriptors; ``hash`` is False (no checksums), True or ``"sha256"``, or a
 snapshot's ``cluster.checksums.SNAPSHOT_CHECKSUM`` (a snapshot's ``torch.save`` files are then written without
 the zip format's own CRC-32 of each record, which its checksum covers; ``zip_crc``, None or a bool, says otherwise). The answer is ``{"files": {path: {"size",
 <hash>}}, "cpu_s": float}`` (each file's checksum under the name of its kind, when asked, after a flush to the disk
@@ -96,7 +95,8 @@ def _hash_mapped(fd: int, h: Any) -> int:
     size. For a file no one truncates meanwhile (unlinked is fine): a mapping past its end faults."""
     size = os.fstat(fd).st_size
     if size:
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (its pages mapped at once, not one fault each)
+        with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) as mapped:
             h.update(mapped)
     return size
 
@@ -312,15 +312,6 @@ def _serve(parent: int) -> None:
         files = {}
         for path, obj, safetensors, kwargs in writes:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            if safetensors is None:  # a file of the rank's, by its descriptor
-                source = os.open(f"/proc/{parent}/fd/{obj}", os.O_RDONLY)
-                try:
-                    copy_file(source, path)
-                    if checksum:
-                        files[path] = describe_copied(source, path, durable, checksum)
-                finally:
-                    os.close(source)
-                continue
             if safetensors:
                 save_file(obj, path, **kwargs)
             else:
