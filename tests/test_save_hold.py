@@ -17,7 +17,6 @@ from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 import cluster.checkpoint.snapshot as snapshot_module
-import cluster.checkpoint.staged as staged_module
 from cluster.checkpoint.staged import StagedCheckpoints
 from cluster.checksums import SNAPSHOT_CHECKSUM
 from conftest import wait_for
@@ -214,89 +213,42 @@ def test_a_small_state_is_copied_during_the_save_and_its_write_starts_at_once(tr
 
 
 @pytest.mark.parametrize("through_writer", [True, False], ids=["writer-process", "rank-thread"])
-def test_a_save_while_the_previous_commit_is_written_waits_for_its_snapshot_only(trained, tmp_path, monkeypatch,
-                                                                                through_writer):
-    """With a snapshot beside each save (a function's, ``MemorySnapshots.beside_save``) the save's copies of the state
-    are free once that snapshot is written: its commit is copied from the snapshot's files. A save asked for while
-    that commit goes on returns at once (it held training 2.6-3.5 s at 576 MiB a rank, for the whole write), its own
-    snapshot is written meanwhile, its commit after the first, and each checkpoint holds the state of its own save,
-    bitwise; the snapshots too."""
+def test_a_saves_commit_is_copied_from_the_snapshot_beside_it_not_written_again(trained, tmp_path, monkeypatch,
+                                                                               through_writer):
+    """With a snapshot beside a save (a function's, ``MemorySnapshots.beside_save``), the commit is a copy of that
+    snapshot's files made by the kernel, not a second serializing of the state: each committed file is the state at
+    its save, bitwise, and so is the snapshot; the sha256 each rank reports is its file's; a committed torch.save
+    keeps its zip's CRC-32s. A save asked for meanwhile waits for the whole write (one in flight)."""
     accelerator, model, optimizer, checkpoints, step, rows, reports = trained
     if through_writer:
         assert checkpoints._writer.ensure()
         wait_for(checkpoints._writer.ready, 60, "the checkpoint writer process to start")
     else:
         monkeypatch.setattr(checkpoints._writer, "ready", lambda: False)
-    release, order = threading.Event(), []
-    commit = staged_module._Write._commit_from
+    serialized, write = [], snapshot_module.Snapshot.write
 
-    def held_up(self, sources):
-        order.append(f"commit {self.step} began")
-        if self.step == 1:
-            release.wait(10)  # a save that waited for this commit would not return before it is released
-        try:
-            return commit(self, sources)
-        finally:
-            order.append(f"commit {self.step} ended")
+    def counted(self, writer=None, hash_files=False, durable=False, **kw):
+        serialized.append(hash_files)
+        return write(self, writer, hash_files, durable, **kw)
 
-    monkeypatch.setattr(staged_module._Write, "_commit_from", held_up)
-    snaps, parts = tmp_path / "node", []
-    states = {}
-
-    def snapshot_written(*part):
-        parts.append(part)
-        order.append(f"snapshot {part[0]}")
-
+    monkeypatch.setattr(snapshot_module.Snapshot, "write", counted)
+    snaps, parts, states = tmp_path / "node", [], {}
     for n in (1, 2):
         states[n] = weights(model)
-        checkpoints.save(accelerator, n, beside=(str(snaps / f"snap-{n}"), snapshot_written))
-        order.append(f"save {n} returned")
+        checkpoints.save(accelerator, n, beside=(str(snaps / f"snap-{n}"), lambda *part: parts.append(part)))
         step()
-        if n == 1:
-            wait_for(lambda: order[-1:] == ["commit 1 began"], 30, "the commit of step 1 to begin")
-    # the second save's snapshot is written while the first save's commit goes on, not after it
-    wait_for(lambda: len(parts) == 2, 8, "the snapshot of step 2 while the commit of step 1 is held")
-    release.set()
     checkpoints.wait_for_upload()
-    assert order == ["save 1 returned", "snapshot 1", "commit 1 began", "save 2 returned", "snapshot 2",
-                     "commit 1 ended", "commit 2 began", "commit 2 ended"], order
+    assert serialized == [SNAPSHOT_CHECKSUM, SNAPSHOT_CHECKSUM]  # the snapshots', written; the commits copied
     assert [a[0] for a, _ in reports] == [1, 2]
     assert [part[0] for part in parts] == [1, 2] and all(part[2] for part in parts), parts
     for n in (1, 2):
-        for folder in (tmp_path / "staging" / checkpoint_name(n), snaps / f"snap-{n}"):
+        committed = tmp_path / "staging" / checkpoint_name(n)
+        for folder in (committed, snaps / f"snap-{n}"):
             saved = load_file(folder / "model.safetensors")
             assert saved.keys() == states[n].keys() and all(torch.equal(saved[k], states[n][k]) for k in saved)
-        committed = tmp_path / "staging" / checkpoint_name(n)
         assert sorted(p.name for p in committed.iterdir()) == sorted(p.name for p in (snaps / f"snap-{n}").iterdir())
         files = reports[n - 1][0][2]
         assert all(meta["sha256"] == hashlib.sha256((committed / rel).read_bytes()).hexdigest()
                    and meta["size"] == (committed / rel).stat().st_size for rel, meta in files.items()), files
         with zipfile.ZipFile(committed / "optimizer.bin") as saved_zip:  # a committed torch.save keeps its CRC-32s
             assert saved_zip.testzip() is None
-
-
-def test_a_commit_that_fails_behind_the_next_save_is_raised_by_the_save_after(trained, tmp_path, monkeypatch):
-    """The save that went ahead of a commit in flight does not swallow that commit's failure: the next save (or the
-    rank's end) raises it, naming its step, and the later checkpoint is still written."""
-    accelerator, model, optimizer, checkpoints, step, rows, reports = trained
-    release = threading.Event()
-    commit = staged_module._Write._commit_from
-
-    def failing(self, sources):
-        if self.step == 1:
-            release.wait(20)
-            staged_module._close_all(sources.values())
-            raise OSError(28, "No space left on device")
-        return commit(self, sources)
-
-    monkeypatch.setattr(staged_module._Write, "_commit_from", failing)
-    checkpoints.save(accelerator, 1, beside=(str(tmp_path / "node" / "snap-1"), lambda *part: None))
-    step()
-    wait_for(lambda: not checkpoints._upload.beside, 30, "the snapshot beside save 1 to be written")
-    checkpoints.save(accelerator, 2, beside=(str(tmp_path / "node" / "snap-2"), lambda *part: None))
-    release.set()
-    step()
-    with pytest.raises(staged_module.CheckpointSaveError, match="step 1"):
-        checkpoints.wait_for_upload()
-    assert [a[0] for a, _ in reports] == [2]
-    assert (tmp_path / "staging" / checkpoint_name(2) / "model.safetensors").is_file()

@@ -1,4 +1,4 @@
-"""The threads a rank's checkpoint writes run on: long-lived ones, each running its jobs in order, so a save or a
+"""The threads a rank's checkpoint writes run on: two long-lived ones, each running its jobs in order, so a save or a
 snapshot hands its write over without starting a thread of its own. Imports nothing from Ray.
 
 A thread started for each write held training for its start (``Thread.start`` waits until the new thread runs:
@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-__all__ = ["BACKGROUND_NICE", "COMMIT", "COPY", "Lane", "WRITE"]
+__all__ = ["BACKGROUND_NICE", "COPY", "Lane", "WRITE"]
 
 # The niceness of a rank's background checkpoint writing (the rank itself stays at its own).
 BACKGROUND_NICE = 10
@@ -26,10 +26,10 @@ BACKGROUND_NICE = 10
 class Lane:
     """One daemon thread that runs the callables given to ``submit`` one at a time, in order; started at the first,
     and again in a forked child (the parent's thread is not there). ``nice``: the niceness it sets itself first
-    (None: the one it inherits from the thread that started it); ``idle``: Linux's idle scheduling class too."""
+    (None: the one it inherits from the thread that started it)."""
 
-    def __init__(self, name: str, nice: int | None = None, idle: bool = False) -> None:
-        self.name, self.nice, self.idle = name, nice, idle
+    def __init__(self, name: str, nice: int | None = None) -> None:
+        self.name, self.nice = name, nice
         self._reset()
         if hasattr(os, "register_at_fork"):  # the lock may have been held by the parent's thread at the fork
             os.register_at_fork(after_in_child=self._reset)
@@ -53,9 +53,6 @@ class Lane:
         if self.nice is not None:  # (Linux: this thread only)
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        if self.idle:  # and Linux's idle class: a core only when no one else wants it (this thread: 0 is it)
-            with contextlib.suppress(OSError, AttributeError):
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             with self._ready:
                 while not self._jobs:
@@ -68,9 +65,6 @@ class Lane:
             del job
 
 
-# The rank's lanes (named as tests/fns.py's slow storage recognises a checkpoint's background thread). COMMIT: a
-# save's commit copied from the snapshot beside it (``cluster.checkpoint.staged``), beside the next save's snapshot
-# on WRITE, at the writer process's priority.
+# The rank's two lanes (named as tests/fns.py's slow storage recognises a checkpoint's background thread).
 COPY = Lane("raylaunch-checkpoint-copy")
 WRITE = Lane("raylaunch-checkpoint-write", nice=BACKGROUND_NICE)
-COMMIT = Lane("raylaunch-checkpoint-commit", nice=BACKGROUND_NICE, idle=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import os
 import re
@@ -176,7 +175,6 @@ class StagedCheckpoints:
         self._background = background  # checkpoint.async
         self._log = log  # this rank's metrics: how long each save held training, and its memory
         self._upload: _Write | None = None  # this rank's checkpoint write or upload in flight
-        self._older: _Write | None = None  # a save's write still in flight behind it (``_committing``)
         self._writer = CheckpointWriter()  # the process that writes the tensors of a save in the background
         self._segments = SegmentPool()  # the last save's shared memory, copied into again by the next
         # A save's, while a snapshot's write it gave up still maps the segments above (``_abandon_snapshot``): made
@@ -303,12 +301,8 @@ class StagedCheckpoints:
         step) and return the MiB it holds; a thread writes (and uploads) it, then reports it."""
         fs, path = open_uri(uri)
         safe, kwargs = (script.safe_serialization, script.kwargs) if script else (True, {})
-        if self._older is not None and not self._older.busy():  # (its failure is this save's to raise)
-            older, self._older = self._older, None
-            older.wait()
-        behind = self._abandon_snapshot() or self._committing()  # a snapshot's write in flight never holds a save
-        if behind is None:
-            self.wait_for_upload()  # at most one copy of the state in host memory: a save asked for meanwhile waits
+        behind = self._abandon_snapshot()  # a snapshot's write in flight never holds a save: it goes first
+        self.wait_for_upload()  # at most one save in flight: one asked for meanwhile waits here
         target = path if is_local(fs) else self._upload_folder(step)
 
         def save() -> None:
@@ -325,9 +319,8 @@ class StagedCheckpoints:
         sharded = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
         defer = _only_stepped(accelerator) if on_cpu and self.defer_copies and not sharded else frozenset()
         try:
-            # (a snapshot in flight maps its segments still; a committing save's are free again, in its pool)
-            pool = self._segments if behind is None else self._beside if behind.snapshot else behind.snap.pool
-            snap = capture(save, shared=writer is not None, pool=pool, defer=defer,
+            snap = capture(save, shared=writer is not None, pool=self._segments if behind is None else self._beside,
+                           defer=defer,
                            distributed=sharded or "torch.distributed.checkpoint" in sys.modules)
         except BaseException:
             if not is_local(fs):
@@ -370,24 +363,6 @@ class StagedCheckpoints:
             return None
         upload.abandon()  # (no-op once its files are being written)
         self._upload = None
-        return upload
-
-    def _committing(self) -> _Write | None:
-        """The previous save's write, when its copies of the state are free (``_Write.freed``: its snapshot beside it
-        written, its commit copied from those files) and its commit still goes on: this save copies into them and
-        is written after it, which holds training for that snapshot's write only, not its commit too (at 576 MiB a
-        rank, ``make bench-recovery``: 2.6-3.5 s). It is waited for first: at most two saves in flight, the older
-        one's failure raised by the next save (``wait_for_upload``). None: ``wait_for_upload``'s whole wait."""
-        upload = self._upload
-        if upload is None or upload.snapshot or upload.snap is None:
-            return None
-        if self._older is not None:
-            older, self._older = self._older, None
-            older.wait()
-        upload.freed.wait()
-        if not upload.busy():
-            return None
-        self._upload, self._older = None, upload
         return upload
 
     def hold_in_memory(self, accelerator: Any, step: int, folder: str,
@@ -524,14 +499,9 @@ class StagedCheckpoints:
 
     def wait_for_upload(self) -> None:
         self._settle(at_step=False)
-        older, self._older = self._older, None
         upload, self._upload = self._upload, None
-        try:
-            if older is not None:
-                older.wait()
-        finally:
-            if upload is not None:
-                upload.wait()  # a snapshot's failure is said, not raised
+        if upload is not None:
+            upload.wait()  # a snapshot's failure is said, not raised
 
     def _committed(self) -> str | None:
         """The checkpoint to restore, once it is known to be a committed one of this run."""
@@ -734,9 +704,6 @@ class _Write:
         self.error: BaseException | None = None
         self._on_done = on_done
         self._done = threading.Event()  # written and reported, or given up, or failed
-        # Its copies of the state are free for the next save's capture: once the snapshot beside it is written (its
-        # commit is then copied from those files, ``_commit_from``), or at its end
-        self.freed = threading.Event()
         lanes.COPY.submit(self._copy)
 
     def abandon(self) -> bool:
@@ -766,40 +733,19 @@ class _Write:
             lanes.WRITE.submit(self._write)
 
     def _write(self) -> None:
-        """On the write lane: the snapshot beside this save, if it has one, then its files; with a snapshot beside
-        it, the commit is copied from that snapshot's files on the commit lane (``lanes.COMMIT``), so the next save's
-        snapshot is written meanwhile, not after this commit (with one lane, 8 s after that save at 576 MiB a rank
-        when saves came every few seconds, and a rank killed meanwhile resumed from the commit before)."""
+        files: dict[str, dict] | None = None
         try:
-            if self.behind is not None and self.behind.snapshot:  # (ahead of this one on the write lane: ended)
+            if self.behind is not None:  # (ahead of this one on the write lane: ended already)
                 self.behind._done.wait()
                 self.behind = None
             with self._lock:
                 if self._abandoned.is_set():
                     self._remove_own_files()
-                    self._end(None)
                     return
                 self._started = True
             sources = None
             if self.beside is not None and self.snap is not None:
                 sources = self._write_beside(*self.beside)
-        except BaseException as exc:  # handed to the training thread by wait()
-            self._fail(exc)
-            self._end(None)
-            return
-        if sources is None:
-            self._finish(None)
-        else:
-            lanes.COMMIT.submit(functools.partial(self._finish, sources))
-
-    def _finish(self, sources: dict[str, int] | None) -> None:
-        """This save's files written (``sources``: copied from its snapshot's, ``_commit_from``), after the save's
-        before it (``behind``: committed in order), then uploaded and reported."""
-        files: dict[str, dict] | None = None
-        try:
-            if self.behind is not None:  # a save's write still in flight when this one came (``_committing``)
-                self.behind._done.wait()
-                self.behind = None
             began = time.thread_time()
             if self.writer is not None:
                 self.writer.take_cpu_s()  # (nothing of another write counts in this one's)
@@ -825,8 +771,6 @@ class _Write:
             self._fail(exc)
             files = None
         finally:
-            if sources is not None:
-                _close_all(sources.values())  # (``_commit_from`` closed them, unless it never began)
             self._end(files)
 
     def _write_beside(self, folder: str, written: Callable[..., None]) -> dict[str, int] | None:
@@ -834,10 +778,9 @@ class _Write:
         not flushed), first: it is there within the time a small state's write takes, where the commit lands only
         once every rank's part is on storage. Its failure is said, never the save's. Returns its files, open (each
         of this save's own paths -> a descriptor of its twin in ``folder``: read whole even if the snapshot is
-        pruned meanwhile), from which the commit is copied; the state's copies in host memory are then released for
-        the next save (``freed``), which waited for this whole write before: the beside write and the commit
-        (2.6-3.5 s held at a save that came while the one before was written, 576 MiB a rank, ``make
-        bench-recovery``). None where it was not written: the commit is written from those copies."""
+        pruned meanwhile), from which the commit is copied (``_commit_from``: not serialized a second time); the
+        state's copies in host memory are then released. None where it was not written: the commit is written from
+        those copies."""
         began = time.thread_time()
         if self.writer is not None:
             self.writer.take_cpu_s()
@@ -862,24 +805,33 @@ class _Write:
         self._beside_written(files, cpu_s, writer_cpu_s)
         if files is None or not sources:
             return None
-        self.snap.release()  # (the training thread's next save copies into them: ``freed``)
-        self.freed.set()
+        self.snap.release()  # (back to the pool, for the next save)
         return sources
 
     def _commit_from(self, sources: dict[str, int]) -> tuple[list[str], dict[str, dict]]:
-        """This save's files copied from its snapshot's (``_write_beside``: open), by the kernel (``sendfile``), into
-        ``target``; flushed as ``_write_files`` does, and hashed (sha256) from the snapshot's pages. On the commit
-        lane's thread (the lowest priority, as the writer process): no serialising, nothing the interpreter's lock
-        is held for long (the kernel copies; hashlib lets the lock go over large buffers)."""
+        """This save's files copied from its snapshot's (``_write_beside``: open), by the kernel, into ``target``;
+        flushed as ``_write_files`` does and hashed (sha256) from the snapshot's pages. The writer process copies (the
+        lowest priority, and nothing of it takes the training thread's interpreter); this thread where it has none, or
+        it failed. Against writing the commit from the copies in host memory as well: its serializing and the zip's
+        CRC-32s (0.45 s of the writer's CPU at 576 MiB) become one kernel copy (0.1 s), and nothing is read back."""
         hashed: dict[str, dict] = {}
         try:
+            if self.writer is not None and self.writer.ready():
+                try:
+                    hashed = self.writer.write([(path, fd, None, {}) for path, fd in sources.items()], {},
+                                               hash_files=self._checksum, durable=self.durable)
+                    return list(sources), hashed
+                except Exception as exc:  # noqa: BLE001 - the writer's failure, or the target's: this thread tries
+                    if isinstance(exc, WriterGone):
+                        self.writer.broken = str(exc)
+                    print(f"raylaunch: the checkpoint writer did not copy the checkpoint of step {self.step} ({exc}); "
+                          "this rank copies it", file=sys.stderr, flush=True)
             for path, fd in sources.items():
                 copy_file(fd, path)
                 hashed[path] = describe_copied(fd, path, self.durable, self._checksum)
             return list(sources), hashed
         finally:
             _close_all(sources.values())
-            sources.clear()
 
     def _beside_written(self, files: dict[str, dict] | None, cpu_s: float = 0.0, writer_cpu_s: float = 0.0) -> None:
         """Say once what became of the snapshot beside this save (None: not written, or not begun)."""
@@ -902,7 +854,6 @@ class _Write:
             self._beside_written(None)  # (a save given up, failed or changed before its copy: none beside it)
             if self.snap is not None:
                 self.snap.release()
-            self.freed.set()
             if self.upload_uri is not None:
                 shutil.rmtree(self.target, ignore_errors=True)
             if self.snapshot:

@@ -11,11 +11,13 @@ ends with that thread (``PR_SET_PDEATHSIG``) or when the rank closes its pipe. I
 raylaunch, ``cluster.checksums`` only).
 
 Protocol, on the writer's stdin and stdout: length-prefixed pickles. A request is ``(pid, writes, hash, durable,
-zip_crc)``;
-a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size, stride,
-nbytes)`` naming the rank's memfd descriptors; ``hash`` is False (no checksums), True or ``"sha256"``, or a
-snapshot's ``cluster.checksums.SNAPSHOT_CHECKSUM`` (a snapshot's ``torch.save`` files are then written without
-the zip format's own CRC-32 of each record, which its checksum covers; ``zip_crc``, None or a bool, says otherwise). The answer is ``{"files": {path: {"size",
+zip_crc)``; a write is ``(path, obj, safetensors, kwargs)`` whose tensors are persistent ids ``(fd, dtype, size,
+stride, nbytes)`` naming the rank's memfd descriptors, or ``(path, fd, None, {})``: the rank's open file ``fd``
+copied to ``path`` by the kernel (``copy_file``: a save's files from its snapshot in the node's memory, hashed from
+the snapshot's pages, ``describe_copied``); ``hash`` is False (no checksums), True or ``"sha256"``, or a snapshot's
+``cluster.checksums.SNAPSHOT_CHECKSUM`` (a snapshot's ``torch.save`` files are then written without the zip
+format's own CRC-32 of each record, which its checksum covers; ``zip_crc``, None or a bool, says otherwise). The
+answer is ``{"files": {path: {"size",
 <hash>}}, "cpu_s": float}`` (each file's checksum under the name of its kind, when asked, after a flush to the disk
 when ``durable``; ``cpu_s``: the CPU seconds, user and system, this process spent on the request, which ``auto``
 snapshots budget:
@@ -312,6 +314,15 @@ def _serve(parent: int) -> None:
         files = {}
         for path, obj, safetensors, kwargs in writes:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            if safetensors is None:  # a file of the rank's, by its descriptor
+                source = os.open(f"/proc/{parent}/fd/{obj}", os.O_RDONLY)
+                try:
+                    copy_file(source, path)
+                    if checksum:
+                        files[path] = describe_copied(source, path, durable, checksum)
+                finally:
+                    os.close(source)
+                continue
             if safetensors:
                 save_file(obj, path, **kwargs)
             else:
