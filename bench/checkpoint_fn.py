@@ -53,7 +53,7 @@ def train(config: dict) -> dict:
         return time.perf_counter() - began
 
     def writing(pending) -> bool:
-        mine = pending is not None and pending._thread.is_alive()
+        mine = pending is not None and pending.busy()
         return accelerator.reduce(torch.tensor([1.0 if mine else 0.0]), "sum").item() > 0
 
     steady = [step() for _ in range(config.get("warmup", 4))]
