@@ -211,8 +211,13 @@ def test_a_cut_link_is_a_lost_node_within_the_heartbeat_bound(hosts, tmp_path):
     assert re.search(r"attempt 1 failed outside the training code; restarting from (checkpoint|the snapshot of step) "
                      r"\d+ (in memory )?\(1 of 3 "
                      r"infrastructure restarts: failure.max_infra_restarts\)", text), text[-3000:]
-    # only one host is left, though Ray still lists the other until its health checks give up
-    assert "gave up after 10 s (timeouts.placement_s)" in text and "unreachable" in text
+    # only one host is left: Ray still lists the other until its health checks give up, so the restart waits
+    # placement_s and says the node may be listed but unreachable; on a loaded machine those checks gave up first
+    # (a fresh clone's make test, 2026-12-07), and the restart says at once that one node is too few
+    waited = "gave up after 10 s (timeouts.placement_s)" in text and "unreachable" in text
+    dropped = re.search(r"but only 1 of the cluster's \d+ alive nodes can hold that", text) is not None and \
+        "Lower scaling.num_nodes (--set scaling.num_nodes=1)" in text
+    assert waited or dropped, text[-3000:]
     # detected within the heartbeat bound (above), then the restart waited placement_s for a second
     # node: the run ends in about 20 s; the bound leaves a loaded machine its margin
     assert took < heartbeat + 10 + 75, f"the run ended {took:.0f} s after the cut\n{text[-3000:]}"
