@@ -46,8 +46,8 @@ paired by repetition. Median and worst case; the ratio to Ray Train's wasted sec
 Defaults: RECOVERY_STATE_MB=576 (the issue's size), RECOVERY_T=30, RECOVERY_FAILURES=3, RECOVERY_REPS=1, the drain;
 about 12 minutes on a loaded 2-core machine (RECOVERY_STATE_MB=144 and RECOVERY_DRAIN=0 for a quicker run).
 Everything (Ray's temporary folders, the runs' storage) lives in one ``tempfile.mkdtemp()`` folder under /tmp,
-removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records, the drivers' output and each run directory but its checkpoints). Writes
-bench/results-recovery.md.
+removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records, the drivers' output and each run directory
+but its checkpoints). Writes bench/results-recovery.md.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 from cluster import patches
 from cluster.checkpoint.writer import describe_written
 
-__all__ = ["Snapshot", "capture"]
+__all__ = ["SegmentPool", "Snapshot", "capture", "close_fds"]
 
 _CAPTURING = threading.local()
 _REAL_SAVE: list = [None]  # torch.save itself, while it is replaced
@@ -94,10 +94,11 @@ class SegmentPool:
             old, self._free = self._free, {}
             for fd, nbytes, storage in segments:
                 self._free.setdefault(nbytes, []).append((fd, storage))
-        _close(fd for kept in old.values() for fd, _ in kept)
+        close_fds(fd for kept in old.values() for fd, _ in kept)
 
 
-def _close(fds: Any) -> None:
+def close_fds(fds: Any) -> None:
+    """Close each of ``fds`` (descriptors), those closed already or never open passed over."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -193,7 +194,7 @@ class Snapshot:
         if self.pool is not None and segments:  # (released twice: the second time has nothing to give back)
             self.pool.keep(list(segments.values()))
         else:
-            _close(fd for fd, _, _ in segments.values())
+            close_fds(fd for fd, _, _ in segments.values())
 
 
 def _new_segment(nbytes: int) -> tuple[int, Any]:

@@ -30,7 +30,7 @@ from cluster.checkpoint import lanes
 from cluster.checkpoint.restore import node_copy, node_verified
 from cluster.checkpoint.resume import (init_optimizers_for_load, keep_random_states_for_the_first_batch,
                                       load_loader_states, save_loader_states, seed_missing_rng)
-from cluster.checkpoint.snapshot import SegmentPool, Snapshot, capture
+from cluster.checkpoint.snapshot import SegmentPool, Snapshot, capture, close_fds
 from cluster.checkpoint.writer import CheckpointWriter, WriterGone, copy_file, describe_copied
 from cluster.checksums import SNAPSHOT_CHECKSUM
 from cluster.context import WorkerContext
@@ -666,12 +666,6 @@ def _copies_in_memory(accelerator: Any) -> bool:
                                                                   DistributedType.MEGATRON_LM)
 
 
-def _close_all(fds: Any) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
 class _Write:
     """One rank's checkpoint part, written from memory (``snap``; None: on local disk already; the tensor files by
     the rank's writer process once it is ready) and, on an object store (``upload_uri``), uploaded, all waited on
@@ -798,7 +792,7 @@ class _Write:
         except Exception as exc:  # noqa: BLE001 - the commit goes on; its step has no snapshot
             print(f"raylaunch: the snapshot of step {self.step} beside its save was not written: {exc}",
                   file=sys.stderr, flush=True)
-            _close_all(sources.values())
+            close_fds(sources.values())
             sources = {}
         cpu_s = time.thread_time() - began
         writer_cpu_s = self.writer.take_cpu_s() if self.writer is not None else 0.0
@@ -831,7 +825,7 @@ class _Write:
                 hashed[path] = describe_copied(fd, path, self.durable, self._checksum)
             return list(sources), hashed
         finally:
-            _close_all(sources.values())
+            close_fds(sources.values())
 
     def _beside_written(self, files: dict[str, dict] | None, cpu_s: float = 0.0, writer_cpu_s: float = 0.0) -> None:
         """Say once what became of the snapshot beside this save (None: not written, or not begun)."""

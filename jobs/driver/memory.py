@@ -314,7 +314,7 @@ class SnapshotBook:
             self._notes.append(src.actor.snapshot_part_copied.remote(src.folder, step, rank))
             return
         dst = self.nodes[peer]
-        offer = src.actor.offer_snapshot_part.remote(src.folder, step, rank, True)
+        offer = src.actor.offer_snapshot_part.remote(src.folder, step, rank, background=True)
         ref = dst.actor.keep_peer_part.remote(dst.folder, step, rank, offer, self.memory_mb)
         self._copies[ref] = (step, rank, dst.node_id, source)
 
