@@ -632,7 +632,9 @@ class Chaos:
         ballast = self.disk / "ballast"
         free = shutil.disk_usage(self.disk).free
         try:
-            f = open(ballast, "wb")
+            # unbuffered: a write the run's own files cut short (they took some of ``free`` meanwhile) leaves nothing
+            # in a buffer for the close to flush into a full disk (ENOSPC raised there: a fresh clone's make test)
+            f = open(ballast, "wb", buffering=0)
         except OSError as exc:  # seen in CI: the run's own files had already filled it (no room for one more inode)
             if exc.errno != errno.ENOSPC:
                 raise
