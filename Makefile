@@ -75,7 +75,8 @@ bench-elastic: install
 # time with snapshots on against off; then the bar's case (a few hundred KB of state). 576 MiB of state a rank; about
 # 12 minutes on a loaded 2-core machine (RECOVERY_STATE_MB=<MiB>; RECOVERY_T=<s>, default 30; RECOVERY_FAILURES=<n>,
 # default 3; RECOVERY_REPS; RECOVERY_NODES=4; RECOVERY_DRAIN=0 skips the drain; RECOVERY_COMMIT=auto: raylaunch's
-# checkpoint.every: auto). Writes bench/results-recovery.md.
+# checkpoint.every: auto; RECOVERY_IDLE_S=1: each step also waits 1 s with its CPU idle, as a GPU step's host does,
+# and writes bench/results-recovery-idle.md). Writes bench/results-recovery.md.
 bench-recovery: install
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -m bench.recovery

@@ -47,7 +47,8 @@ Defaults: RECOVERY_STATE_MB=576 (the issue's size), RECOVERY_T=30, RECOVERY_FAIL
 about 12 minutes on a loaded 2-core machine (RECOVERY_STATE_MB=144 and RECOVERY_DRAIN=0 for a quicker run).
 Everything (Ray's temporary folders, the runs' storage) lives in one ``tempfile.mkdtemp()`` folder under /tmp,
 removed at the end (RECOVERY_KEEP_LOGS=<dir> keeps the step records, the drivers' output and each run directory
-but its checkpoints). Writes bench/results-recovery.md.
+but its checkpoints). Writes bench/results-recovery.md; with RECOVERY_IDLE_S=<s> (each big step also waits that long
+with its CPU idle, as a GPU step's host does) bench/results-recovery-idle.md.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ TINY_KILLS = int(os.environ.get("RECOVERY_TINY_KILLS", "3"))
 # at another point of the commit interval (8.0 s, 160 steps, held them all at one point: 2-3 steps after a commit
 # on 2026-12-06 13:51, where the commits arm lost 3, 2 and 2 steps; 1-3 before one in the run before: 19, 19, 17)
 TINY_EVERY, TINY_STEP_S, TINY_GAP_S = 20, 0.05, 8.5
+# RECOVERY_IDLE_S=<s>: each step of the big case also waits this long with its CPU idle, as a GPU step's host waits
+# for its device: the snapshots' and commits' work then has the cores a GPU node leaves it (on this machine's CPU
+# steps the ranks take them all). Writes bench/results-recovery-idle.md instead.
+IDLE_S = float(os.environ.get("RECOVERY_IDLE_S", "0"))
 DRAIN = os.environ.get("RECOVERY_DRAIN", "1") != "0"  # a node drained with a deadline after the schedule's failures
 DRAIN_S = 30
 COMMIT = os.environ.get("RECOVERY_COMMIT", "young-daly")  # "auto": raylaunch's checkpoint.every: auto instead
@@ -469,6 +474,9 @@ def report(rows: list[dict], meta: dict) -> str:
              f"after; {meta['wall_s']:.0f} s in all. {meta['note']}", "",
              f"{NODES} simulated nodes (`ray.cluster_utils.Cluster`, 1 CPU each), one rank a node, CPU, gloo; "
              f"{meta['state_mb']:.0f} MiB of state a rank ({meta['width']} x {meta['width']} x 6 layers, AdamW, fp32). "
+             + (f"**Each step also waits {IDLE_S:g} s with its CPU idle** (RECOVERY_IDLE_S), as a GPU step's host "
+                "waits for its device: the snapshots' and commits' work has the cores a GPU node leaves it. "
+                if IDLE_S else "") +
              f"A failure every {2 * T / 3:.0f} s of training (T = {T:g} s: a rank SIGKILLed every T, a node removed "
              f"every 2T, on average), {FAILURES} an arm, in the order rank, rank, node"
              + (f", then a node drained with a {DRAIN_S} s deadline (a replacement added at the notice)" if DRAIN
@@ -699,6 +707,8 @@ def main() -> int:
         big, every = {"state_mb": STATE_MB}, f"{{keep: 2, every: auto, mtbf_s: {mtbf_s:g}}}"
     else:
         big, every = {"state_mb": STATE_MB, "mtbf_s": mtbf_s}, "{keep: 2}"
+    if IDLE_S:
+        big["step_s"] = IDLE_S
     no_snapshots = [] if unknown else [f"{SNAPSHOTS_KEY}=0"]
     node_args = {"num_cpus": 1, "temp_dir": str(work / "ray")}
     cluster, rows = None, []
@@ -752,7 +762,7 @@ def main() -> int:
             print(json.dumps({k: v for k, v in r.items() if not isinstance(v, (list, dict))}))
         return 1 if any(r.get("error") for r in rows) else 0
     text = report(rows, meta)
-    (ROOT / "bench" / "results-recovery.md").write_text(text)
+    (ROOT / "bench" / ("results-recovery-idle.md" if IDLE_S else "results-recovery.md")).write_text(text)
     print(text)
     return 1 if any(r.get("error") for r in rows) else 0
 
