@@ -146,6 +146,7 @@ def test_an_uncommitted_or_tampered_checkpoint_on_the_bucket_is_never_loaded(s3)
     with s3.fs().open_output_stream(f"{BUCKET}/unit/tamper/checkpoints/{newest.name}/random_states_1.pkl") as f:
         f.write(b"rng 7")  # same size, other bytes
     said = []
+    run = RunDir(s3.uri("unit"), "tamper")  # the next run's driver: it reads every file it did not commit itself
     assert run.checkpoints.loadable(warn=said.append).step == 5
     assert said and said[0].startswith(f"raylaunch: not loading s3://{BUCKET}/unit/tamper/checkpoints/checkpoint-00000015:")
     assert "random_states_1.pkl does not match the checksum in its manifest" in said[0]

@@ -481,3 +481,49 @@ def test_a_node_actors_polls_hold_its_main_thread_and_never_wait_behind_its_snap
         assert ray.get(copying, timeout=60) is False  # the snapshots' own thread
     finally:
         group.shutdown()
+
+
+class _RanksRunning:
+    """Ranks that run and say nothing: what a held poll waits on (``cluster.hosting.ranks.LocalRanks``'s surface)."""
+
+    def poll(self):
+        return None
+
+    def sentinels(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _ranks_running(actor) -> None:
+    actor._pctx = _RanksRunning()
+
+
+def test_a_held_poll_answers_the_drivers_wake_at_once_not_at_its_holds_end(ray_cluster):
+    """A rank killed on one node: the driver stops the ranks of the others, whose polls are held (up to a second each
+    in a run, 30 s here). The wake is a datagram to the node actor's socket: as an actor call (``wake``, on the
+    snapshots' thread) it ran only once the held poll had answered, at the end of its hold, as every call of the
+    actor is dispatched from its main thread (0.47 s of a rank killed to training again in make bench-recovery)."""
+    import time
+
+    from cluster.nodes.group import NodeGroup
+    from cluster.nodes.node import wake_poll
+
+    group = NodeGroup.create(resolve_placement(1, 1, False, 1.0), timeout_s=60, can_grow=False)
+    try:
+        actor, info = group.actors[0], group.infos[0]
+        assert info.wake_port > 0
+        ray.get(actor.__ray_call__.remote(_ranks_running), timeout=60)
+        held = actor.poll.remote(hold_s=30.0)
+        assert ray.wait([held], timeout=2.0)[0] == []  # held: its ranks run and said nothing
+        began = time.monotonic()
+        wake_poll(info.ip, info.wake_port)
+        ray.get(held, timeout=20)
+        assert time.monotonic() - began < 15.0  # answered on the wake, not after its 30 s hold
+        again = actor.poll.remote(hold_s=30.0)  # a stray datagram (none here) or the next wake: held again first
+        assert ray.wait([again], timeout=2.0)[0] == []
+        wake_poll(info.ip, info.wake_port)
+        ray.get(again, timeout=20)
+    finally:
+        group.shutdown()

@@ -104,6 +104,7 @@ def test_a_tampered_or_truncated_file_is_refused_and_the_previous_checkpoint_use
     newest = run.checkpoints.commit(stage(run, 1, 10, [0]), 10, 1, world_size=1, keep=3)
     (Path(newest.uri) / "model.safetensors").write_bytes(b"weights 99")  # same size, other bytes
     said = []
+    run = RunDir(str(tmp_path), "r")  # the next run's driver: it reads every file it did not commit itself
     assert run.checkpoints.loadable(warn=said.append).step == 5
     assert "model.safetensors does not match the checksum in its manifest" in said[0]
     (Path(newest.uri) / "model.safetensors").write_bytes(b"weights 10")  # restored
@@ -314,3 +315,37 @@ def test_a_commit_meeting_a_full_disk_is_tried_again_until_there_is_space(tiny_d
         str(failed.value)
     assert run.checkpoints.loadable().step == 10
     assert not [p for p in tiny_disk.rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_restart_reads_again_only_what_it_did_not_commit_or_what_changed_since(tmp_path, monkeypatch):
+    """A restart in the same run does not read every byte of the checkpoint it just committed (its ranks read and
+    check them as they load it); a file listed otherwise than at the commit is read, and after ``forget`` (an
+    attempt that failed before it trained: its ranks may have refused a file) every file is."""
+    import os
+
+    import cluster.storage_io as storage_io
+
+    run, newest = two_checkpoints(tmp_path)
+    read = []
+    real = storage_io.checksum
+    monkeypatch.setattr(storage_io, "checksum", lambda fs, path, kind: (read.append(Path(path).name),
+                                                                        real(fs, path, kind))[1])
+    assert run.checkpoints.loadable().step == 10 and read == []  # committed here, listed as committed: not read
+    weights = Path(newest.uri) / "model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes(b"weights 99")  # same size, other bytes, and its time put back: as bit rot would leave it
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert run.checkpoints.loadable().step == 10 and read == []  # (the ranks' own check refuses it: below)
+    run.checkpoints.forget()
+    said = []
+    assert run.checkpoints.loadable(warn=said.append).step == 5 and "model.safetensors" in read
+    assert "model.safetensors does not match the checksum in its manifest" in said[0]
+    weights.write_bytes(b"weights 10")  # put right, at a new time: read once, then known again
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    read.clear()
+    assert run.checkpoints.loadable().step == 10 and sorted(read) == ["model.safetensors", "random_states_0.pkl"]
+    read.clear()
+    assert run.checkpoints.loadable().step == 10 and read == []
+    (Path(newest.uri) / "random_states_0.pkl").write_bytes(b"rn")  # truncated: found without reading it
+    with pytest.raises(CheckpointError, match="random_states_0.pkl has 2 bytes"):
+        run.checkpoints.verify(newest, hashes=False)

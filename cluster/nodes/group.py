@@ -16,7 +16,7 @@ from cluster.context import SocketInterface, WorkerContext, assign_ranks, choose
 from cluster.hosting.rankhost import WarmHost
 from cluster.layout import events_file, flight_recorder_prefix
 from cluster.nodes.connect import node_environment
-from cluster.nodes.node import SNAPSHOT_GROUP, NodeActor, NodeInfo, RendezvousError
+from cluster.nodes.node import SNAPSHOT_GROUP, NodeActor, NodeInfo, RendezvousError, wake_poll
 from cluster.nodes.placement import Placement, PlacementError, fitting_nodes, reserve, resolve_placement, spare_nodes
 from cluster.protocol import NodePoll, NodeState, WorkerPayload
 from cluster.stacks import SAMPLE_TIMEOUT_S, RankStack
@@ -409,12 +409,9 @@ class NodeGroup:
 
     def stop(self) -> list[NodePoll]:
         """Stop every rank on every node; return what they left to read."""
-        for i, a in enumerate(self.actors):
+        for i, info in enumerate(self.infos):
             if i in self._inflight and i not in self._lost:  # its held poll answers now, not at the end of its hold
-                try:
-                    a.wake.remote()
-                except Exception:  # noqa: BLE001 - known dead already
-                    pass
+                wake_poll(info.ip, info.wake_port)
         earlier = self._finish_polls(timeout_s=10)
         out = []
         for i, p in enumerate(self._call_all("stop", 60, None)):

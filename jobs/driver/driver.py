@@ -313,6 +313,8 @@ class Driver:
             rec.write_result()
             rec.board.start_attempt(resume_step)
             outcome = self._attempt(self.group, r.attempts, latest.uri if latest else None, resume_step or 0)
+            if not outcome.ok and self._route is not None and self._route.a.first_step is None:
+                self.run_dir.checkpoints.forget()  # (its ranks may have refused what they were to load)
             if self.snapshots is not None and outcome.drained:
                 # the copies of the last snapshots to their peers, before the nodes are let go (a drained node's
                 # snapshot leaves it here, before its deadline; a lost node's never will)
