@@ -331,9 +331,22 @@ def _inject(job: Job, cluster, kind: str, rank: int, node_args: dict) -> tuple[f
         time.sleep(max(0.0, notice + DRAIN_S - time.time()))
     at = time.time()
     cluster.remove_node(victim)
+    _forget_memory(victim.node_id)
     if kind == "node":
         cluster.add_node(**embedded_node(**node_args))  # the run goes on at its size
     return at, notice
+
+
+def _forget_memory(node_id: str) -> None:
+    """What a node removed kept in memory goes with it, as a real node's does: its folders of the runs' snapshots
+    (``cluster/snapshots.py``: <root>/<run key>/<node id>/). The simulated nodes share this machine's /dev/shm, whose
+    use every node's bound counts (``checkpoint.snapshots.memory_mb``): left there, a lost node's snapshots took
+    the room of the next ones (2026-12-07: a drain's copy of the stop's snapshot to the node left was declined, and
+    the restart read the stop's commit from storage instead of memory)."""
+    from cluster.snapshots import snapshot_root
+
+    for folder in Path(snapshot_root()).glob(f"*/{node_id}"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _failure(job: Job, kind: str, rank: int, at: float, notice: float | None = None) -> dict:

@@ -370,10 +370,14 @@ def _write_part(folder: Path, offer: PartOffer) -> None:
 
 def keep_peer_part(node_dir: str, step: int, rank: int, offer: PartOffer, budget: int) -> bool:
     """Keep a copy of another node's rank's part (``offer_part``'s) in ``peer/``; older copies of that rank beyond
-    ``KEEP`` go. False (nothing kept, the offer declined) when it would take the node past ``budget`` bytes."""
+    ``KEEP`` go. False (nothing kept, the offer declined) when it would take the node past ``budget`` bytes: what
+    this node's folder holds (its ranks' parts, its peers' copies, a restore), as its ranks count it. (It counted the
+    run's folder, every node's on this machine: simulated nodes share one, and on 2026-12-07 the copies of the
+    bench's 576 MiB parts were declined for the other node's parts and a lost node's left there, a node lost resumed
+    from storage, a drain's stop from its commit.)"""
     peer = Path(node_dir, "peer")
     prune(peer, rank, KEEP - 1)  # room first: the copies this one replaces
-    if used_bytes(Path(node_dir).parent) + offer.nbytes > budget:
+    if used_bytes(node_dir) + offer.nbytes > budget:
         decline(offer)
         return False
     folder = peer / snap_name(step)

@@ -374,8 +374,11 @@ class Driver:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             alive -= set(ray._private.state.state.get_draining_nodes() or {})  # their memory goes with them
             alive -= self._lost_ids
-            # a snapshot committed after a stop notice is the same state as its commit: read from memory still
-            after = committed_step - 1 if committed_step in self.snapshots.stored else committed_step
+            # A snapshot of the last commit's own step is the same state (a save's snapshot is its own capture, and a
+            # step a rank saves takes none of its own; a stop notice's snapshot committed to storage is that commit):
+            # it is read from memory, not from storage again (on an object store, a download of the whole state; in
+            # make bench-recovery, where the function commits about every step, most restarts)
+            after = committed_step - 1
             plan = self.snapshots.choose(alive, self.size.world_size, after)
             if plan is None:
                 self._missed = self.snapshots.missed(alive, self.size.world_size, after)
@@ -453,9 +456,9 @@ class Driver:
         """Why a restart with snapshots on resumes from the commit of ``committed_step``, in words."""
         why, words = self._missed
         if why is MemoryMissed.NONE_NEWER:
-            return (f"no snapshot newer than step {committed_step} had every rank's part in memory, the newest parts "
-                    f"of each rank: {words} (a rank takes none before its attempt's first save, nor while a save of "
-                    "its is being written)")
+            return (f"no snapshot of step {committed_step} or newer had every rank's part in memory, the newest "
+                    f"parts of each rank: {words} (a rank takes none before its attempt's first save, nor while a "
+                    "save of its is being written)")
         if why is MemoryMissed.NODE_LOST:
             return f"a part of each newer snapshot was on a node gone ({words})"
         return words
