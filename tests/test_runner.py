@@ -527,3 +527,21 @@ def test_a_held_poll_answers_the_drivers_wake_at_once_not_at_its_holds_end(ray_c
         ray.get(again, timeout=20)
     finally:
         group.shutdown()
+
+
+def test_a_node_whose_ray_address_is_not_its_own_still_gets_its_wake():
+    """A node whose Ray address is not one of its interfaces' (an address behind NAT, given to Ray by hand): its
+    wake-up socket binds every address instead, and a datagram still reaches it; the actor never fails for it."""
+    from multiprocessing.connection import wait
+
+    from cluster.nodes.node import _wake_socket, wake_poll
+
+    sock = _wake_socket("198.51.100.7")  # (TEST-NET-2: no host's address)
+    assert sock is not None
+    try:
+        assert sock.getsockname()[0] == "0.0.0.0"
+        wake_poll("127.0.0.1", sock.getsockname()[1])
+        assert wait([sock], timeout=10) == [sock]
+    finally:
+        sock.close()
+    wake_poll("127.0.0.1", 0)  # no port (a node that could bind none): nothing sent, nothing raised

@@ -101,6 +101,24 @@ def wake_poll(ip: str, port: int) -> None:
         pass
 
 
+def _wake_socket(ip: str) -> socket.socket | None:
+    """The node actor's wake-up socket (``wake_poll``): UDP on an ephemeral port of the node's Ray address, or of
+    every address where that one is not this host's (an address behind NAT); None where neither binds (the polls
+    then answer at their hold's end)."""
+    for host in (ip, ""):
+        try:
+            sock = socket.socket(socket.getaddrinfo(ip, 0, type=socket.SOCK_DGRAM)[0][0], socket.SOCK_DGRAM)
+        except OSError:
+            return None
+        try:
+            sock.bind((host, 0))
+            sock.setblocking(False)
+            return sock
+        except OSError:
+            sock.close()
+    return None
+
+
 def _drain_datagrams(sock: socket.socket) -> None:
     while True:
         try:
@@ -160,10 +178,7 @@ class NodeActor:
         # after one failed. Through an actor call it ran only once the poll had answered: the actor dispatches a call
         # of any concurrency group from its main thread, which the held poll keeps (0.47 s of the 1.9 s from a rank
         # killed to training again in ``make bench-recovery``, the other node's poll answering at its hold's end).
-        ip = ray.util.get_node_ip_address()
-        self._wake = socket.socket(socket.getaddrinfo(ip, 0, type=socket.SOCK_DGRAM)[0][0], socket.SOCK_DGRAM)
-        self._wake.bind((ip, 0))
-        self._wake.setblocking(False)
+        self._wake = _wake_socket(ray.util.get_node_ip_address())
         self._notes: list[str] = []  # said with the next poll, in its first rank's log
         self._stepped = False  # the ranks of this attempt logged a step (a held poll answers at the first)
         self._batcher: RowBatcher | None = None  # this attempt's metrics rows, rendered here for the driver
@@ -192,7 +207,7 @@ class NodeActor:
             rank_host=self._host_note(),
             rank_host_pid=FORK_SERVER.host_pid,
             snapshot_root=snapshot_root(),
-            wake_port=self._wake.getsockname()[1],
+            wake_port=self._wake.getsockname()[1] if self._wake is not None else 0,
         )
 
     @staticmethod
@@ -334,7 +349,8 @@ class NodeActor:
             if pause <= 0:
                 return self._rendered(out)
             live = self._pctx.sentinels() if self._pctx is not None else []
-            if self._wake in wait([*live, self._wake], timeout=pause):
+            ready = wait([*live, *([self._wake] if self._wake is not None else [])], timeout=pause)
+            if self._wake is not None and self._wake in ready:
                 _drain_datagrams(self._wake)
                 self._gather(out)
                 return self._rendered(out)
@@ -422,7 +438,8 @@ class NodeActor:
 
     def shutdown(self) -> None:
         self.stop()
-        self._wake.close()
+        if self._wake is not None:
+            self._wake.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
         if not self._released:
             self._released = True
