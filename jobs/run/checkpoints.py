@@ -257,6 +257,7 @@ class CheckpointCatalogue:
         committed = [c for c in self.committed() if c.name != latest]
         for old in committed[: max(0, len(committed) - (keep - 1))]:
             self._io.fs.delete_dir(self._io.path(old.uri))
+            self._known.pop(old.name, None)
 
     def files(self, checkpoint: CommittedCheckpoint) -> dict[str, dict]:
         """``{relative path: {"size", "sha256"}}`` from a committed checkpoint's manifest."""
