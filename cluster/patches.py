@@ -118,6 +118,16 @@ PATCHES: tuple[Patch, ...] = (
           "each batch's wait timed (data_wait), and a resume's random states put back before its first batch",
           "DataLoaderConfiguration: no hook; wrapping the prepared loaders misses skip_first_batches' new one",
           also=("accelerate.data_loader.DataLoaderDispatcher.__iter__", "accelerate.data_loader.SkipDataLoader.__iter__")),
+    # --- the rank side: a restart's DDP models (cluster.rank.restart_sync), during prepare only
+    Patch("torch.distributed.utils._verify_param_shape_across_processes", _T, Kind.READ, "cluster.rank.restart_sync",
+          "a resuming attempt's DDP models are wrapped with init_sync=False (every rank loads the same state right "
+          "after: DDP's first broadcast of rank 0's parameters was 0.2-0.9 s of a restart; the argument goes through "
+          "the Accelerator's DistributedDataParallelKwargs for the one prepare): the check init_sync makes first "
+          "(the same shapes on every rank) is made here",
+          "none: DDP makes it only inside init_sync"),
+    Patch("torch.distributed.utils._sync_module_states", _T, Kind.READ, "cluster.rank.restart_sync",
+          "the broadcast DDP's init_sync makes, made at a restart's first forward where the ranks' values differ",
+          "dist.broadcast a tensor at a time: DDP's own coalesces them into buckets"),
     # --- the rank side: a save held in memory (cluster.checkpoint.snapshot), during save_state only
     Patch("torch.save", _T, Kind.SCOPED, "cluster.checkpoint.snapshot",
           "save_state's files kept in host memory, written in the background", "save_state has no writer to "

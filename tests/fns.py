@@ -820,3 +820,42 @@ def resumes_epoch(config: dict) -> dict:
         if step == 12:
             break
     return {"step": step}
+
+
+def ranks_init_apart(config: dict) -> dict:
+    """Each rank initialises its model its own way (seeded by its rank and attempt), as DDP's first broadcast makes
+    right. A commit at step 2; with ``fail``, rank 1 fails at step 3 of attempt 1 (the commit landed first); attempt 2
+    restores it when ``restore`` says so, else starts over. Trains to step 4. Returns digests of the parameters just
+    after ``prepare``, after the restore (or its absence) and at the end."""
+    import hashlib
+    import time
+
+    session = get_session()
+    attempt = session.payload.attempt if session.payload else 1
+    accelerator = Accelerator(**session.accelerator_kwargs())
+    rank = accelerator.process_index
+    torch.manual_seed(rank + 10 * attempt)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def digest() -> str:
+        state = accelerator.unwrap_model(model).state_dict()
+        return hashlib.sha256(b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))).hexdigest()
+
+    prepared = digest()
+    step = (session.restore(accelerator) or 0) if config["restore"] else 0
+    restored = digest()
+    x = torch.arange(32.0).reshape(4, 8) / 32
+    while step < 4:
+        accelerator.backward(model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if attempt == 1 and step == 2:
+            session.save(accelerator, step)
+            session.wait_for_upload()
+        if config["fail"] and attempt == 1 and step == 3 and rank == 1:
+            time.sleep(1.0)  # the driver commits step 2 (both ranks reported it)
+            raise RuntimeError("rank 1 fails at step 3 (on purpose)")
+    return {"prepared": prepared, "restored": restored, "trained": digest(), "attempt": attempt}

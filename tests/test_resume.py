@@ -115,3 +115,39 @@ def test_a_checkpoint_keeps_the_training_loaders_place_beside_an_evaluation_load
     resume._save_orders(accelerator, str(tmp_path))
     assert torch.load(tmp_path / "dl_order_rank0.bin", weights_only=True)["handed"] == 4
     AcceleratorState._reset_state(True)
+
+
+INIT_APART = """
+name: {name}
+train_fn: fns:ranks_init_apart
+config: {{restore: {restore}, fail: {fail}}}
+scaling: {{num_nodes: 2, workers_per_node: 1}}
+checkpoint: {{snapshots: {{every: 0}}}}
+failure: {{max_restarts: 1}}
+storage: {storage}
+"""
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_restart_skips_ddps_first_broadcast_and_the_ranks_still_train_one_model(ray_cluster, tmp_path, restore):
+    """A restarted attempt's DDP model is wrapped without DDP's broadcast of rank 0's parameters, which the restore
+    overwrites on every rank (cluster/rank/restart_sync.py): right after ``prepare`` rank 1 still holds its own
+    initialisation. At the first forward the ranks' values are compared: after a restore they agree and the run ends
+    bitwise equal to the uninterrupted one; a function that does not restore gets rank 0's values broadcast then, as
+    DDP's own rule gives, so the ranks train one model."""
+    def run(name: str, fail: bool) -> dict:
+        result = Driver(load_spec_text(INIT_APART.format(name=name, restore=restore, fail=fail, storage=tmp_path)),
+                        can_grow=False).run()
+        assert result.status == "succeeded" and result.restarts == int(fail), result.error
+        return {int(rank): out for rank, out in result.rank_results.items()}
+
+    whole, cut = run("whole", False), run("cut", True)
+    assert cut[0]["attempt"] == cut[1]["attempt"] == 2
+    assert whole[0]["prepared"] == whole[1]["prepared"]  # a first attempt: DDP broadcast rank 0's as it wrapped
+    assert cut[0]["prepared"] != cut[1]["prepared"]  # the restart's: no broadcast, each rank its own values
+    assert cut[0]["trained"] == cut[1]["trained"]  # one model from the first forward on
+    if restore:
+        assert cut[0]["restored"] == cut[1]["restored"]
+        assert cut[0]["trained"] == whole[0]["trained"]  # bitwise the uninterrupted run
+    else:
+        assert cut[0]["restored"] != cut[1]["restored"]  # (nothing loaded: the first forward's broadcast did it)

@@ -9,6 +9,7 @@ from cluster.layout import heartbeat_file, stack_dump_file
 from cluster.protocol import Arrived, Joined, Pace, Preempted, Resources, ScriptCall, WorkerPayload
 from cluster.rank.exiting import as_python_ends
 from cluster.rank.pace import install as install_pace
+from cluster.rank.restart_sync import install as install_restart_sync
 from cluster.rank.sharding import install as install_strategy
 from cluster.rank.trainer import TrainerStopped
 from cluster.rank.trainer import install as install_trainer
@@ -50,6 +51,7 @@ def run_worker(payload: WorkerPayload) -> Any:
     install_signal_dump(stack_dump_file(payload.events_path))  # where this rank is, when asked
     pace = install_pace(lambda window: session.emit(Pace(**window)))  # data_wait, sync_wait
     session.start_snapshots(pace.meter)  # every few optimizer steps, the state in the node's memory
+    install_restart_sync(payload.restore_uri is not None)  # a resume's DDP models: no first broadcast, checked
     session.emit(Arrived(pid=os.getpid()))  # at the rendezvous; "joined" once every rank is there
     dist.init_process_group(
         backend=payload.backend,

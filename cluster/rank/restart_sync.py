@@ -1,0 +1,125 @@
+"""A restarted attempt's DDP models skip DDP's first broadcast: every rank loads the same checkpoint right after.
+
+DDP broadcasts rank 0's parameters and buffers as it wraps a model, so that every rank starts from the same values.
+In an attempt that resumes (from a commit or a snapshot in memory), every rank then loads the same state over them,
+and the broadcast was wasted: 0.2-0.9 s of a restart for the recovery bench's 192 MiB of parameters over gloo on this
+project's 2-core machine (``bench/recovery.py``; over a cluster's network, the model's size at its bandwidth).
+
+So while such an attempt prepares a model, DDP wraps it with ``init_sync=False`` (given through the Accelerator's DDP
+arguments, ``ddp_handler``, for that one ``prepare``); raylaunch still checks that every rank's parameters have the
+same shapes (the error DDP gives, at the same place), and nothing is broadcast. At the model's first
+forward the ranks compare a fingerprint of their parameters and buffers (each tensor's sum, in float64: one small
+all-reduce), and broadcast rank 0's as DDP would have only where any differ: a function or script that did not
+restore, or one that loaded only part of the state over a model each rank had initialised its own way. Training
+therefore starts from the same values on every rank, as under DDP's own rule, whatever the code does.
+
+Left as DDP makes it: a first attempt, an Accelerator given DDP arguments of a class of the code's own, and one that
+compiles its models (``torch.compile`` around the DDP model would trace the first forward's check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+from cluster.rank.prepared import around_prepare
+
+__all__ = ["install"]
+
+
+def install(restoring: bool) -> None:
+    """In a rank: where its attempt resumes (``restoring``), every ``prepare`` wraps its DDP models without DDP's
+    first broadcast, checked at their first forward."""
+    if restoring:
+        around_prepare("restart_sync", _without_first_broadcast)
+
+
+@contextlib.contextmanager
+def _without_first_broadcast(accelerator: Any) -> Iterator[list[Any]]:
+    """Around one ``prepare``: the Accelerator's DDP arguments (``ddp_handler``: the code's
+    ``DistributedDataParallelKwargs``, or none) with ``init_sync=False`` added, put back after; each DDP model it
+    returned then gets DDP's shape check and the first forward's comparison."""
+    from accelerate.utils import DistributedDataParallelKwargs
+    from torch.nn.parallel import DistributedDataParallel
+
+    plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
+    handler = getattr(accelerator, "ddp_handler", None)
+    made: list[Any] = []
+    if (str(getattr(plugin, "backend", "NO")).rsplit(".", 1)[-1].upper() != "NO"  # compiled
+            or (handler is not None and type(handler) is not DistributedDataParallelKwargs)):  # a subclass of the code's
+        yield made
+        return
+    fields = {f.name: getattr(handler, f.name) for f in dataclasses.fields(handler)} if handler is not None else {}
+    accelerator.ddp_handler = _restart_arguments()(**fields, init_sync=False)
+    try:
+        yield made
+    finally:
+        accelerator.ddp_handler = handler
+    buffers = fields.get("broadcast_buffers", True) is not False  # what DDP's init_sync would have broadcast
+    for model in made:
+        if isinstance(model, DistributedDataParallel):
+            _checked_at_first_forward(model, buffers)
+
+
+@functools.cache
+def _restart_arguments() -> type:
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    @dataclasses.dataclass
+    class RestartArguments(DistributedDataParallelKwargs):
+        """Accelerate's DDP arguments and DDP's ``init_sync`` (``to_kwargs`` passes it where it is not DDP's default)."""
+
+        init_sync: bool = True
+
+    return RestartArguments
+
+
+def _checked_at_first_forward(ddp: Any, buffers: bool) -> None:
+    """What DDP's init_sync does first, now: the same shapes on every rank, or DDP's own error. The rest of it (rank
+    0's values broadcast) at the first forward, where the ranks' differ."""
+    from torch.distributed.utils import _verify_param_shape_across_processes
+
+    ignored = ddp.parameters_to_ignore
+    _verify_param_shape_across_processes(
+        ddp.process_group, [p for n, p in ddp.module.named_parameters() if n not in ignored and p.requires_grad])
+    handle: list[Any] = []
+    handle.append(ddp.register_forward_pre_hook(lambda model, inputs: _sync_if_they_differ(model, buffers,
+                                                                                           handle.pop())))
+
+
+def _sync_if_they_differ(ddp: Any, buffers: bool, handle: Any) -> None:
+    """At the model's first forward (once: ``handle`` removes the hook): rank 0's parameters (and buffers) broadcast
+    where any rank's differ from another's."""
+    import torch
+    from torch.distributed.utils import _sync_module_states
+
+    handle.remove()
+    if not _differ(ddp, buffers):
+        return
+    with torch.no_grad():
+        _sync_module_states(module=ddp.module, process_group=ddp.process_group,
+                            broadcast_bucket_size=ddp.broadcast_bucket_size, src=0,
+                            params_and_buffers_to_ignore=ddp.parameters_to_ignore, broadcast_buffers=buffers)
+
+
+def _differ(ddp: Any, buffers: bool) -> bool:
+    """Whether any rank's parameters (and buffers) differ from another's: each tensor's sum in float64, the largest
+    and the smallest over the ranks (one all-reduce of both) compared."""
+    import torch
+    import torch.distributed as dist
+
+    ignored = ddp.parameters_to_ignore
+    named = list(ddp.module.named_parameters()) + (list(ddp.module.named_buffers()) if buffers else [])
+    tensors = [t for n, t in named if n not in ignored and not t.is_complex() and t.device.type != "meta"]
+    if not tensors:
+        return False
+    with torch.no_grad():
+        device = tensors[0].device  # (the collective's: a GPU's under NCCL)
+        sums = torch.stack([t.detach().sum(dtype=torch.float64).to(device) for t in tensors])
+        both = torch.cat([sums, -sums])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        high, low = both[:len(tensors)], -both[len(tensors):]
+        return not bool(torch.equal(high, low))
