@@ -114,3 +114,20 @@ def _children():
     import psutil
 
     return psutil.Process().children(recursive=True)
+
+
+def workers_as_under_torchrun(config: dict) -> dict:
+    """A prepared DataLoader with a worker process and a collate function defined here (a closure: it cannot be
+    pickled), as scripts write them: under ``accelerate launch`` its worker is forked and inherits it. Returns the
+    rank's multiprocessing start method and the sum of what it trained on."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator()
+    scale = float(config.get("scale", 2.0))
+    data = TensorDataset(torch.arange(16, dtype=torch.float32))
+    loader = accelerator.prepare(DataLoader(data, batch_size=4, num_workers=1,
+                                            collate_fn=lambda rows: torch.stack([r[0] for r in rows]) * scale))
+    seen = sum(float(batch.sum()) for batch in loader)
+    return {"start_method": multiprocessing.get_start_method(), "seen": seen}

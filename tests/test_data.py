@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -201,3 +203,20 @@ def test_the_streaming_example_trains_the_digits_bert_from_parquet_shards(ray_cl
     assert one.status == "succeeded", one.error
     assert one.return_value["restored_step"] == 16 and one.return_value["steps"] == 32
     assert "data loader positions were saved by 2 ranks and this attempt has 1" in out.getvalue()
+
+
+def test_a_ranks_dataloader_workers_start_as_under_torchrun(ray_cluster, tmp_path):
+    """A rank starts processes as the interpreter does by default (fork on Linux before Python 3.14), as a rank of
+    torchrun or `accelerate launch` does: a DataLoader worker inherits a collate function that cannot be pickled (a
+    closure), and the datasets the rank built in memory, rather than being sent them. A rank is forked from the
+    node's fork server, whose "forkserver" it inherited until 2026-12-07: that loader failed ("Can't pickle local
+    object"), and every lock a library made (tqdm's) left a named semaphore in /dev/shm when the rank was killed."""
+    default = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    spec = load_spec_text(f"name: workers-fork\ntrain_fn: datafns:workers_as_under_torchrun\n"
+                          f"scaling: {{num_nodes: 2, workers_per_node: 1}}\nstorage: {tmp_path}\n")
+    result = Driver(spec, can_grow=False).run()
+    assert result.status == "succeeded", result.error
+    seen = [r["seen"] for r in result.rank_results.values()]
+    assert len(seen) == 2 and min(seen) > 0 and sum(seen) == 2 * sum(range(16))  # 0..15 shared, doubled by the closure
+    assert {r["start_method"] for r in result.rank_results.values()} == {default}

@@ -170,6 +170,12 @@ def rank_process(payload: WorkerPayload, env: dict[str, str], files: RankFiles) 
     from cluster.hosting.forkserver import drop_safe_path
 
     drop_safe_path()
+    # Processes the rank starts start as the interpreter's default has them (fork on Linux before Python 3.14), as
+    # under torchrun or `accelerate launch`: forked by the fork server, the rank had inherited its "forkserver", so a
+    # DataLoader worker was sent its dataset and collate function pickled (a closure's failed: "Can't pickle local
+    # object") instead of inheriting them, and a library's lock (tqdm's) left a named semaphore in /dev/shm when the
+    # rank was killed. (None: the default again, multiprocessing's public way.)
+    multiprocessing.set_start_method(None, force=True)
     _die_with_parent()
     from cluster.rank.exiting import end_process
     from cluster.rank.worker import run_worker
