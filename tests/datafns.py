@@ -119,15 +119,22 @@ def _children():
 def workers_as_under_torchrun(config: dict) -> dict:
     """A prepared DataLoader with a worker process and a collate function defined here (a closure: it cannot be
     pickled), as scripts write them: under ``accelerate launch`` its worker is forked and inherits it. Returns the
-    rank's multiprocessing start method and the sum of what it trained on."""
+    rank's multiprocessing start method, the sum of what it trained on and what a SIGTERM does in the worker."""
     import multiprocessing
 
     from torch.utils.data import DataLoader, TensorDataset
 
+    import signal
+
     accelerator = Accelerator()
     scale = float(config.get("scale", 2.0))
     data = TensorDataset(torch.arange(16, dtype=torch.float32))
-    loader = accelerator.prepare(DataLoader(data, batch_size=4, num_workers=1,
+    mark = Path(config["out"]) / f"worker-sigterm-{accelerator.process_index}"
+
+    def started(_: int) -> None:  # in the worker: what a SIGTERM does there (DataLoader's shutdown sends one)
+        mark.write_text("default" if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else "the rank's")
+
+    loader = accelerator.prepare(DataLoader(data, batch_size=4, num_workers=1, worker_init_fn=started,
                                             collate_fn=lambda rows: torch.stack([r[0] for r in rows]) * scale))
     seen = sum(float(batch.sum()) for batch in loader)
-    return {"start_method": multiprocessing.get_start_method(), "seen": seen}
+    return {"start_method": multiprocessing.get_start_method(), "seen": seen, "worker_sigterm": mark.read_text()}

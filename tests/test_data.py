@@ -213,10 +213,14 @@ def test_a_ranks_dataloader_workers_start_as_under_torchrun(ray_cluster, tmp_pat
     object"), and every lock a library made (tqdm's) left a named semaphore in /dev/shm when the rank was killed."""
     default = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    spec = load_spec_text(f"name: workers-fork\ntrain_fn: datafns:workers_as_under_torchrun\n"
+    if default != "fork":  # (Python 3.14 on: forkserver, under torchrun too, where such a loader fails alike)
+        pytest.skip(f"this interpreter starts processes by {default}")
+    spec = load_spec_text(f"name: workers-fork\ntrain_fn: datafns:workers_as_under_torchrun\nconfig: {{out: {tmp_path}}}\n"
                           f"scaling: {{num_nodes: 2, workers_per_node: 1}}\nstorage: {tmp_path}\n")
     result = Driver(spec, can_grow=False).run()
     assert result.status == "succeeded", result.error
     seen = [r["seen"] for r in result.rank_results.values()]
     assert len(seen) == 2 and min(seen) > 0 and sum(seen) == 2 * sum(range(16))  # 0..15 shared, doubled by the closure
     assert {r["start_method"] for r in result.rank_results.values()} == {default}
+    # the worker does not keep the rank's stop-notice handler: DataLoader's SIGTERM to a lingering worker ends it
+    assert {r["worker_sigterm"] for r in result.rank_results.values()} == {"default"}

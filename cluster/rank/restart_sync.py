@@ -7,11 +7,14 @@ project's 2-core machine (``bench/recovery.py``; over a cluster's network, the m
 
 So while such an attempt prepares a model, DDP wraps it with ``init_sync=False`` (given through the Accelerator's DDP
 arguments, ``ddp_handler``, for that one ``prepare``); raylaunch still checks that every rank's parameters have the
-same shapes (the error DDP gives, at the same place), and nothing is broadcast. At the model's first
-forward the ranks compare a fingerprint of their parameters and buffers (each tensor's sum, in float64: one small
-all-reduce), and broadcast rank 0's as DDP would have only where any differ: a function or script that did not
-restore, or one that loaded only part of the state over a model each rank had initialised its own way. Training
-therefore starts from the same values on every rank, as under DDP's own rule, whatever the code does.
+same shapes (the error DDP gives, at the same place), and nothing is broadcast. Once the code has restored (every
+rank at once: after ``session.restore``, a script's ``load_state`` of its resume folder, Trainer's resume), or else at
+the model's first forward, the ranks compare a fingerprint of their parameters and buffers (each tensor's sum, in
+float64: one small all-reduce), and broadcast rank 0's as DDP would have only where any differ: a function or script
+that did not restore, or one that loaded only part of the state over a model each rank had initialised its own way.
+Training therefore starts from the same values on every rank, as under DDP's own rule, whatever the code does. (The
+one thing asked of code that does not restore: its first call of the prepared model is on every rank, as a
+training step's is; a main-process-only evaluation before it would wait for the other ranks there.)
 
 Left as DDP makes it: a first attempt, an Accelerator given DDP arguments of a class of the code's own, and one that
 compiles its models (``torch.compile`` around the DDP model would trace the first forward's check).
@@ -22,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from cluster.rank.prepared import around_prepare
 
-__all__ = ["install"]
+__all__ = ["install", "restored"]
 
 
 def install(restoring: bool) -> None:
@@ -53,7 +58,7 @@ def _without_first_broadcast(accelerator: Any) -> Iterator[list[Any]]:
         yield made
         return
     fields = {f.name: getattr(handler, f.name) for f in dataclasses.fields(handler)} if handler is not None else {}
-    accelerator.ddp_handler = _restart_arguments()(**fields, init_sync=False)
+    accelerator.ddp_handler = _restart_arguments()(**{**fields, "init_sync": False})
     try:
         yield made
     finally:
@@ -79,23 +84,43 @@ def _restart_arguments() -> type:
 
 def _checked_at_first_forward(ddp: Any, buffers: bool) -> None:
     """What DDP's init_sync does first, now: the same shapes on every rank, or DDP's own error. The rest of it (rank
-    0's values broadcast) at the first forward, where the ranks' differ."""
+    0's values broadcast where the ranks' differ) when the code has restored (``restored``: every rank at once), or
+    else at the model's first forward."""
     from torch.distributed.utils import _verify_param_shape_across_processes
 
     ignored = ddp.parameters_to_ignore
     _verify_param_shape_across_processes(
         ddp.process_group, [p for n, p in ddp.module.named_parameters() if n not in ignored and p.requires_grad])
-    handle: list[Any] = []
-    handle.append(ddp.register_forward_pre_hook(lambda model, inputs: _sync_if_they_differ(model, buffers,
-                                                                                           handle.pop())))
+    _PENDING[ddp] = (buffers, ddp.register_forward_pre_hook(_first_forward))
 
 
-def _sync_if_they_differ(ddp: Any, buffers: bool, handle: Any) -> None:
-    """At the model's first forward (once: ``handle`` removes the hook): rank 0's parameters (and buffers) broadcast
-    where any rank's differ from another's."""
+# DDP models wrapped without DDP's first broadcast and not compared yet -> (buffers too, their first forward's hook)
+_PENDING: weakref.WeakKeyDictionary[Any, tuple[bool, Any]] = weakref.WeakKeyDictionary()
+
+
+def restored() -> None:
+    """The code has loaded the checkpoint (every rank calls this, after ``session.restore``, a script's
+    ``load_state`` of its resume folder or Trainer's resume): the DDP models wrapped so far are compared now, where
+    every rank is, rather than at their first forward, which code may call on some ranks only (an evaluation on the
+    main process)."""
+    for ddp in list(_PENDING):
+        _sync_if_they_differ(ddp)
+
+
+def _first_forward(ddp: Any, inputs: Any) -> None:
+    _sync_if_they_differ(ddp)
+
+
+def _sync_if_they_differ(ddp: Any) -> None:
+    """Once a model (its hook removed): rank 0's parameters (and buffers) broadcast where any rank's differ from
+    another's."""
     import torch
     from torch.distributed.utils import _sync_module_states
 
+    pending = _PENDING.pop(ddp, None)
+    if pending is None:  # (compared already; or a copy of the model, which shares its hook)
+        return
+    buffers, handle = pending
     handle.remove()
     if not _differ(ddp, buffers):
         return
@@ -106,20 +131,23 @@ def _sync_if_they_differ(ddp: Any, buffers: bool, handle: Any) -> None:
 
 
 def _differ(ddp: Any, buffers: bool) -> bool:
-    """Whether any rank's parameters (and buffers) differ from another's: each tensor's sum in float64, the largest
-    and the smallest over the ranks (one all-reduce of both) compared."""
+    """Whether any rank's parameters (and buffers) differ from another's: each tensor's sum in float64 (a NaN as
+    infinity both ways: the largest of a NaN and a number depends on the backend), the largest and the smallest over
+    the ranks (one all-reduce of both) compared."""
     import torch
     import torch.distributed as dist
 
     ignored = ddp.parameters_to_ignore
     named = list(ddp.module.named_parameters()) + (list(ddp.module.named_buffers()) if buffers else [])
-    tensors = [t for n, t in named if n not in ignored and not t.is_complex() and t.device.type != "meta"]
+    tensors = [t for n, t in named if n not in ignored and t.device.type != "meta"]
     if not tensors:
         return False
     with torch.no_grad():
-        device = tensors[0].device  # (the collective's: a GPU's under NCCL)
-        sums = torch.stack([t.detach().sum(dtype=torch.float64).to(device) for t in tensors])
-        both = torch.cat([sums, -sums])
+        device = getattr(ddp, "device", None) or tensors[0].device  # (the collective's: a GPU's under NCCL)
+        sums = torch.stack([(torch.view_as_real(t) if t.is_complex() else t).detach().sum(dtype=torch.float64)
+                            .to(device) for t in tensors])
+        inf = torch.full_like(sums, math.inf)
+        both = torch.cat([torch.where(sums.isnan(), inf, sums), torch.where(sums.isnan(), inf, -sums)])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ddp.process_group)
         high, low = both[:len(tensors)], -both[len(tensors):]
         return not bool(torch.equal(high, low))

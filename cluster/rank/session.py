@@ -30,6 +30,7 @@ from cluster.protocol import (
     SAID_ONCE, CheckpointInterval, CheckpointPart, Metrics, PreemptNotice, RankEvent, RestoredPart, WorkerPayload,
     metrics_rows_line,
 )
+from cluster.rank import restart_sync
 from cluster.rank.metric_caps import MAX_KEY_CHARS, MAX_KEYS, capped
 from cluster.rank.stops import StopCheck
 from cluster.strategy import Resolved
@@ -153,6 +154,7 @@ class Session:
 
     def __init__(self, payload: WorkerPayload | None, local_dir: Path | None = None) -> None:
         self.payload = payload
+        self._pid = os.getpid()  # the rank's (``emit``: a process it forks reports nothing)
         self._local_dir = local_dir
         if payload is not None:
             self._events_path = Path(payload.events_path)
@@ -689,6 +691,7 @@ class Session:
         function's, a script's or a Trainer's."""
         if self.snapshots is not None:  # a snapshot's step: the one restored plus the optimizer steps from here
             self.snapshots.base = step - self._meter.steps
+        restart_sync.restored()  # the DDP models wrapped without DDP's first broadcast: compared now, on every rank
         self.emit(RestoredPart(step=step, seconds=round(seconds, 4)))
 
     # --- events --------------------------------------------------------------
@@ -704,6 +707,8 @@ class Session:
     def emit(self, event: RankEvent, at: float | None = None) -> None:
         """Report an event to the runner (``cluster.protocol.RankEvent``); outside it, to the local file. ``at``:
         when it happened (now when not given)."""
+        if os.getpid() != self._pid:  # a process the rank forked (a DataLoader worker): not the rank's to report
+            return
         line = self._line(event, time.time() if at is None else at)
         with self._lock:
             self._write_rows()  # the metrics rows logged before it first

@@ -70,6 +70,9 @@ def run_worker(payload: WorkerPayload) -> Any:
     # group is destroyed by its Python handle, which lets go of the GIL first.
     world_group = dist.group.WORLD
     signal.signal(signal.SIGTERM, session.handle_sigterm)
+    # A process the rank forks (a DataLoader worker: ranks start processes by fork, as torchrun's do) does not keep the
+    # rank's stop-notice handler: DataLoader's shutdown ends a worker that lingers with SIGTERM, which must end it.
+    os.register_at_fork(after_in_child=_default_sigterm)
     # A transformers Trainer the code makes (now or later) commits its checkpoints, logs and stops through the runner.
     install_trainer(session, script)
     with as_python_ends():  # its atexit handlers run and the files it left open are written, as python would
@@ -98,6 +101,12 @@ def run_worker(payload: WorkerPayload) -> Any:
 
 # The niceness a rank trains at: a process's own, as torchrun's and accelerate launch's ranks have it.
 RANK_NICE = 0
+
+
+def _default_sigterm() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _train_at_full_priority(rank: int) -> None:
