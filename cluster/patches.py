@@ -126,7 +126,8 @@ PATCHES: tuple[Patch, ...] = (
           "(the same shapes on every rank) is made here",
           "none: DDP makes it only inside init_sync"),
     Patch("torch.distributed.utils._sync_module_states", _T, Kind.READ, "cluster.rank.restart_sync",
-          "the broadcast DDP's init_sync makes, made at a restart's first forward where the ranks' values differ",
+          "the broadcast DDP's init_sync makes, made once a restart's code has restored (or at the model's first "
+          "forward) where the ranks' values differ",
           "dist.broadcast a tensor at a time: DDP's own coalesces them into buckets"),
     # --- the rank side: a save held in memory (cluster.checkpoint.snapshot), during save_state only
     Patch("torch.save", _T, Kind.SCOPED, "cluster.checkpoint.snapshot",

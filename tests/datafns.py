@@ -121,10 +121,9 @@ def workers_as_under_torchrun(config: dict) -> dict:
     pickled), as scripts write them: under ``accelerate launch`` its worker is forked and inherits it. Returns the
     rank's multiprocessing start method, the sum of what it trained on and what a SIGTERM does in the worker."""
     import multiprocessing
+    import signal
 
     from torch.utils.data import DataLoader, TensorDataset
-
-    import signal
 
     accelerator = Accelerator()
     scale = float(config.get("scale", 2.0))

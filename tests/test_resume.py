@@ -132,9 +132,10 @@ storage: {storage}
 def test_a_restart_skips_ddps_first_broadcast_and_the_ranks_still_train_one_model(ray_cluster, tmp_path, restore):
     """A restarted attempt's DDP model is wrapped without DDP's broadcast of rank 0's parameters, which the restore
     overwrites on every rank (cluster/rank/restart_sync.py): right after ``prepare`` rank 1 still holds its own
-    initialisation. At the first forward the ranks' values are compared: after a restore they agree and the run ends
-    bitwise equal to the uninterrupted one; a function that does not restore gets rank 0's values broadcast then, as
-    DDP's own rule gives, so the ranks train one model."""
+    initialisation. The ranks' values are compared once the code has restored (or, if it does not, at the first
+    forward): after a restore they agree and the run ends bitwise equal to the uninterrupted one; a function that does
+    not restore gets rank 0's values broadcast at its first forward, as DDP's own rule gives, so the ranks train one
+    model."""
     def run(name: str, fail: bool) -> dict:
         result = Driver(load_spec_text(INIT_APART.format(name=name, restore=restore, fail=fail, storage=tmp_path)),
                         can_grow=False).run()

@@ -37,7 +37,8 @@ __all__ = ["install", "restored"]
 
 def install(restoring: bool) -> None:
     """In a rank: where its attempt resumes (``restoring``), every ``prepare`` wraps its DDP models without DDP's
-    first broadcast, checked at their first forward."""
+    first broadcast; the ranks' values are compared when the code has restored (``restored``), or else at each
+    model's first forward."""
     if restoring:
         around_prepare("restart_sync", _without_first_broadcast)
 
@@ -46,7 +47,7 @@ def install(restoring: bool) -> None:
 def _without_first_broadcast(accelerator: Any) -> Iterator[list[Any]]:
     """Around one ``prepare``: the Accelerator's DDP arguments (``ddp_handler``: the code's
     ``DistributedDataParallelKwargs``, or none) with ``init_sync=False`` added, put back after; each DDP model it
-    returned then gets DDP's shape check and the first forward's comparison."""
+    returned then gets DDP's shape check, and its comparison is pending (``_checked_later``)."""
     from accelerate.utils import DistributedDataParallelKwargs
     from torch.nn.parallel import DistributedDataParallel
 
@@ -66,7 +67,7 @@ def _without_first_broadcast(accelerator: Any) -> Iterator[list[Any]]:
     buffers = fields.get("broadcast_buffers", True) is not False  # what DDP's init_sync would have broadcast
     for model in made:
         if isinstance(model, DistributedDataParallel):
-            _checked_at_first_forward(model, buffers)
+            _checked_later(model, buffers)
 
 
 @functools.cache
@@ -82,7 +83,7 @@ def _restart_arguments() -> type:
     return RestartArguments
 
 
-def _checked_at_first_forward(ddp: Any, buffers: bool) -> None:
+def _checked_later(ddp: Any, buffers: bool) -> None:
     """What DDP's init_sync does first, now: the same shapes on every rank, or DDP's own error. The rest of it (rank
     0's values broadcast where the ranks' differ) when the code has restored (``restored``: every rank at once), or
     else at the model's first forward."""
